@@ -1,0 +1,1 @@
+"""One module per `decodescope` subcommand, each defining `command`."""

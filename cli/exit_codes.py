@@ -1,0 +1,4 @@
+"""Exit codes shared by both CLIs and their tests. No bare numbers elsewhere."""
+OK = 0
+REGRESSION = 1
+BAD_INPUT = 2

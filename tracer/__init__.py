@@ -1,0 +1,1 @@
+"""decodescope tracer: capture traces of a workload and ingest trace files into the store."""
