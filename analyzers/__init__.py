@@ -1,0 +1,1 @@
+"""decodescope analyzers: SQL-first analyses that read only the store (tracer/schema.sql)."""
