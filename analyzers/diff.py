@@ -1,0 +1,441 @@
+"""Run-to-run diff for CI: is the candidate run slower than the base, beyond noise, and where?
+
+Alignment is by (layer kind, layer index, op), never by kernel name, because a fused kernel
+and the stock kernels it replaces have different names. Values per step come from
+`analyzers.layers.layer_steps` (max over ranks: the slowest rank gates the step). For every
+aligned key and side we take the median (the gate) and the p90 over steps, and a seeded
+percentile bootstrap of the relative change (resampling steps of each side independently).
+A key regresses only when the whole confidence interval of the median's relative change lies
+above the threshold AND the interval of the absolute change lies above `min_delta` (so a
++50 % on a 40 ns op is not a CI failure). With one step on a side the interval is
+degenerate: we say so and gate on the point estimate. Kernel-count increases are always
+listed, and are the regressions when metric='kernels'.
+
+When a side has no layer attribution (traces that do not follow our NVTX convention) the diff
+falls back to kernel names, per step, and every output says `kernel-name fallback`.
+"""
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from tracer.errors import BadInput
+
+METRICS = {"span": "span_ns", "busy": "busy_ns", "kernels": "kernels", "bubbles": "bubble_ns"}
+RESAMPLES = 2000
+CONFIDENCE = 0.95
+SEED = 20261202
+DEFAULT_MIN_DELTA_NS = 1000  # a change smaller than 1 µs in a (layer, op) never fails CI
+ALL_LAYERS = "all layers"
+ALL_KERNELS = "all kernels"
+
+# One row per kernel attributed to a step, with its layer and op, for kernel-level detail and
+# the kernel-name fallback. Reads the TEMP table kernel_attribution that attribute() leaves.
+ATTRIBUTED_KERNELS_SQL = """
+SELECT a.rank, a.step_index, a.layer, a.layer_kind, a.layer_index, a.op,
+       k.name, k.start_ns, k.end_ns, k.category
+FROM kernel_attribution AS a
+JOIN kernels AS k ON k.run_id = a.run_id AND k.kernel_id = a.item_id
+WHERE a.run_id = ? AND a.item_kind = 'kernel'
+ORDER BY a.rank, k.start_ns, k.end_ns
+"""
+
+
+class NotComparable(BadInput):
+    """The two runs cannot be compared (no kernels, no steps in common...): exit 2."""
+
+
+@dataclass
+class RunSample:
+    """What the diff needs from one run: its layer_steps rows and its attributed kernels."""
+
+    run_id: int
+    name: str
+    layer_steps: pd.DataFrame  # the analyzers.layers.layer_steps contract
+    kernels: pd.DataFrame  # ATTRIBUTED_KERNELS_SQL columns
+    exposed_comm: pd.DataFrame | None = None  # step_index, layer_kind, layer_index, exposed_ns
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def has_layers(self) -> bool:
+        return bool(len(self.layer_steps)) and bool(self.layer_steps["layer"].notna().any())
+
+
+def collect(con: duckdb.DuckDBPyConnection, run_id: int, name: str | None = None,
+            **attribution_kwargs: Any) -> RunSample:
+    """Gather one run's per-step layer rows (analyzers.layers) and attributed kernels."""
+    from analyzers.layers import layer_steps
+
+    rows = con.execute("SELECT name FROM runs WHERE run_id = ?", [run_id]).fetchall()
+    if not rows:
+        raise NotComparable(f"run {run_id}", "no such run in the store")
+    ls = layer_steps(con, run_id, **attribution_kwargs)
+    kernels = con.execute(ATTRIBUTED_KERNELS_SQL, [run_id]).df()
+    sample = RunSample(run_id, name or rows[0][0], ls, kernels)
+    sample.exposed_comm, note = _exposed_comm(con, run_id)
+    if note:
+        sample.notes.append(note)
+    return sample
+
+
+def _exposed_comm(con: duckdb.DuckDBPyConnection, run_id: int) -> tuple[pd.DataFrame | None, str | None]:
+    """Exposed communication per (step, layer) from analyzers.overlap, when that module exists."""
+    try:
+        from analyzers.overlap import overlap
+    except ImportError:
+        return None, "exposed communication unavailable: analyzers.overlap is not present"
+    result = overlap(con, run_id)
+    rows = result.get("per_layer_step") if isinstance(result, dict) else None
+    if not rows:
+        why = result.get("not_applicable") if isinstance(result, dict) else None
+        return None, f"exposed communication unavailable: {why or 'no per-layer, per-step rows from analyzers.overlap'}"
+    df = pd.DataFrame(rows)
+    need = {"step_index", "layer_kind", "layer_index", "exposed_ns"}
+    if not need <= set(df.columns):
+        return None, "exposed communication unavailable: analyzers.overlap rows lack " + ", ".join(sorted(need - set(df.columns)))
+    return df[sorted(need)], None
+
+
+# -- statistics -------------------------------------------------------------------------------
+
+def _resample_index(n: int, side: int, seed: int, resamples: int) -> np.ndarray:
+    """Bootstrap indices for a sample of n steps; depends only on (seed, n, side), so a key's
+    interval does not change when other keys are added."""
+    return np.random.default_rng([seed, n, side]).integers(0, n, size=(resamples, n))
+
+
+def bootstrap_change(base: np.ndarray, cand: np.ndarray, q: float = 0.5, resamples: int = RESAMPLES,
+                     seed: int = SEED, confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Point estimate and percentile bootstrap CI of the q-quantile's relative and absolute change.
+
+    rel = Q_q(cand) / Q_q(base) - 1 (in %), abs = Q_q(cand) - Q_q(base). With a single step on a
+    side the interval is degenerate and equals the point estimate (`degenerate` says why).
+    """
+    base = np.asarray(base, dtype=float)
+    cand = np.asarray(cand, dtype=float)
+    qb, qc = float(np.quantile(base, q)), float(np.quantile(cand, q))
+    rel = _rel(np.array([qb]), np.array([qc]))[0]
+    out: dict[str, Any] = {"base": qb, "cand": qc, "change_pct": rel, "delta": qc - qb}
+    degenerate = [side for side, arr in (("base", base), ("candidate", cand)) if len(arr) < 2]
+    if degenerate:
+        out.update(ci_pct=[rel, rel], ci_delta=[qc - qb, qc - qb],
+                   degenerate="single step on " + " and ".join(degenerate) + ": point estimate only")
+        return out
+    bs = np.quantile(base[_resample_index(len(base), 0, seed, resamples)], q, axis=1)
+    cs = np.quantile(cand[_resample_index(len(cand), 1, seed, resamples)], q, axis=1)
+    lo, hi = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+    rels = _rel(bs, cs)
+    out.update(ci_pct=[float(np.quantile(rels, lo)), float(np.quantile(rels, hi))],
+               ci_delta=[float(np.quantile(cs - bs, lo)), float(np.quantile(cs - bs, hi))],
+               degenerate=None)
+    return out
+
+
+def _rel(base: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Relative change in %, +inf when the base is 0 and the candidate is not, 0 when both are 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(base == 0, np.where(cand == 0, 0.0, np.inf), (cand / np.where(base == 0, 1, base) - 1) * 100)
+    return r.astype(float)
+
+
+# -- per-step values per aligned key ------------------------------------------------------------
+
+Key = tuple[str, int, str]  # (layer kind, layer index, op); op '' is the whole layer
+
+
+def _layer_values(ls: pd.DataFrame) -> tuple[dict[Key, pd.DataFrame], dict[Key, str], list[str]]:
+    """Per aligned key, a frame indexed by step with every metric column (max over ranks)."""
+    notes: list[str] = []
+    df = ls[ls["layer"].notna()].copy()
+    if df["step_index"].isna().all():
+        df["step_index"] = 0
+        notes.append("no decode steps found: the whole run counts as one step")
+    elif df["step_index"].isna().any():
+        notes.append(f"{int(df['step_index'].isna().sum())} layer rows outside any step left out")
+        df = df[df["step_index"].notna()]
+    df["k_kind"] = df["layer_kind"].astype(object).where(df["layer_kind"].notna(), "")
+    df["k_index"] = df["layer_index"].astype("Int64").fillna(-1).astype(int)
+    df["k_op"] = df["op"].astype(object).where(df["op"].notna(), "")
+    cols = list(METRICS.values())
+    per = df.groupby(["k_kind", "k_index", "k_op", "step_index"])[cols].max()
+    values = {(k, int(i), o): g.droplevel([0, 1, 2]) for (k, i, o), g in per.groupby(level=[0, 1, 2])}
+    labels = {(k, int(i), o): lay for k, i, o, lay in
+              df[["k_kind", "k_index", "k_op", "layer"]].drop_duplicates(["k_kind", "k_index", "k_op"]).itertuples(index=False)}
+    whole = per.xs("", level="k_op") if "" in per.index.get_level_values("k_op") else per.iloc[0:0]
+    if len(whole):
+        values[(ALL_LAYERS, -1, "")] = whole.groupby(level="step_index").sum()
+        labels[(ALL_LAYERS, -1, "")] = ALL_LAYERS
+    return values, labels, notes
+
+
+def _kernel_name_values(kernels: pd.DataFrame) -> tuple[dict[Key, pd.DataFrame], dict[Key, str], list[str]]:
+    """Kernel-name fallback: per kernel name and step, kernel time and count (bubbles are 0)."""
+    notes: list[str] = []
+    df = kernels.copy()
+    if df["step_index"].isna().all():
+        df["step_index"] = 0
+        notes.append("no steps found: the whole trace counts as one step")
+    elif df["step_index"].isna().any():
+        notes.append(f"{int(df['step_index'].isna().sum())} kernels outside any step left out")
+        df = df[df["step_index"].notna()]
+    df["dur"] = df["end_ns"] - df["start_ns"]
+    per = df.groupby(["name", "rank", "step_index"]).agg(time=("dur", "sum"), kernels=("dur", "size"))
+    per = per.groupby(level=["name", "step_index"]).max()
+    frame = pd.DataFrame({"span_ns": per["time"], "busy_ns": per["time"], "kernels": per["kernels"], "bubble_ns": 0})
+    values: dict[Key, pd.DataFrame] = {(ALL_KERNELS, -1, ""): frame.groupby(level="step_index").sum()}
+    labels: dict[Key, str] = {(ALL_KERNELS, -1, ""): ALL_KERNELS}
+    for name, g in frame.groupby(level="name"):
+        values[("kernel", -1, str(name))] = g.droplevel("name")
+        labels[("kernel", -1, str(name))] = str(name)
+    return values, labels, notes
+
+
+# -- kernel-level detail inside one op ------------------------------------------------------------
+
+def _fill_keys(kernels: pd.DataFrame) -> pd.DataFrame:
+    df = kernels[kernels["step_index"].notna() | kernels["step_index"].isna().all()].copy()
+    df["k_kind"] = df["layer_kind"].astype(object).where(df["layer_kind"].notna(), "")
+    df["k_index"] = df["layer_index"].astype("Int64").fillna(-1).astype(int)
+    df["k_op"] = df["op"].astype(object).where(df["op"].notna(), "")
+    df["dur"] = df["end_ns"] - df["start_ns"]
+    return df[df["layer"].notna()]
+
+
+def representative_sequence(k: pd.DataFrame) -> tuple[list[str], list[float]]:
+    """The most common ordered list of kernel names of one op over steps (lowest rank), and the
+    median duration (ns) of each position over the steps that ran exactly that list."""
+    if k.empty:
+        return [], []
+    k = k[k["rank"] == k["rank"].min()].sort_values(["start_ns", "end_ns"])
+    steps = {s: g for s, g in k.groupby(k["step_index"].fillna(0))}
+    seqs = {s: tuple(g["name"]) for s, g in steps.items()}
+    names, _ = Counter(seqs.values()).most_common(1)[0]
+    durs = np.array([steps[s]["dur"].to_numpy() for s in steps if seqs[s] == names], dtype=float)
+    return list(names), [float(x) for x in np.median(durs, axis=0)]
+
+
+def kernel_changes(base: tuple[list[str], list[float]], cand: tuple[list[str], list[float]]) -> list[dict[str, Any]]:
+    """Align two kernel sequences of one op: same names match in order (difflib); inside a
+    replaced block kernels pair by position as 'renamed'; the rest are 'added' or 'removed'."""
+    (bn, bd), (cn, cd) = base, cand
+    out: list[dict[str, Any]] = []
+
+    def row(change: str, i: int | None, j: int | None) -> None:
+        b = bd[i] if i is not None else 0.0
+        c = cd[j] if j is not None else 0.0
+        out.append({"change": change, "base_kernel": bn[i] if i is not None else None,
+                    "cand_kernel": cn[j] if j is not None else None,
+                    "base_ns": b if i is not None else None, "cand_ns": c if j is not None else None,
+                    "delta_ns": c - b})
+
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=bn, b=cn, autojunk=False).get_opcodes():
+        pairs = min(i2 - i1, j2 - j1) if tag == "replace" else 0
+        if tag == "equal":
+            for d in range(i2 - i1):
+                row("same", i1 + d, j1 + d)
+            continue
+        for d in range(pairs):
+            row("renamed", i1 + d, j1 + d)
+        for i in range(i1 + pairs, i2):
+            row("removed", i, None)
+        for j in range(j1 + pairs, j2):
+            row("added", None, j)
+    return out
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+@dataclass
+class DiffReport:
+    """Everything the renderers print; `to_dict()` is the JSON output."""
+
+    base: dict[str, Any]
+    cand: dict[str, Any]
+    mode: str  # 'layers' or 'kernel-name fallback'
+    settings: dict[str, Any]
+    rows: list[dict[str, Any]]
+    alignment: dict[str, Any]
+    kernel_count_increases: list[dict[str, Any]]
+    notes: list[str]
+
+    @property
+    def fallback(self) -> bool:
+        return self.mode != "layers"
+
+    @property
+    def regressions(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["verdict"] == "regression"]
+
+    @property
+    def improvements(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["verdict"] == "improvement"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "base": self.base, "cand": self.cand, "settings": self.settings,
+                "verdict": "regression" if self.regressions else "pass",
+                "regressions": self.regressions, "improvements": self.improvements,
+                "kernel_count_increases": self.kernel_count_increases, "alignment": self.alignment,
+                "notes": self.notes, "rows": self.rows}
+
+
+def diff_runs(con: duckdb.DuckDBPyConnection, base_run: int, cand_run: int, threshold_pct: float = 5.0,
+              metric: str = "span", min_delta: float | None = None, resamples: int = RESAMPLES,
+              seed: int = SEED, **attribution_kwargs: Any) -> DiffReport:
+    """Diff two runs of one store (see `compare` for the rules)."""
+    return compare(collect(con, base_run, **attribution_kwargs), collect(con, cand_run, **attribution_kwargs),
+                   threshold_pct=threshold_pct, metric=metric, min_delta=min_delta, resamples=resamples, seed=seed)
+
+
+def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric: str = "span",
+            min_delta: float | None = None, resamples: int = RESAMPLES, seed: int = SEED) -> DiffReport:
+    """Align two runs by (layer kind, layer index, op) and gate each key on its bootstrap CI."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {sorted(METRICS)}")
+    for side in (base, cand):
+        if side.kernels.empty and not side.has_layers:
+            raise NotComparable(side.name, "no GPU kernels in this run; nothing to compare")
+    col = METRICS[metric]
+    if min_delta is None:
+        min_delta = 0 if metric == "kernels" else DEFAULT_MIN_DELTA_NS
+    notes = [f"base: {n}" for n in base.notes] + [f"candidate: {n}" for n in cand.notes]
+    mode, reason = "layers", None
+    if not (base.has_layers and cand.has_layers):
+        which = " and ".join(s for s, x in (("base", base), ("candidate", cand)) if not x.has_layers)
+        mode, reason = "kernel-name fallback", f"no layer attribution on {which}"
+    if mode == "layers":
+        bv, bl, bnotes = _layer_values(base.layer_steps)
+        cv, cl, cnotes = _layer_values(cand.layer_steps)
+        if not (set(bv) & set(cv)) - {(ALL_LAYERS, -1, "")}:
+            mode, reason = "kernel-name fallback", "no (layer kind, layer index, op) in common"
+    if mode != "layers":
+        notes.append(f"kernel-name fallback: {reason}; kernels are aligned by name, not by layer and op")
+        bv, bl, bnotes = _kernel_name_values(base.kernels)
+        cv, cl, cnotes = _kernel_name_values(cand.kernels)
+    notes += [f"base: {n}" for n in bnotes] + [f"candidate: {n}" for n in cnotes]
+    settings = {"metric": metric, "threshold_pct": threshold_pct, "min_delta": min_delta, "resamples": resamples,
+                "confidence": CONFIDENCE, "seed": seed, "statistic": "median (gate) and p90 over steps",
+                "ci": "percentile bootstrap of steps, each side resampled independently"}
+    rows = [_key_row(k, bv.get(k), cv.get(k), {**cl, **bl}[k], col, metric, threshold_pct, min_delta, resamples, seed)
+            for k in sorted(set(bv) | set(cv), key=_sort_key)]
+    if mode == "layers":
+        _explain(rows, base, cand, metric, min_delta)
+    else:
+        for r in rows:
+            if r["verdict"] == "regression":
+                r["explanation"] = {"ops": [], "kernels": [], "kernel_time_delta_ns": r["busy_delta_ns"],
+                                    "bubble_delta_ns": None, "exposed_comm_delta_ns": None}
+    increases = [{"layer": r["layer"], "op": r["op"], "base_kernels": r["base_kernels"], "cand_kernels": r["cand_kernels"]}
+                 for r in rows if r["base_kernels"] is not None and r["cand_kernels"] is not None
+                 and r["cand_kernels"] > r["base_kernels"]]
+    alignment = {"matched": sum(1 for k in bv if k in cv), "base_only": sum(1 for k in bv if k not in cv),
+                 "cand_only": sum(1 for k in cv if k not in bv), "aligned_by": "kernel name" if mode != "layers"
+                 else "(layer kind, layer index, op)", "fallback_reason": reason}
+    return DiffReport(_side_info(base, bv), _side_info(cand, cv), mode, settings, rows, alignment, increases, notes)
+
+
+def _sort_key(k: Key) -> tuple[int, str, int, str]:
+    return (0 if k[0] in (ALL_LAYERS, ALL_KERNELS) else 1, k[0], k[1], k[2])
+
+
+def _side_info(s: RunSample, values: dict[Key, pd.DataFrame]) -> dict[str, Any]:
+    attributed = int(s.kernels["layer"].notna().sum()) if len(s.kernels) else 0
+    steps = max((len(v) for v in values.values()), default=0)
+    return {"run_id": s.run_id, "name": s.name, "steps": steps, "kernels": int(len(s.kernels)),
+            "kernels_in_layers": attributed,
+            "kernels_in_layers_pct": round(100 * attributed / len(s.kernels), 2) if len(s.kernels) else None}
+
+
+def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str, col: str, metric: str,
+             threshold: float, min_delta: float, resamples: int, seed: int) -> dict[str, Any]:
+    """One aligned key: medians, p90s, bootstrap CIs and the verdict."""
+    kind, index, op = k
+    row: dict[str, Any] = {"layer": label if not op or kind == "kernel" else label, "layer_kind": kind or None,
+                           "layer_index": index if index >= 0 else None, "op": op or None,
+                           "base_steps": 0 if b is None else len(b), "cand_steps": 0 if c is None else len(c)}
+    if kind == "kernel":
+        row.update(layer=None, kernel=op, op=None)
+    med = lambda f, name: None if f is None else float(np.median(f[name].to_numpy(dtype=float)))  # noqa: E731
+    for name, short in (("kernels", "kernels"), ("busy_ns", "busy_ns"), ("bubble_ns", "bubble_ns")):
+        row[f"base_{short}"], row[f"cand_{short}"] = med(b, name), med(c, name)
+    row["busy_delta_ns"] = None if b is None or c is None else row["cand_busy_ns"] - row["base_busy_ns"]
+    if b is None or c is None:
+        row.update(verdict="added" if b is None else "removed", median=None, p90=None)
+        return row
+    bm, cm = b[col].to_numpy(dtype=float), c[col].to_numpy(dtype=float)
+    row["median"] = bootstrap_change(bm, cm, 0.5, resamples, seed)
+    row["p90"] = bootstrap_change(bm, cm, 0.9, resamples, seed)
+    m = row["median"]
+    if metric == "kernels":
+        worse, better = m["delta"] > min_delta, m["delta"] < -min_delta
+    else:
+        worse = m["ci_pct"][0] > threshold and m["ci_delta"][0] > min_delta
+        better = m["ci_pct"][1] < -threshold and m["ci_delta"][1] < -min_delta
+    row["verdict"] = "regression" if worse else "improvement" if better else "unchanged"
+    return row
+
+
+def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: float) -> None:
+    """Attach to each regression its ops, kernel-level changes and time decomposition."""
+    bk, ck = _fill_keys(base.kernels), _fill_keys(cand.kernels)
+    by_key = {(r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""): r
+              for r in rows}
+    for r in rows:
+        if r["verdict"] != "regression":
+            continue
+        kind, index, op = r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""
+        if kind == ALL_LAYERS:
+            children = [x for k, x in by_key.items() if k[0] != ALL_LAYERS and k[2] == ""]
+        elif op:
+            children = [r]
+        else:
+            children = [x for k, x in by_key.items() if k[:2] == (kind, index) and k[2] != ""]
+        ops = sorted(children, key=lambda x: -(_delta(x, metric) or 0.0))
+        kernels: list[dict[str, Any]] = []
+        for child in ops:
+            ckey = (child["layer_kind"] or "", child["layer_index"] if child["layer_index"] is not None else -1)
+            sel_b = bk[(bk["k_kind"] == ckey[0]) & (bk["k_index"] == ckey[1])]
+            sel_c = ck[(ck["k_kind"] == ckey[0]) & (ck["k_index"] == ckey[1])]
+            if child["op"] is not None:
+                sel_b, sel_c = sel_b[sel_b["k_op"] == child["op"]], sel_c[sel_c["k_op"] == child["op"]]
+            for ch in kernel_changes(representative_sequence(sel_b), representative_sequence(sel_c)):
+                if ch["change"] != "same" or abs(ch["delta_ns"]) >= min_delta:
+                    kernels.append({"layer": child["layer"], "op": child["op"], **ch})
+        kernels.sort(key=lambda x: -abs(x["delta_ns"]))
+        r["explanation"] = {
+            "ops": [{"layer": x["layer"], "op": x["op"], "verdict": x["verdict"], "delta": _delta(x, metric),
+                     "base_kernels": x["base_kernels"], "cand_kernels": x["cand_kernels"]} for x in ops[:8]],
+            "kernels": kernels[:12],
+            "kernel_time_delta_ns": r["busy_delta_ns"],
+            "bubble_delta_ns": None if r["base_bubble_ns"] is None or r["cand_bubble_ns"] is None
+            else r["cand_bubble_ns"] - r["base_bubble_ns"],
+            "exposed_comm_delta_ns": _exposed_delta(base, cand, kind, index, op),
+        }
+
+
+def _delta(row: dict[str, Any], metric: str) -> float | None:
+    """The median change of the gating metric; for an added/removed key, its whole value."""
+    if row.get("median"):
+        return row["median"]["delta"]
+    short = {"span": "busy_ns", "busy": "busy_ns", "kernels": "kernels", "bubbles": "bubble_ns"}[metric]
+    b, c = row.get(f"base_{short}"), row.get(f"cand_{short}")
+    return (c or 0.0) - (b or 0.0)
+
+
+def _exposed_delta(base: RunSample, cand: RunSample, kind: str, index: int, op: str) -> float | None:
+    """Median exposed communication of the layer (all layers summed per step), cand - base."""
+    if base.exposed_comm is None or cand.exposed_comm is None or op:
+        return None
+
+    def med(df: pd.DataFrame) -> float:
+        if kind != ALL_LAYERS:
+            df = df[(df["layer_kind"] == kind) & (df["layer_index"] == index)]
+        per_step = df.groupby("step_index")["exposed_ns"].sum()
+        return float(per_step.median()) if len(per_step) else 0.0
+
+    return med(cand.exposed_comm) - med(base.exposed_comm)
