@@ -1,0 +1,50 @@
+"""`decodescope ingest PATH... --db FILE`: add trace files or per-rank folders to a store."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli.common import verbose_option, with_boundary
+from tracer.classify import load_user_rules
+from tracer.ingest import RunInfo, ingest_path, resolve_files
+from tracer.store import open_store
+
+
+def format_run(info: RunInfo) -> str:
+    """`run <id> <name>: <kernels> kernels, <ranks> ranks, <streams> streams`."""
+    line = f"run {info.run_id} {info.name}: {info.kernels} kernels, {info.ranks} ranks, {info.streams} streams"
+    return line + (" (already ingested)" if info.reused else "")
+
+
+@click.command("ingest")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--db", "db", required=True, type=click.Path(path_type=Path), help="DuckDB store (created if missing).")
+@click.option("--name", default=None, help="Run name (default: the file or folder name).")
+@click.option("--rules", type=click.Path(path_type=Path), default=None,
+              help="Extra classifier rules, JSON or TOML (see tracer/classify.py).")
+@verbose_option
+@with_boundary
+def command(paths: tuple[Path, ...], db: Path, name: str | None, rules: Path | None, verbose: bool) -> None:
+    """Ingest Kineto traces (.json / .json.gz; a folder = one run, one file per rank).
+
+    Every path becomes one run, written in one transaction; the same content ingested
+    again is reported as already ingested. Every input is checked before the store is
+    opened, so a wrong path leaves the store untouched.
+
+    \b
+    Example:
+      decodescope ingest traces/k3_stock_b1_k0_graph.json.gz trace_dir/ --db runs.duckdb
+      decodescope ingest trace.json.gz --db runs.duckdb --rules my_rules.toml
+    """
+    for p in paths:
+        resolve_files(p)
+    if rules is not None:
+        load_user_rules(rules)
+    con = open_store(db)
+    try:
+        for p in paths:
+            for info in ingest_path(con, p, name=name, rules=rules):
+                click.echo(format_run(info))
+    finally:
+        con.close()

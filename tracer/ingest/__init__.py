@@ -1,0 +1,145 @@
+"""Ingest trace files into the store: one reader per format, one transaction per run.
+
+`ingest_path` resolves a file or a folder of per-rank files into one run, hashes the content
+(a re-ingest of the same bytes returns the existing run instead of a duplicate), picks the
+reader by file name, and runs reader + classifier inside one transaction, so any failure
+leaves the store exactly as it was.
+
+Adding a format is one line in `READERS`: a `Reader` with the file suffixes it claims and a
+`read_run(con, files, run_id, progress) -> RunMeta` that writes every per-run table (kernels,
+memops, api_calls, ranges, ...) for `run_id` and returns the facts for its `runs` row; this
+module writes that row (name, path, hash) and runs the classifier.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from tracer import classify
+from tracer.errors import BadInput
+from tracer.ingest import kineto
+from tracer.ingest.progress import Progress
+from tracer.ingest.runmeta import RunMeta, insert_run
+from tracer.store import transaction
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What one ingest produced (or found already there, `reused=True`)."""
+
+    run_id: int
+    name: str
+    kernels: int
+    ranks: int
+    streams: int
+    reused: bool
+
+
+ReadRun = Callable[[duckdb.DuckDBPyConnection, list[Path], int, Progress], RunMeta]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A trace format: the file suffixes it claims and the function that writes one run."""
+
+    source: str
+    suffixes: tuple[str, ...]
+    read_run: ReadRun
+
+    def claims(self, path: Path) -> bool:
+        return path.name.lower().endswith(self.suffixes)
+
+
+READERS: tuple[Reader, ...] = (
+    Reader("kineto", kineto.SUFFIXES, kineto.read_run),
+    # Reader("nsys", (".sqlite",), nsys_sqlite.read_run),  # one line per new format
+)
+
+_RUN_FACTS_SQL = """
+SELECT count(*) AS kernels,
+       count(DISTINCT rank) AS ranks,
+       count(DISTINCT (rank, stream)) AS streams
+FROM kernels WHERE run_id = ?
+"""
+_RUN_BY_HASH_SQL = "SELECT run_id, name FROM runs WHERE file_hash = ?"
+
+
+def _reader_for(path: Path) -> Reader | None:
+    return next((r for r in READERS if r.claims(path)), None)
+
+
+def resolve_files(path: Path) -> tuple[Reader, list[Path]]:
+    """The reader and the trace files of one run: a file, or every trace file in a folder."""
+    if not path.exists():
+        raise BadInput(path, "no such file or directory")
+    if path.is_file():
+        reader = _reader_for(path)
+        if reader is None:
+            known = ", ".join(s for r in READERS for s in r.suffixes)
+            raise BadInput(path, f"unknown trace format (expected one of: {known})")
+        return reader, [path]
+    files = sorted(p for p in path.iterdir() if p.is_file() and _reader_for(p) is not None)
+    if not files:
+        known = ", ".join(s for r in READERS for s in r.suffixes)
+        raise BadInput(path, f"no trace files ({known}) in this folder")
+    readers = {_reader_for(p).source for p in files}  # type: ignore[union-attr]
+    if len(readers) > 1:
+        raise BadInput(path, f"folder mixes trace formats ({', '.join(sorted(readers))}); one run is one format")
+    return _reader_for(files[0]), files  # type: ignore[return-value]
+
+
+def content_hash(files: Sequence[Path]) -> str:
+    """sha256 over the bytes of every file of the run, in file order (names do not count)."""
+    h = hashlib.sha256()
+    for f in files:
+        fh = hashlib.sha256()
+        with f.open("rb") as stream:
+            for block in iter(lambda: stream.read(1 << 22), b""):
+                fh.update(block)
+        h.update(fh.digest())
+    return h.hexdigest()
+
+
+def default_name(path: Path) -> str:
+    """A run's name from its file or folder name, without trace suffixes."""
+    name = path.name
+    for suffix in (".gz", ".json", ".trace", ".pt", ".sqlite"):
+        if name.lower().endswith(suffix):
+            name = name[: -len(suffix)]
+    return name or str(path)
+
+
+def _facts(con: duckdb.DuckDBPyConnection, run_id: int, name: str, reused: bool) -> RunInfo:
+    kernels, ranks, streams = con.execute(_RUN_FACTS_SQL, [run_id]).fetchall()[0]
+    return RunInfo(run_id, name, int(kernels), int(ranks), int(streams), reused)
+
+
+def ingest_path(con: duckdb.DuckDBPyConnection, path: str | Path, name: str | None = None,
+                progress: bool = True, rules: str | Path | None = None) -> list[RunInfo]:
+    """Ingest one trace file or per-rank folder as one run; returns it in a list.
+
+    `rules` is an optional user rules file (JSON or TOML, see tracer.classify). The same
+    content ingested again returns the stored run with `reused=True` and writes nothing.
+    """
+    p = Path(path)
+    reader, files = resolve_files(p)
+    user_rules = classify.load_user_rules(Path(rules)) if rules is not None else []
+    with Progress(enabled=progress, label=p.name) as prog:
+        prog.step("hashing")
+        digest = content_hash(files)
+        found = con.execute(_RUN_BY_HASH_SQL, [digest]).fetchall()
+        if found:
+            return [_facts(con, int(found[0][0]), str(found[0][1]), reused=True)]
+        run_name = name or default_name(p)
+        with transaction(con):
+            run_id = int(con.execute("SELECT nextval('run_id_seq')").fetchall()[0][0])
+            meta = reader.read_run(con, files, run_id, prog)
+            insert_run(con, run_id, run_name, reader.source, p, digest, meta)
+            prog.step("classifying")
+            classify.classify_run(con, run_id, user_rules)
+            info = _facts(con, run_id, run_name, reused=False)
+    return [info]

@@ -1,0 +1,178 @@
+"""Kineto / PyTorch-profiler Chrome-trace reader (`.json`, `.json.gz`; one file per rank).
+
+DuckDB parses each file with an explicit schema (ts/dur as DECIMAL(38,3): exact ns at any
+magnitude) into one staging table of every event; SQL then fills kernels, memops, api_calls,
+ranges, gpu_annotations and gpu_syncs. Python touches only metadata, the rare failure
+diagnosis, and the nesting of host ranges (tracer.ingest.nesting).
+
+Rank: `distributedInfo.rank` of each file when every file has a distinct one, else the file's
+position in name order. Event kinds the store has no table for (flows, instant events,
+metadata, profiler spans) are counted in `runs.metadata.unhandled_events`, never silently lost.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from tracer.errors import BadInput
+from tracer.ingest import kineto_sql as q
+from tracer.ingest.diagnose import diagnose_json
+from tracer.ingest.nesting import nest
+from tracer.ingest.progress import Progress
+from tracer.ingest.runmeta import RunMeta
+
+SUFFIXES = (".json", ".json.gz")
+
+
+@dataclass
+class DocFacts:
+    """Top-level facts of one trace file (the metadata Python looks at)."""
+
+    path: Path
+    base_ns: int
+    dist: dict[str, Any] | None
+    props: Any
+    decodescope: dict[str, Any] | None
+
+
+def _loads(text: str | None) -> Any:
+    return json.loads(text) if text is not None else None
+
+
+def _read_doc(con: duckdb.DuckDBPyConnection, path: Path) -> DocFacts:
+    """Parse one file into `_kineto_doc`; BadInput with a precise reason if it is not a trace."""
+    try:
+        con.execute(q.READ_DOC_SQL, [str(path)])
+    except duckdb.Error as exc:
+        raise diagnose_json(path, exc) from None
+    n_rows, no_events, base, dist, props, ds = con.execute(q.DOC_FACTS_SQL).fetchall()[0]
+    if n_rows != 1:
+        raise BadInput(path, f"holds {n_rows} top-level JSON values; a Kineto trace is one object")
+    if no_events:
+        raise BadInput(path, "no traceEvents list (not a Kineto / Chrome trace)")
+    try:
+        base_ns = int(base) if base not in (None, "") else 0
+    except ValueError:
+        raise BadInput(path, f"baseTimeNanoseconds is not an integer: {base!r}") from None
+    dist_obj = _loads(dist)
+    ds_obj = _loads(ds)
+    if ds_obj is not None and not isinstance(ds_obj, dict):
+        raise BadInput(path, "the top-level 'decodescope' entry is not an object")
+    return DocFacts(path, base_ns, dist_obj if isinstance(dist_obj, dict) else None, _loads(props), ds_obj)
+
+
+def _declared_rank(doc: DocFacts) -> int | None:
+    rank = (doc.dist or {}).get("rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
+def _check_events(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
+    bad = con.execute(q.BAD_EVENT_SQL).fetchall()
+    if bad:
+        file_idx, seq, name, dur_ns, no_ts = bad[0]
+        what = "has no ts" if no_ts else f"has a negative duration ({dur_ns} ns)"
+        raise BadInput(files[file_idx], f"traceEvents[{seq - 1}] ({name!r}) {what}")
+
+
+def _nest_ranges(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(q.STAGE_RANGES_SQL)
+    cols = con.execute(
+        "SELECT dense_rank() OVER (ORDER BY rank, pid, tid) AS thread, start_ns, end_ns, range_id "
+        "FROM _kineto_ranges ORDER BY range_id").fetchnumpy()
+    ids = cols["range_id"].tolist()
+    depth, parent = nest(cols["thread"].tolist(), cols["start_ns"].tolist(), cols["end_ns"].tolist(), ids)
+    nesting = pa.table({"range_id": pa.array(ids, pa.int64()), "depth": pa.array(depth, pa.int32()),
+                        "parent_id": pa.array(parent, pa.int64())})
+    con.register("_kineto_nesting_arrow", nesting)
+    try:
+        con.execute("CREATE OR REPLACE TEMP TABLE _kineto_nesting AS SELECT * FROM _kineto_nesting_arrow")
+    finally:
+        con.unregister("_kineto_nesting_arrow")
+
+
+def _capture_map_rows(run_id: int, ds: dict[str, Any], rank: int, path: Path) -> list[list[Any]]:
+    entries = ds.get("graph_capture_map") or []
+    if not isinstance(entries, list):
+        raise BadInput(path, "decodescope.graph_capture_map is not a list")
+    rows = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("node_order"), int) or not isinstance(e.get("kernel_name"), str):
+            raise BadInput(path, f"decodescope.graph_capture_map[{i}] needs an integer node_order and a kernel_name")
+        rows.append([run_id, e.get("rank", rank), e.get("graph_id"), e["node_order"], e.get("graph_node_id"),
+                     e["kernel_name"], e.get("step"), e.get("layer"), e.get("op")])
+    return rows
+
+
+def _gpu_name(props: Any) -> str | None:
+    if isinstance(props, list) and props and isinstance(props[0], dict):
+        name = props[0].get("name")
+        return str(name) if name else None
+    return None
+
+
+def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, prog: Progress) -> RunMeta:
+    """Write every per-run table for the Kineto files of one run; return its runs-row facts."""
+    con.execute(q.CREATE_EVENTS_SQL)
+    try:
+        docs: list[DocFacts] = []
+        for idx, path in enumerate(files):
+            prog.step(f"parsing {path.name}")
+            doc = _read_doc(con, path)
+            docs.append(doc)
+            declared = _declared_rank(doc)
+            con.execute(q.INSERT_EVENTS_SQL, [idx, declared if declared is not None else idx, doc.base_ns])
+            con.execute("DROP TABLE _kineto_doc")
+        declared_ranks = [_declared_rank(d) for d in docs]
+        by_declared = None not in declared_ranks and len(set(declared_ranks)) == len(docs)
+        ranks = declared_ranks if by_declared else list(range(len(docs)))
+        if not by_declared and len(docs) > 1:
+            con.execute("UPDATE _kineto_ev SET rank = file_idx")
+        _check_events(con, files)
+
+        prog.step("writing tables")
+        for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL,
+                    q.INSERT_GPU_ANNOTATIONS_SQL, q.INSERT_GPU_SYNCS_SQL):
+            con.execute(sql, [run_id])
+        prog.step("nesting ranges")
+        _nest_ranges(con)
+        con.execute(q.INSERT_RANGES_SQL, [run_id])
+
+        counts = con.execute(q.EVENT_COUNTS_SQL).fetchall()
+        graph_launches = int(con.execute(q.GRAPH_LAUNCHES_SQL).fetchall()[0][0])
+    finally:
+        con.execute(q.DROP_STAGING_SQL)
+
+    ds = next((d.decodescope for d in docs if d.decodescope is not None), None)
+    capture_rows: list[list[Any]] = []
+    for doc, rank in zip(docs, ranks):
+        if doc.decodescope is not None:
+            capture_rows.extend(_capture_map_rows(run_id, doc.decodescope, rank, doc.path))
+    if capture_rows:
+        con.executemany(q.INSERT_CAPTURE_MAP_SQL, capture_rows)
+
+    handled = {f"{ph}/{cat}": n for ph, cat, n in counts if ph == "X" and cat in q.HANDLED_CATS}
+    unhandled = {f"{ph}/{cat}": n for ph, cat, n in counts if not (ph == "X" and cat in q.HANDLED_CATS)}
+    world_sizes = [d.dist.get("world_size") for d in docs if d.dist and isinstance(d.dist.get("world_size"), int)]
+    metadata = {
+        "files": [{"file": d.path.name, "rank": r, "base_time_ns": d.base_ns, "distributedInfo": d.dist,
+                   "deviceProperties": d.props} for d, r in zip(docs, ranks)],
+        "rank_source": "distributedInfo.rank" if by_declared else "file order",
+        "events": handled,
+        "unhandled_events": unhandled,
+        "graph_launches": graph_launches,
+    }
+    ds = ds or {}
+    return RunMeta(
+        world_size=max(world_sizes + [len(docs)]),
+        variant=ds.get("variant"),
+        config=ds or None,
+        metadata=metadata,
+        gpu=ds.get("gpu") or _gpu_name(docs[0].props),
+        graph_mode=ds.get("graph_mode") if isinstance(ds.get("graph_mode"), bool) else None,
+        tp_sim=ds.get("tp_sim") if isinstance(ds.get("tp_sim"), bool) else None,
+    )

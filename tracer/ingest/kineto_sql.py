@@ -1,0 +1,217 @@
+"""SQL of the Kineto reader, as named constants beside the code that runs them.
+
+Times: Kineto writes `ts`/`dur` in µs with up to three decimals, relative to
+`baseTimeNanoseconds` when the trace has one. They are read as DECIMAL(38,3) (exact at any
+size; DOUBLE is not exact above ~4.4e12 µs) and turned into BIGINT ns once, here.
+Values are bound parameters; the only text spliced in is the fixed args-key lists below.
+"""
+from __future__ import annotations
+
+# Every top-level key the reader uses, with an explicit schema (no inference: faster, exact).
+DOC_COLUMNS = (
+    "{'traceEvents': 'STRUCT(ph VARCHAR, cat VARCHAR, name VARCHAR, ts DECIMAL(38,3), "
+    "dur DECIMAL(38,3), pid VARCHAR, tid VARCHAR, args JSON)[]', "
+    "'baseTimeNanoseconds': 'VARCHAR', 'distributedInfo': 'JSON', 'deviceProperties': 'JSON', "
+    "'decodescope': 'JSON'}"
+)
+
+# One file's document: a single row (more rows means the top level was not one object).
+READ_DOC_SQL = f"""
+CREATE OR REPLACE TEMP TABLE _kineto_doc AS
+SELECT traceEvents AS events, baseTimeNanoseconds AS base, distributedInfo AS dist,
+       deviceProperties AS props, decodescope AS ds
+FROM read_json(?, format='unstructured', records=true, maximum_object_size=2147483647,
+               columns={DOC_COLUMNS})
+"""
+
+DOC_FACTS_SQL = """
+SELECT count(*) AS n_rows,
+       any_value(events IS NULL) AS no_events,
+       any_value(base) AS base,
+       any_value(CAST(dist AS VARCHAR)) AS dist,
+       any_value(CAST(props AS VARCHAR)) AS props,
+       any_value(CAST(ds AS VARCHAR)) AS ds
+FROM _kineto_doc
+"""
+
+CREATE_EVENTS_SQL = """
+CREATE OR REPLACE TEMP TABLE _kineto_ev (
+  file_idx INTEGER, rank INTEGER, seq BIGINT, ph VARCHAR, cat VARCHAR, name VARCHAR,
+  start_ns BIGINT, dur_ns BIGINT, pid VARCHAR, tid VARCHAR, args JSON
+)
+"""
+
+# All events of one file, in file order; `cat` lower-cased (versions differ in case).
+INSERT_EVENTS_SQL = """
+INSERT INTO _kineto_ev
+SELECT ? AS file_idx, ? AS rank, e.seq, e.ev.ph, lower(e.ev.cat), e.ev.name,
+       ? + CAST(e.ev.ts * 1000 AS BIGINT), CAST(e.ev.dur * 1000 AS BIGINT),
+       e.ev.pid, e.ev.tid, e.ev.args
+FROM (SELECT unnest(events) AS ev, generate_subscripts(events, 1) AS seq FROM _kineto_doc) AS e
+"""
+
+# Complete events that break the format: negative duration, or no timestamp.
+BAD_EVENT_SQL = """
+SELECT file_idx, seq, name, dur_ns, start_ns IS NULL AS no_ts
+FROM _kineto_ev
+WHERE ph = 'X' AND (dur_ns < 0 OR start_ns IS NULL)
+ORDER BY file_idx, seq
+LIMIT 1
+"""
+
+EVENT_COUNTS_SQL = """
+SELECT coalesce(ph, '') AS ph, coalesce(cat, '') AS cat, count(*) AS n
+FROM _kineto_ev GROUP BY ALL ORDER BY n DESC, ph, cat
+"""
+
+# Which (ph, lower(cat)) pairs land in which table. Anything else is counted in metadata.
+KERNEL_CATS = ("kernel",)
+MEMCPY_CATS = ("gpu_memcpy", "memcpy")
+MEMSET_CATS = ("gpu_memset", "memset")
+RUNTIME_CATS = ("cuda_runtime", "runtime", "hip_runtime")
+DRIVER_CATS = ("cuda_driver", "driver", "hip_driver")
+RANGE_CATS = {"user_annotation": "user_annotation", "cpu_op": "cpu_op",
+              "python_function": "python_function", "nvtx": "nvtx"}
+GPU_ANNOTATION_CATS = ("gpu_user_annotation",)
+SYNC_CATS = ("cuda_sync",)
+
+# args keys as Kineto versions spell them (they differ in case and spacing).
+ARG_KEYS: dict[str, tuple[str, ...]] = {
+    "correlation": ("correlation", "Correlation", "correlation id", "Correlation ID"),
+    "stream": ("stream", "Stream"),
+    "device": ("device", "Device"),
+    "external_id": ("External id", "External ID", "external id", "external_id"),
+    "grid": ("grid", "Grid"),
+    "block": ("block", "Block"),
+    "registers": ("registers per thread", "Registers Per Thread", "registers_per_thread"),
+    "shared_mem": ("shared memory", "Shared Memory", "shared_memory"),
+    "bytes": ("bytes", "Bytes"),
+    "graph_id": ("graph id", "Graph id", "Graph ID", "graph_id", "graphId"),
+    "graph_node_id": ("graph node id", "Graph node id", "graph_node_id", "graphNodeId"),
+    "wait_on_stream": ("wait_on_stream", "wait on stream"),
+}
+
+
+def arg_text(field: str) -> str:
+    """SQL for the text of one args field under any of its spellings (fixed list, no input)."""
+    keys = ARG_KEYS[field]
+    return "coalesce(" + ", ".join(f"args->>'{k}'" for k in keys) + ")"
+
+
+def arg_int(field: str, sql_type: str = "BIGINT") -> str:
+    """SQL for one args field as an integer; NULL when absent or not a number."""
+    return f"TRY_CAST({arg_text(field)} AS {sql_type})"
+
+
+def arg_dim(field: str, i: int) -> str:
+    """SQL for element i of a [x, y, z] args field (grid, block)."""
+    keys = ARG_KEYS[field]
+    return "TRY_CAST(coalesce(" + ", ".join(f"args->'{k}'->>{i}" for k in keys) + ") AS INTEGER)"
+
+
+def _in(cats: tuple[str, ...]) -> str:
+    return "(" + ", ".join(f"'{c}'" for c in cats) + ")"
+
+
+INSERT_KERNELS_SQL = f"""
+INSERT INTO kernels
+SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
+       {arg_int('device', 'INTEGER')}, {arg_int('stream')}, {arg_int('correlation')}, name,
+       start_ns, start_ns + coalesce(dur_ns, 0),
+       {arg_dim('grid', 0)}, {arg_dim('grid', 1)}, {arg_dim('grid', 2)},
+       {arg_dim('block', 0)}, {arg_dim('block', 1)}, {arg_dim('block', 2)},
+       {arg_int('registers', 'INTEGER')}, {arg_int('shared_mem')},
+       {arg_int('graph_id')}, {arg_int('graph_node_id')}, 'compute'
+FROM _kineto_ev
+WHERE ph = 'X' AND cat IN {_in(KERNEL_CATS)}
+"""
+
+INSERT_MEMOPS_SQL = f"""
+INSERT INTO memops
+SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
+       {arg_int('device', 'INTEGER')}, {arg_int('stream')}, {arg_int('correlation')},
+       CASE WHEN cat IN {_in(MEMSET_CATS)} THEN 'memset' ELSE 'memcpy' END, name,
+       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('bytes')},
+       {arg_int('graph_id')}, {arg_int('graph_node_id')}, 'memory'
+FROM _kineto_ev
+WHERE ph = 'X' AND cat IN {_in(MEMCPY_CATS + MEMSET_CATS)}
+"""
+
+INSERT_API_CALLS_SQL = f"""
+INSERT INTO api_calls
+SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
+       TRY_CAST(pid AS BIGINT), TRY_CAST(tid AS BIGINT),
+       CASE WHEN cat IN {_in(DRIVER_CATS)} THEN 'driver' ELSE 'runtime' END, name,
+       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('correlation')}
+FROM _kineto_ev
+WHERE ph = 'X' AND cat IN {_in(RUNTIME_CATS + DRIVER_CATS)}
+"""
+
+_RANGE_KIND = "CASE cat " + " ".join(f"WHEN '{c}' THEN '{k}'" for c, k in RANGE_CATS.items()) + " END"
+
+# Ranges sorted the way nesting needs them: per thread, start ascending, end descending.
+STAGE_RANGES_SQL = f"""
+CREATE OR REPLACE TEMP TABLE _kineto_ranges AS
+SELECT row_number() OVER (ORDER BY rank, pid_i, tid_i, start_ns, end_ns DESC, file_idx, seq) - 1 AS range_id,
+       rank, pid_i AS pid, tid_i AS tid, kind, name, start_ns, end_ns, external_id
+FROM (
+  SELECT rank, TRY_CAST(pid AS BIGINT) AS pid_i, TRY_CAST(tid AS BIGINT) AS tid_i, {_RANGE_KIND} AS kind,
+         name, start_ns, start_ns + coalesce(dur_ns, 0) AS end_ns, {arg_int('external_id')} AS external_id,
+         file_idx, seq
+  FROM _kineto_ev
+  WHERE ph = 'X' AND cat IN {_in(tuple(RANGE_CATS))}
+)
+"""
+
+RANGES_FOR_NESTING_SQL = """
+SELECT rank, pid, tid, start_ns, end_ns, range_id FROM _kineto_ranges ORDER BY range_id
+"""
+
+INSERT_RANGES_SQL = """
+INSERT INTO ranges
+SELECT ?, r.range_id, r.rank, r.pid, r.tid, r.kind, r.name, r.start_ns, r.end_ns,
+       n.depth, n.parent_id, r.external_id
+FROM _kineto_ranges AS r JOIN _kineto_nesting AS n USING (range_id)
+"""
+
+INSERT_GPU_ANNOTATIONS_SQL = f"""
+INSERT INTO gpu_annotations
+SELECT ?, rank, {arg_int('device', 'INTEGER')}, {arg_int('stream')}, name,
+       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('external_id')}
+FROM _kineto_ev
+WHERE ph = 'X' AND cat IN {_in(GPU_ANNOTATION_CATS)}
+ORDER BY rank, start_ns
+"""
+
+INSERT_GPU_SYNCS_SQL = f"""
+INSERT INTO gpu_syncs
+SELECT ?, rank, {arg_int('device', 'INTEGER')}, {arg_int('stream')}, name,
+       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('correlation')}, {arg_int('wait_on_stream')}
+FROM _kineto_ev
+WHERE ph = 'X' AND cat IN {_in(SYNC_CATS)}
+ORDER BY rank, start_ns
+"""
+
+GRAPH_LAUNCHES_SQL = """
+SELECT count(*) FROM _kineto_ev WHERE ph = 'X' AND name IN ('cudaGraphLaunch', 'hipGraphLaunch', 'cuGraphLaunch')
+"""
+
+INSERT_CAPTURE_MAP_SQL = """
+INSERT INTO graph_capture_map (run_id, rank, graph_id, node_order, graph_node_id, kernel_name,
+                               step_name, layer_name, op_name)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+
+HANDLED_CATS: dict[str, str] = {
+    **{c: "kernels" for c in KERNEL_CATS},
+    **{c: "memops" for c in MEMCPY_CATS + MEMSET_CATS},
+    **{c: "api_calls" for c in RUNTIME_CATS + DRIVER_CATS},
+    **{c: "ranges" for c in RANGE_CATS},
+    **{c: "gpu_annotations" for c in GPU_ANNOTATION_CATS},
+    **{c: "gpu_syncs" for c in SYNC_CATS},
+}
+
+DROP_STAGING_SQL = """
+DROP TABLE IF EXISTS _kineto_doc; DROP TABLE IF EXISTS _kineto_ev;
+DROP TABLE IF EXISTS _kineto_ranges; DROP TABLE IF EXISTS _kineto_nesting;
+"""
