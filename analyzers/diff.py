@@ -389,23 +389,18 @@ def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metri
         if r["verdict"] != "regression":
             continue
         kind, index, op = r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""
-        if kind == ALL_LAYERS:
-            children = [x for k, x in by_key.items() if k[0] != ALL_LAYERS and k[2] == ""]
-        elif op:
-            children = [r]
-        else:
-            children = [x for k, x in by_key.items() if k[:2] == (kind, index) and k[2] != ""]
-        ops = sorted(children, key=lambda x: -(_delta(x, metric) or 0.0))
+        # the leaf (layer, op) keys under this regression: itself, its layer's ops, or every op
+        leaves = [x for k, x in by_key.items() if k[2] != "" and k[0] != ALL_LAYERS
+                  and (kind == ALL_LAYERS or k[:2] == (kind, index)) and (not op or k[2] == op)]
+        ops = sorted(leaves, key=lambda x: -(_delta(x, metric) or 0.0))
         kernels: list[dict[str, Any]] = []
-        for child in ops:
-            ckey = (child["layer_kind"] or "", child["layer_index"] if child["layer_index"] is not None else -1)
-            sel_b = bk[(bk["k_kind"] == ckey[0]) & (bk["k_index"] == ckey[1])]
-            sel_c = ck[(ck["k_kind"] == ckey[0]) & (ck["k_index"] == ckey[1])]
-            if child["op"] is not None:
-                sel_b, sel_c = sel_b[sel_b["k_op"] == child["op"]], sel_c[sel_c["k_op"] == child["op"]]
+        for leaf in ops:
+            lk = (leaf["layer_kind"] or "", leaf["layer_index"] if leaf["layer_index"] is not None else -1, leaf["op"])
+            sel_b = bk[(bk["k_kind"] == lk[0]) & (bk["k_index"] == lk[1]) & (bk["k_op"] == lk[2])]
+            sel_c = ck[(ck["k_kind"] == lk[0]) & (ck["k_index"] == lk[1]) & (ck["k_op"] == lk[2])]
             for ch in kernel_changes(representative_sequence(sel_b), representative_sequence(sel_c)):
                 if ch["change"] != "same" or abs(ch["delta_ns"]) >= min_delta:
-                    kernels.append({"layer": child["layer"], "op": child["op"], **ch})
+                    kernels.append({"layer": leaf["layer"], "op": leaf["op"], **ch})
         kernels.sort(key=lambda x: -abs(x["delta_ns"]))
         r["explanation"] = {
             "ops": [{"layer": x["layer"], "op": x["op"], "verdict": x["verdict"], "delta": _delta(x, metric),

@@ -1,0 +1,271 @@
+"""`trace-diff BASE CAND` (also `decodescope diff`): the CI gate over two decode runs.
+
+Exit 0: no regression; 1: regression; 2: bad input or runs that cannot be compared (one line
+`error: ...`). The statistics live in `analyzers.diff`; this module opens the two sides, calls
+it once and renders the report as text, markdown (a pull-request comment), JSON or JUnit XML.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import click
+import duckdb
+
+from analyzers.diff import METRICS, DiffReport, RunSample, collect, compare
+from cli.common import fail, open_input, verbose_option, with_boundary
+from cli.exit_codes import BAD_INPUT, OK, REGRESSION
+from tracer.errors import BadInput
+
+FALLBACK_BANNER = "kernel-name fallback: these runs do not share our layer convention; kernels are aligned by name"
+
+
+# -- opening the two sides ----------------------------------------------------------------------
+
+def _exists(spec: str) -> bool:
+    if Path(spec).exists():
+        return True
+    db, sep, _ = spec.rpartition(":")
+    return bool(sep) and Path(db).is_file()
+
+
+def open_side(spec: str, role: str, graph_reference: str | None, **attribution_kwargs: Any) -> RunSample:
+    """Open BASE or CAND (trace file, run folder or DB:RUN) as exactly one run and collect it."""
+    if not _exists(spec):
+        raise BadInput(spec, f"{role}: no such trace, folder or database")
+    con, ids = open_input([spec], progress=False)
+    if len(ids) != 1:
+        raise BadInput(spec, f"{role}: holds {len(ids)} runs {ids}; name one as {spec}:RUN")
+    kwargs = dict(attribution_kwargs)
+    if graph_reference is not None and _graph_mode(con, ids[0]):
+        kwargs["graph_reference"] = _reference_run(con, graph_reference, spec)
+    return collect(con, ids[0], name=f"{Path(spec).name}", **kwargs)
+
+
+def _graph_mode(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
+    row = con.execute("SELECT coalesce(graph_mode, false) FROM runs WHERE run_id = ?", [run_id]).fetchall()
+    return bool(row and row[0][0])
+
+
+def _reference_run(con: duckdb.DuckDBPyConnection, reference: str, spec: str) -> int:
+    """Ingest the eager reference trace next to a graph-replay side, and return its run id."""
+    from tracer.ingest import ingest_path
+
+    if not Path(reference).exists():
+        raise BadInput(reference, "--graph-reference: no such trace")
+    try:
+        infos = ingest_path(con, Path(reference), progress=False)
+    except duckdb.Error as exc:
+        raise BadInput(spec, f"--graph-reference needs this side as a trace file, not a read-only store ({exc})") from None
+    if len(infos) != 1:
+        raise BadInput(reference, f"--graph-reference must be one run, found {len(infos)}")
+    return infos[0].run_id
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+def _q(x: float | None, metric: str) -> str:
+    """A median in its unit: kernels as counts, times as µs with ns precision."""
+    if x is None:
+        return "-"
+    return f"{x:g}" if metric == "kernels" else f"{x / 1000:,.3f} µs"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else ("+inf%" if x == float("inf") else f"{x:+.2f}%")
+
+
+def _ci(m: dict[str, Any]) -> str:
+    ci = f"[{_pct(m['ci_pct'][0])}, {_pct(m['ci_pct'][1])}]"
+    return ci + (" (degenerate: point estimate)" if m.get("degenerate") else "")
+
+
+def _where(r: dict[str, Any]) -> str:
+    if r.get("kernel"):
+        return f"kernel {r['kernel']}"
+    return r["layer"] + (f" / {r['op']}" if r["op"] else "")
+
+
+def _ns(x: float | None) -> str:
+    return "unavailable" if x is None else f"{x:+,.0f} ns"
+
+
+def _explanation_lines(r: dict[str, Any], metric: str) -> list[str]:
+    ex = r.get("explanation") or {}
+    lines = []
+    if ex.get("ops"):
+        unit = "" if metric == "kernels" else " ns"
+        lines.append("ops: " + ", ".join(
+            f"{_where({**o, 'kernel': None})} {o['delta']:+,.0f}{unit}"
+            + (f" ({o['base_kernels']:g}→{o['cand_kernels']:g} kernels)" if o["verdict"] not in ("added", "removed")
+               else f" ({o['verdict']})") for o in ex["ops"][:5]))
+    for k in ex.get("kernels", [])[:6]:
+        what = {"renamed": f"{k['base_kernel']} → {k['cand_kernel']}", "added": f"+ {k['cand_kernel']}",
+                "removed": f"- {k['base_kernel']}", "same": k["base_kernel"]}[k["change"]]
+        lines.append(f"kernel {k['change']} in {_where({**k, 'kernel': None})}: {what} ({k['delta_ns']:+,.0f} ns)")
+    if ex:
+        comm = ex.get("exposed_comm_delta_ns")
+        lines.append(f"kernel time {_ns(ex.get('kernel_time_delta_ns'))}, bubbles {_ns(ex.get('bubble_delta_ns'))}, "
+                     f"exposed comm {_ns(comm)}")
+    return lines
+
+
+def _header(rep: DiffReport) -> list[str]:
+    s = rep.settings
+    verdict = f"REGRESSION ({len(rep.regressions)})" if rep.regressions else "PASS"
+    lines = [f"trace-diff: {verdict}"]
+    for role, side in (("base", rep.base), ("cand", rep.cand)):
+        lines.append(f"{role}: {side['name']} (run {side['run_id']}, {side['steps']} steps, {side['kernels']} kernels, "
+                     f"{side['kernels_in_layers_pct']}% in layers)")
+    lines.append(f"metric {s['metric']}, threshold {s['threshold_pct']}%, min delta {s['min_delta']:g}, "
+                 f"{int(s['confidence'] * 100)}% bootstrap CI of the median over steps ({s['resamples']} resamples, seed {s['seed']})")
+    lines.append(f"aligned by {rep.alignment['aligned_by']}: {rep.alignment['matched']} matched, "
+                 f"{rep.alignment['base_only']} only in base, {rep.alignment['cand_only']} only in candidate")
+    if rep.fallback:
+        lines.append(f"{FALLBACK_BANNER} ({rep.alignment['fallback_reason']})")
+    return lines
+
+
+def render_text(rep: DiffReport) -> str:
+    """Plain text for a terminal or a CI log."""
+    m = rep.settings["metric"]
+    out = _header(rep)
+    for title, rows in (("Regressions", rep.regressions), ("Improvements", rep.improvements)):
+        if rows:
+            out += ["", f"{title}:"]
+            for r in rows:
+                out.append(f"  {_where(r)}: {_q(r['median']['base'], m)} → {_q(r['median']['cand'], m)} "
+                           f"{_pct(r['median']['change_pct'])} CI {_ci(r['median'])}, p90 {_pct(r['p90']['change_pct'])}")
+                out += [f"      {line}" for line in (_explanation_lines(r, m) if title == "Regressions" else [])]
+    if rep.kernel_count_increases:
+        out += ["", "Kernel count increases:"]
+        out += [f"  {_where({**x, 'kernel': None})}: {x['base_kernels']:g} → {x['cand_kernels']:g}"
+                for x in rep.kernel_count_increases if x["layer"]]
+    if rep.notes:
+        out += ["", "Notes:"] + [f"  {n}" for n in rep.notes]
+    return "\n".join(out)
+
+
+def render_markdown(rep: DiffReport) -> str:
+    """A pull-request comment: verdict first, a table per section, explanations folded."""
+    m = rep.settings["metric"]
+    head = _header(rep)
+    icon = "❌" if rep.regressions else "✅"
+    out = [f"### {icon} {head[0]}", ""]
+    if rep.fallback:
+        out += [f"> **Kernel-name fallback**: {rep.alignment['fallback_reason']}; kernels are aligned by name, "
+                "not by (layer kind, layer index, op).", ""]
+    out += [f"- {line}" for line in head[1:] if not line.startswith(FALLBACK_BANNER)] + [""]
+    table_head = ["| where | base median | cand median | change | 95% CI | p90 change |", "|---|---:|---:|---:|---|---:|"]
+    for title, rows in (("Regressions", rep.regressions), ("Improvements", rep.improvements)):
+        if not rows:
+            continue
+        out += [f"#### {title}", ""] + table_head
+        out += [f"| `{_where(r)}` | {_q(r['median']['base'], m)} | {_q(r['median']['cand'], m)} | "
+                f"{_pct(r['median']['change_pct'])} | {_ci(r['median'])} | {_pct(r['p90']['change_pct'])} |" for r in rows]
+        out.append("")
+        if title == "Regressions":
+            for r in rows:
+                lines = _explanation_lines(r, m)
+                if lines:
+                    out += [f"<details><summary>{_where(r)}: why</summary>", ""] + [f"- {x}" for x in lines] + ["", "</details>", ""]
+    if rep.kernel_count_increases:
+        out += ["#### Kernel count increases", "", "| where | base | cand |", "|---|---:|---:|"]
+        out += [f"| `{_where({**x, 'kernel': None})}` | {x['base_kernels']:g} | {x['cand_kernels']:g} |"
+                for x in rep.kernel_count_increases if x["layer"]] + [""]
+    if rep.notes:
+        out += ["#### Notes", ""] + [f"- {n}" for n in rep.notes]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def render_json(rep: DiffReport) -> str:
+    return json.dumps(rep.to_dict(), indent=2, default=str)
+
+
+def render_junit(rep: DiffReport) -> str:
+    """JUnit XML: one test case per aligned key, a failure per regression, so CI lists them."""
+    rows = [r for r in rep.rows if r["verdict"] not in ("added", "removed")]
+    suite = ET.Element("testsuite", name="trace-diff" + (" (kernel-name fallback)" if rep.fallback else ""),
+                       tests=str(len(rows)), failures=str(len(rep.regressions)), errors="0", skipped="0")
+    props = ET.SubElement(suite, "properties")
+    for k, v in {**rep.settings, "mode": rep.mode, "base": rep.base["name"], "cand": rep.cand["name"]}.items():
+        ET.SubElement(props, "property", name=str(k), value=str(v))
+    m = rep.settings["metric"]
+    for r in rows:
+        cls = "trace-diff.kernel-name-fallback" if rep.fallback else f"trace-diff.{r['layer']}"
+        case = ET.SubElement(suite, "testcase", classname=cls, name=r.get("kernel") or r["op"] or "(whole layer)", time="0")
+        if r["verdict"] == "regression":
+            msg = (f"{_where(r)}: {m} median {_q(r['median']['base'], m)} → {_q(r['median']['cand'], m)} "
+                   f"{_pct(r['median']['change_pct'])}, CI {_ci(r['median'])}")
+            fail_el = ET.SubElement(case, "failure", message=msg, type="regression")
+            fail_el.text = "\n".join([msg] + _explanation_lines(r, m))
+    ET.indent(suite)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
+
+
+RENDERERS = {"text": render_text, "markdown": render_markdown, "json": render_json}
+
+
+# -- the command --------------------------------------------------------------------------------
+
+@click.command("diff", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("base")
+@click.argument("cand")
+@click.option("--threshold", "threshold_pct", type=float, default=5.0, show_default=True,
+              help="Relative change (%) the whole CI must exceed to count.")
+@click.option("--metric", type=click.Choice(list(METRICS)), default="span", show_default=True,
+              help="Per-layer/op value compared over steps.")
+@click.option("--min-delta", type=float, default=None,
+              help="Absolute change the CI must also exceed (ns; kernels for --metric kernels). Default 1000 ns / 0.")
+@click.option("--layer-pattern", default=None, help="Regex for layer ranges (default L{idx}.{kind}, model.layers.{idx}).")
+@click.option("--step-pattern", default=None, help="Regex for step ranges (default step, ProfilerStep#N).")
+@click.option("--graph-reference", default=None, help="Eager trace attributing the kernels of a CUDA-graph side.")
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text", show_default=True)
+@click.option("--junit", default=None, help="Also write JUnit XML here (one failed case per regression).")
+@click.option("--output", default=None, help="Write the report here instead of stdout.")
+@verbose_option
+@with_boundary
+def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: float | None,
+            layer_pattern: str | None, step_pattern: str | None, graph_reference: str | None, fmt: str,
+            junit: str | None, output: str | None, verbose: bool) -> None:
+    """Compare CAND against BASE per (layer kind, layer index, op); exit 1 on a regression.
+
+    BASE and CAND are trace files, run folders or DB:RUN. A change fails only when its 95%
+    bootstrap interval over steps lies beyond --threshold.
+
+    \b
+    Example:
+      trace-diff traces/k3_stock_b1_k0_eager.json.gz traces/k3_fused_b1_k0_eager.json.gz --format markdown
+    """
+    if not threshold_pct > 0:
+        fail(f"--threshold must be > 0 (got {threshold_pct})")
+    kw = {k: v for k, v in (("layer_pattern", layer_pattern), ("step_pattern", step_pattern)) if v is not None}
+    b = open_side(base, "BASE", graph_reference, **kw)
+    c = open_side(cand, "CAND", graph_reference, **kw)
+    rep = compare(b, c, threshold_pct=threshold_pct, metric=metric, min_delta=min_delta)
+    body = RENDERERS[fmt](rep)
+    if output:
+        Path(output).write_text(body if body.endswith("\n") else body + "\n")
+    else:
+        click.echo(body.rstrip("\n"))
+    if junit:
+        Path(junit).write_text(render_junit(rep))
+    sys.exit(REGRESSION if rep.regressions else OK)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script `trace-diff`: usage errors also become one `error:` line and exit 2."""
+    try:
+        command.main(args=argv, prog_name="trace-diff", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        fail(exc.format_message().splitlines()[0], BAD_INPUT)
+    sys.exit(OK)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""trace-diff CLI: exit codes, one-line errors, and every output format (text, markdown, json, JUnit).
+
+The renderer and exit-code tests feed `open_side` hand-made samples (the layer_steps contract
+recomputed by brute force in tests/analyzers/test_diff_synth.py); the bad-input tests run the
+real argument handling and ingest. End-to-end runs over real traces are in test_trace_diff_e2e.py.
+"""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+import cli.trace_diff as td
+from cli.exit_codes import BAD_INPUT, OK, REGRESSION
+from tests.analyzers.test_diff_synth import FUSED, STOCK, Synth, sample
+
+SAMPLES = {"stock": lambda: sample(Synth(STOCK, seed=11), "stock", 1),
+           "fused": lambda: sample(Synth(FUSED, seed=12), "fused", 2),
+           "stock_again": lambda: sample(Synth(STOCK, seed=13), "stock_again", 3)}
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run `trace-diff argv` in-process; returns (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        td.main(argv)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.fixture
+def synthetic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """BASE/CAND names resolve to hand-made samples instead of ingested traces."""
+    for name in SAMPLES:
+        (tmp_path / name).write_text("placeholder")
+    monkeypatch.setattr(td, "open_side", lambda spec, role, ref, **kw: SAMPLES[Path(spec).name]())
+    return tmp_path
+
+
+def test_stock_to_fused_passes_with_improvements(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run([str(synthetic / "stock"), str(synthetic / "fused")], capsys)
+    assert code == OK, err
+    assert out.startswith("trace-diff: PASS") and "Improvements:" in out and "Regressions:" not in out
+
+
+def test_fused_to_stock_fails_in_every_format(synthetic: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    base, cand = str(synthetic / "fused"), str(synthetic / "stock")
+    junit = tmp_path / "junit.xml"
+    code, out, _ = run([base, cand, "--format", "json", "--junit", str(junit)], capsys)
+    assert code == REGRESSION
+    doc = json.loads(out)
+    assert doc["verdict"] == "regression" and doc["mode"] == "layers"
+    named = {(r["layer"], r["op"]) for r in doc["regressions"]}
+    assert ("L0.kda", "kda_recurrence") in named and ("L3.mla", None) in named
+    # JUnit, read back with the standard library: one failure per regression, named by layer and op
+    suite = ET.parse(junit).getroot()
+    failed = {(c.get("classname"), c.get("name")) for c in suite.iter("testcase") if c.find("failure") is not None}
+    assert int(suite.get("failures")) == len(failed) == len(doc["regressions"])
+    assert ("trace-diff.L0.kda", "kda_recurrence") in failed
+    code, md, _ = run([base, cand, "--format", "markdown"], capsys)
+    assert code == REGRESSION
+    assert md.startswith("### ❌") and "| `L0.kda / kda_recurrence` |" in md and "<details>" in md
+    out_file = tmp_path / "report.txt"
+    code, out, _ = run([base, cand, "--output", str(out_file)], capsys)
+    assert code == REGRESSION and out == "" and "Regressions:" in out_file.read_text()
+
+
+def test_same_configuration_passes(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run([str(synthetic / "stock"), str(synthetic / "stock_again"), "--format", "json"], capsys)
+    assert code == OK and json.loads(out)["regressions"] == []
+
+
+def test_kernels_metric_gates_on_count(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run([str(synthetic / "fused"), str(synthetic / "stock"), "--metric", "kernels", "--format", "json"], capsys)
+    assert code == REGRESSION
+    doc = json.loads(out)
+    assert doc["kernel_count_increases"] and all(r["median"]["delta"] > 0 for r in doc["regressions"])
+
+
+@pytest.mark.parametrize("argv_fn,needle", [
+    (lambda d: [str(d / "missing.json.gz"), str(d / "missing.json.gz")], "no such trace"),
+    (lambda d: [str(d / "bad.json")], "Missing argument"),
+    (lambda d: [str(d / "bad.json"), str(d / "bad.json"), "--threshold", "-1"], "--threshold must be > 0"),
+    (lambda d: [str(d / "bad.json"), str(d / "bad.json"), "--metric", "nope"], "nope"),
+    (lambda d: [str(d / "bad.json"), str(d / "bad.json")], "error: "),
+])
+def test_bad_inputs_exit_2_with_one_line(argv_fn, needle: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.json").write_text("{ not json")
+    code, out, err = run(argv_fn(tmp_path), capsys)
+    assert code == BAD_INPUT
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("error: ") and needle in err
+
+
+@pytest.mark.xfail(reason="tracer.ingest.kineto.read_run runs DROP on an aborted transaction, so the "
+                          "reader's BadInput is replaced by a store error (spine's code)", strict=False)
+def test_unreadable_trace_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.json").write_text("{ not json")
+    code, _, err = run([str(tmp_path / "bad.json"), str(tmp_path / "bad.json")], capsys)
+    assert code == BAD_INPUT and err.startswith(f"error: {tmp_path / 'bad.json'}: ")
+
+
+def test_store_with_several_runs_needs_db_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.analyzers.test_diff_synth import write_kineto
+    from tracer.ingest import ingest_path
+    from tracer.store import open_store
+
+    db = tmp_path / "runs.duckdb"
+    con = open_store(db)
+    for seed in (1, 2):
+        ingest_path(con, write_kineto(Synth(STOCK, steps=2, seed=seed), tmp_path / f"s{seed}.json.gz"), progress=False)
+    con.close()
+    code, _, err = run([str(db), f"{db}:1"], capsys)
+    assert code == BAD_INPUT and "holds 2 runs" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run([f"{db}:7", f"{db}:1"], capsys)
+    assert code == BAD_INPUT and "no run 7" in err and len(err.strip().splitlines()) == 1
+
+
+def test_decodescope_diff_is_the_same_command() -> None:
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    res = CliRunner().invoke(main, ["diff", "--help"])
+    assert res.exit_code == OK and "--graph-reference" in res.output and "--junit" in res.output
