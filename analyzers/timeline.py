@@ -1,0 +1,174 @@
+"""Timeline data for one rank of one run, cut to a time window on the server.
+
+Question: which kernels ran on which stream between t0 and t1, where was the device idle,
+and which layer was running? A million-kernel run cannot be shipped to a browser, so a window
+holding more than `cap` kernels comes back aggregated into equal time bins per stream instead
+(`mode == "binned"`); zooming in narrows the window until the raw kernels fit. The SQL is in
+`analyzers/sql/timeline/timeline.sql` (macros taking bound parameters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+# Layer names as our capture writes them (`L3.mla`) and as HF/vLLM modules do (`model.layers.3`).
+DEFAULT_LAYER_REGEX = r"^(L\d+\.\w+|.*\blayers\.\d+)$"
+DEFAULT_CAP = 20_000
+DEFAULT_BINS = 1_000
+
+# Device-side layer bands from the attribution table (kernel_attribution, TEMP, built by
+# analyzers.attribution.attribute): per step and layer, first start to last end of the
+# layer's kernels that overlap the window.
+ATTRIBUTION_BANDS_SQL = """
+SELECT a.layer, a.step_index, min(k.start_ns) AS start_ns, max(k.end_ns) AS end_ns
+FROM kernel_attribution AS a
+JOIN kernels AS k
+  ON k.run_id = a.run_id AND k.rank = a.rank AND k.kernel_id = a.item_id
+WHERE a.item_kind = 'kernel' AND a.run_id = $run AND a.rank = $rank AND a.layer IS NOT NULL
+  AND k.end_ns > $t0 AND k.start_ns < $t1
+GROUP BY a.layer, a.step_index
+ORDER BY start_ns
+"""
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the timeline draws for [start_ns, end_ns): raw kernels or per-stream bins."""
+
+    run_id: int
+    rank: int
+    start_ns: int
+    end_ns: int
+    total_kernels: int      # kernels overlapping the window, before any aggregation
+    mode: str               # 'kernels' (one row per kernel) or 'binned' (one row per stream and bin)
+    rows: pd.DataFrame
+    idle: pd.DataFrame      # device-idle intervals (start_ns, end_ns, gap_ns); only in 'kernels' mode
+
+
+def extent(con: duckdb.DuckDBPyConnection, run_id: int, rank: int = 0) -> dict[str, int] | None:
+    """First kernel start, last kernel end, kernel and stream counts of a rank; None if no kernels."""
+    row = con.execute("SELECT * FROM timeline_extent($run, $rank)", {"run": run_id, "rank": rank}).fetchall()[0]
+    if row[2] == 0:
+        return None
+    return {"first_start_ns": int(row[0]), "last_end_ns": int(row[1]), "kernels": int(row[2]),
+            "streams": int(row[3])}
+
+
+def steps(con: duckdb.DuckDBPyConnection, run_id: int, rank: int = 0) -> pd.DataFrame:
+    """The decode steps of a rank with their host range and device window (see timeline_steps)."""
+    return con.execute("SELECT * FROM timeline_steps($run, $rank)", {"run": run_id, "rank": rank}).df()
+
+
+def ranks(con: duckdb.DuckDBPyConnection, run_id: int) -> list[int]:
+    """The ranks that have kernels in a run."""
+    rows = con.execute("SELECT DISTINCT rank FROM kernels WHERE run_id = $run ORDER BY rank",
+                       {"run": run_id}).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def window(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_ns: int, end_ns: int,
+           cap: int = DEFAULT_CAP, bins: int = DEFAULT_BINS) -> Window:
+    """The kernels of [start_ns, end_ns), or their per-stream bins when more than `cap` overlap it."""
+    start_ns, end_ns = int(start_ns), int(end_ns)
+    if end_ns <= start_ns:
+        raise ValueError(f"empty window [{start_ns}, {end_ns})")
+    params = {"run": run_id, "rank": rank, "t0": start_ns, "t1": end_ns}
+    total = int(con.execute("SELECT kernels FROM timeline_window_count($run, $rank, $t0, $t1)",
+                            params).fetchall()[0][0])
+    if total <= cap:
+        rows = con.execute("SELECT * FROM timeline_window_kernels($run, $rank, $t0, $t1)", params).df()
+        idle = con.execute("SELECT * FROM timeline_window_idle($run, $rank, $t0, $t1)", params).df()
+        return Window(run_id, rank, start_ns, end_ns, total, "kernels", rows, idle)
+    rows = con.execute("SELECT * FROM timeline_window_bins($run, $rank, $t0, $t1, $bins)",
+                       {**params, "bins": int(bins)}).df()
+    idle = pd.DataFrame({"start_ns": pd.Series(dtype="int64"), "end_ns": pd.Series(dtype="int64"),
+                         "gap_ns": pd.Series(dtype="int64")})
+    return Window(run_id, rank, start_ns, end_ns, total, "binned", rows, idle)
+
+
+def layer_bands(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_ns: int, end_ns: int,
+                layer_regex: str = DEFAULT_LAYER_REGEX) -> pd.DataFrame:
+    """Device-side layer bands (layer, start_ns, end_ns) overlapping the window.
+
+    From the profiler's gpu_user_annotation projections when the trace has them; otherwise from
+    the kernel_attribution table when the caller has built it (CUDA-graph replays have no
+    projections). Empty when neither is available.
+    """
+    params = {"run": run_id, "rank": rank, "t0": int(start_ns), "t1": int(end_ns)}
+    bands = con.execute("SELECT * FROM timeline_window_annotation_bands($run, $rank, $t0, $t1, $re)",
+                        {**params, "re": layer_regex}).df()
+    if len(bands) or not _has_table(con, "kernel_attribution"):
+        return bands
+    return con.execute(ATTRIBUTION_BANDS_SQL, params).df()[["layer", "start_ns", "end_ns"]]
+
+
+def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    rows = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = $n", {"n": name}).fetchall()
+    return bool(rows[0][0])
+
+
+# -- the kernels table: one page of a run's kernels, sorted and filtered in the store --------
+# Identifiers come from these fixed lists; every value is a bound parameter.
+KERNEL_COLUMNS = ("kernel_id", "rank", "stream", "name", "category", "start_ns", "end_ns", "dur_ns",
+                  "correlation", "grid_x", "block_x", "registers_per_thread", "shared_mem_bytes")
+_TEXT_OPS = {"contains": ("ILIKE", "%{}%"), "notContains": ("NOT ILIKE", "%{}%"),
+             "equals": ("=", "{}"), "notEqual": ("<>", "{}"),
+             "startsWith": ("ILIKE", "{}%"), "endsWith": ("ILIKE", "%{}")}
+_NUMBER_OPS = {"equals": "=", "notEqual": "<>", "greaterThan": ">", "greaterThanOrEqual": ">=",
+               "lessThan": "<", "lessThanOrEqual": "<="}
+KERNEL_ROWS_SQL = """
+SELECT * FROM (
+  SELECT kernel_id, rank, stream, name, category, start_ns, end_ns, end_ns - start_ns AS dur_ns,
+         correlation, grid_x, block_x, registers_per_thread, shared_mem_bytes
+  FROM kernels WHERE run_id = $run
+) WHERE {where}
+ORDER BY {order}
+LIMIT $limit OFFSET $offset
+"""
+KERNEL_COUNT_SQL = """
+SELECT count(*) FROM (
+  SELECT kernel_id, rank, stream, name, category, start_ns, end_ns, end_ns - start_ns AS dur_ns,
+         correlation, grid_x, block_x, registers_per_thread, shared_mem_bytes
+  FROM kernels WHERE run_id = $run
+) WHERE {where}
+"""
+
+
+def kernel_rows(con: duckdb.DuckDBPyConnection, run_id: int, offset: int, limit: int,
+                sort: list[dict[str, str]], filters: dict[str, dict[str, Any]]) -> tuple[pd.DataFrame, int]:
+    """Rows [offset, offset+limit) of a run's kernels and how many match, for a paged grid.
+
+    `sort` and `filters` are AG Grid's sortModel and filterModel: [{"colId", "sort"}] and
+    {col: {"filterType": "text"|"number", "type": op, "filter": value}}. Unknown columns or
+    operators raise ValueError rather than being ignored.
+    """
+    where, params = ["TRUE"], {"run": run_id}
+    for i, (col, spec) in enumerate(sorted(filters.items())):
+        if col not in KERNEL_COLUMNS:
+            raise ValueError(f"unknown kernel column {col!r}")
+        op, key = spec.get("type", "contains"), f"f{i}"
+        if spec.get("filterType") == "number":
+            if op not in _NUMBER_OPS:
+                raise ValueError(f"unsupported number filter {op!r}")
+            where.append(f"{col} {_NUMBER_OPS[op]} ${key}")
+            params[key] = int(spec["filter"])
+        else:
+            if op not in _TEXT_OPS:
+                raise ValueError(f"unsupported text filter {op!r}")
+            sql_op, pattern = _TEXT_OPS[op]
+            where.append(f"CAST({col} AS VARCHAR) {sql_op} ${key}")
+            params[key] = pattern.format(str(spec.get("filter", "")))
+    order = []
+    for s in sort:
+        if s.get("colId") not in KERNEL_COLUMNS or s.get("sort") not in ("asc", "desc"):
+            raise ValueError(f"bad sort {s!r}")
+        order.append(f"{s['colId']} {s['sort'].upper()}")
+    order.append("kernel_id")
+    clause = " AND ".join(where)
+    total = int(con.execute(KERNEL_COUNT_SQL.format(where=clause), params).fetchall()[0][0])
+    rows = con.execute(KERNEL_ROWS_SQL.format(where=clause, order=", ".join(order)),
+                       {**params, "limit": int(limit), "offset": int(offset)}).df()
+    return rows, total

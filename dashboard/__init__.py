@@ -1,0 +1,1 @@
+"""decodescope dashboard: Dash pages over the store (see dashboard/app.py)."""

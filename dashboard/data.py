@@ -1,0 +1,222 @@
+"""The dashboard's one store accessor: connections, and the analyzer calls the pages need.
+
+Pages never write SQL and never hold data between requests. Each request borrows a cursor
+from a small per-process pool (`StorePool`, kept in the Flask app config, not in a module
+global): DuckDB cursors of one connection share the database but each has its own TEMP
+schema, so every pooled cursor gets the analyzer views loaded once. Analyzer functions that
+other engineers own are looked up when called; one that does not exist yet makes the page
+say "not available in this build" instead of showing made-up data.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import flask
+
+from analyzers import timeline
+from analyzers.views import load_views
+from tracer.errors import BadInput  # noqa: F401  (pages catch data.BadInput)
+from tracer.store import open_store
+
+CONFIG_KEY = "DECODESCOPE_STORE"
+NOT_AVAILABLE = "not available in this build"
+
+RUNS_SQL = """
+SELECT r.run_id, r.name, r.source, r.variant, r.gpu, r.world_size, r.graph_mode, r.tp_sim,
+       r.path, CAST(r.created_at AS VARCHAR) AS created_at, CAST(r.config AS VARCHAR) AS config,
+       (SELECT count(*) FROM kernels AS k WHERE k.run_id = r.run_id) AS kernels
+FROM runs AS r
+ORDER BY r.run_id
+"""
+STORE_FINGERPRINT_SQL = "SELECT count(*), coalesce(max(run_id), 0) FROM runs"
+
+
+class StorePool:
+    """One DuckDB database for this process, lent out as cursors with the analyzer views loaded.
+
+    `writable` is False when the store could only be opened read-only (another process holds
+    it); uploads are then refused with a message instead of failing half-way.
+    """
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, label: str, writable: bool, size: int = 8) -> None:
+        self._con = con
+        self.label = label
+        self.writable = writable
+        self._free: queue.LifoQueue[duckdb.DuckDBPyConnection] = queue.LifoQueue(maxsize=size)
+        self._write_lock = threading.Lock()
+        load_views(con)
+
+    @classmethod
+    def open(cls, path: str | Path | None) -> StorePool:
+        """Open the store at `path` (None: in memory) read-write, falling back to read-only."""
+        if path is None:
+            return cls(open_store(None), ":memory:", writable=True)
+        try:
+            return cls(open_store(path, read_only=False), str(path), writable=True)
+        except BadInput:
+            if not Path(path).exists():
+                raise
+            return cls(open_store(path, read_only=True), str(path), writable=False)
+
+    @contextlib.contextmanager
+    def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """Borrow a cursor for one request; it goes back to the pool afterwards."""
+        try:
+            cur = self._free.get_nowait()
+        except queue.Empty:
+            cur = self._con.cursor()
+            load_views(cur)
+        try:
+            yield cur
+        finally:
+            try:
+                self._free.put_nowait(cur)
+            except queue.Full:
+                cur.close()
+
+    def ingest(self, path: Path, name: str | None = None) -> list[Any]:
+        """Ingest a trace into the store (one transaction per run; BadInput leaves it unchanged)."""
+        if not self.writable:
+            raise BadInput(self.label, "the store is open read-only (another process holds it)")
+        from tracer.ingest import ingest_path
+
+        with self._write_lock, self.cursor() as cur:
+            return ingest_path(cur, path, name=name, progress=False)
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._free.get_nowait().close()
+            except queue.Empty:
+                break
+        self._con.close()
+
+
+def pool() -> StorePool:
+    """The pool of the app serving the current request."""
+    return flask.current_app.config[CONFIG_KEY]
+
+
+def analyzer(module: str, function: str) -> Callable[..., Any] | None:
+    """`analyzers.<module>.<function>` if this build has it, else None."""
+    try:
+        mod = importlib.import_module(f"analyzers.{module}")
+    except ImportError:
+        return None
+    fn = getattr(mod, function, None)
+    return fn if callable(fn) else None
+
+
+def call(module: str, function: str, *args: Any, **kwargs: Any) -> Any:
+    """Call an analyzer on a pooled cursor; raises NotAvailable when the build lacks it."""
+    fn = analyzer(module, function)
+    if fn is None:
+        raise NotAvailable(f"analyzers.{module}.{function}: {NOT_AVAILABLE}")
+    with pool().cursor() as cur:
+        try:
+            return fn(cur, *args, **kwargs)
+        except ModuleNotFoundError as exc:  # the analyzer is here, one it builds on is not
+            if not (exc.name or "").startswith("analyzers."):
+                raise
+            raise NotAvailable(f"analyzers.{module}.{function} needs {exc.name}: {NOT_AVAILABLE}") from None
+
+
+def definition(module: str, function: str) -> str | None:
+    """The analyzer's docstring: the metric's definition in the words its author wrote."""
+    fn = analyzer(module, function)
+    doc = getattr(fn, "__doc__", None) if fn else None
+    return " ".join(doc.split()) if doc else None
+
+
+class NotAvailable(Exception):
+    """An analyzer this page needs does not exist in this build."""
+
+
+# -- runs ----------------------------------------------------------------------------------
+def runs() -> list[dict[str, Any]]:
+    """Every run in the store with its metadata and kernel count, oldest first."""
+    with pool().cursor() as cur:
+        df = cur.execute(RUNS_SQL).df()
+    return [{k: _plain(v) for k, v in row.items()} for row in df.to_dict("records")]
+
+
+def store_fingerprint() -> tuple[int, int]:
+    """(number of runs, highest run id): tells a test or a page whether the store changed."""
+    with pool().cursor() as cur:
+        n, top = cur.execute(STORE_FINGERPRINT_SQL).fetchall()[0]
+    return int(n), int(top)
+
+
+def default_pair(all_runs: list[dict[str, Any]]) -> tuple[int | None, int | None]:
+    """The runs to compare by default: latest stock vs latest fused, else the first two, else one."""
+    stock = [r["run_id"] for r in all_runs if r.get("variant") == "stock"]
+    fused = [r["run_id"] for r in all_runs if r.get("variant") == "fused"]
+    if stock and fused:
+        return stock[-1], fused[-1]
+    ids = [r["run_id"] for r in all_runs]
+    if len(ids) >= 2:
+        return ids[0], ids[1]
+    return (ids[0], None) if ids else (None, None)
+
+
+def run_label(r: dict[str, Any]) -> str:
+    """A short human label: `#3 k3_stock_b1 (stock)`."""
+    variant = f" ({r['variant']})" if r.get("variant") else ""
+    return f"#{r['run_id']} {r['name']}{variant}"
+
+
+# -- timeline and kernels (our own analyzer) -----------------------------------------------
+def timeline_extent(run_id: int, rank: int) -> dict[str, int] | None:
+    with pool().cursor() as cur:
+        return timeline.extent(cur, run_id, rank)
+
+
+def timeline_steps(run_id: int, rank: int) -> list[dict[str, Any]]:
+    with pool().cursor() as cur:
+        df = timeline.steps(cur, run_id, rank)
+    return [{k: _plain(v) for k, v in row.items()} for row in df.to_dict("records")]
+
+
+def timeline_ranks(run_id: int) -> list[int]:
+    with pool().cursor() as cur:
+        return timeline.ranks(cur, run_id)
+
+
+def timeline_window(run_id: int, rank: int, start_ns: int, end_ns: int,
+                    cap: int = timeline.DEFAULT_CAP) -> tuple[timeline.Window, Any]:
+    """The window's kernels (or bins) and its layer bands."""
+    with pool().cursor() as cur:
+        win = timeline.window(cur, run_id, rank, start_ns, end_ns, cap=cap)
+        bands = timeline.layer_bands(cur, run_id, rank, start_ns, end_ns)
+    return win, bands
+
+
+def kernel_rows(run_id: int, offset: int, limit: int, sort: list[dict[str, str]] | None,
+                filters: dict[str, dict[str, Any]] | None) -> tuple[list[dict[str, Any]], int]:
+    """One page of the kernels table (sorted and filtered in the store) and the matching count."""
+    with pool().cursor() as cur:
+        df, total = timeline.kernel_rows(cur, run_id, offset, limit, sort or [], filters or {})
+    return [{k: _plain(v) for k, v in row.items()} for row in df.to_dict("records")], total
+
+
+def _plain(v: Any) -> Any:
+    """Numpy/pandas scalars to plain Python (JSON-able); NaN/NA to None."""
+    if v is None:
+        return None
+    try:
+        import pandas as pd
+
+        if pd.isna(v):
+            return None
+    except (TypeError, ValueError):
+        pass
+    if hasattr(v, "item"):
+        return v.item()
+    return v

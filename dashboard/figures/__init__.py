@@ -1,0 +1,1 @@
+"""Pure figure builders: rows in, plotly Figure out; tested without a browser."""

@@ -1,0 +1,87 @@
+"""Per-layer figures: stacked busy time by op, kernel counts, and the base-vs-candidate chart.
+
+Inputs are the analyzers' JSON shapes (analyzers.layers.layer_breakdown and compare); times
+arrive as integer ns and are shown in µs only at the axis (ns stay in the hover text).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+BUBBLE_COLOR = "#e4e7eb"
+
+
+def breakdown_bars(breakdown: dict[str, Any], title: str) -> go.Figure:
+    """Stacked bars per layer: busy time of each op (µs), plus the layer's bubble time on top."""
+    layers = breakdown.get("layers", [])
+    names = [layer["layer"] for layer in layers]
+    ops: list[str] = []
+    for layer in layers:
+        for op in layer.get("ops", []):
+            if op["op"] not in ops:
+                ops.append(op["op"])
+    fig = go.Figure()
+    for op in ops:
+        values = [next((o["busy_ns"] for o in layer.get("ops", []) if o["op"] == op), 0) for layer in layers]
+        fig.add_trace(go.Bar(x=names, y=[v / 1000 for v in values], name=str(op),
+                             customdata=values, hovertemplate="%{x} · " + str(op) + ": %{customdata:,} ns<extra></extra>"))
+    bubbles = [layer.get("bubble_ns", 0) or 0 for layer in layers]
+    fig.add_trace(go.Bar(x=names, y=[b / 1000 for b in bubbles], name="bubble", marker_color=BUBBLE_COLOR,
+                         customdata=bubbles, hovertemplate="%{x} · bubble: %{customdata:,} ns<extra></extra>"))
+    fig.update_layout(barmode="stack", title={"text": title}, yaxis_title="µs per layer (median over steps)",
+                      margin={"l": 60, "r": 10, "t": 50, "b": 80}, height=420, legend={"font": {"size": 10}})
+    return fig
+
+
+def kernel_bars(breakdown: dict[str, Any], title: str) -> go.Figure:
+    """Kernels per layer, stacked by op."""
+    layers = breakdown.get("layers", [])
+    names = [layer["layer"] for layer in layers]
+    ops: list[str] = []
+    for layer in layers:
+        for op in layer.get("ops", []):
+            if op["op"] not in ops:
+                ops.append(op["op"])
+    fig = go.Figure()
+    for op in ops:
+        fig.add_trace(go.Bar(x=names, y=[next((o["kernels"] for o in layer.get("ops", []) if o["op"] == op), 0)
+                                         for layer in layers], name=str(op)))
+    fig.update_layout(barmode="stack", title={"text": title}, yaxis_title="kernels per layer",
+                      margin={"l": 60, "r": 10, "t": 50, "b": 80}, height=360, showlegend=False)
+    return fig
+
+
+def seed_rows(compare: dict[str, Any]) -> list[dict[str, Any]]:
+    """The seed table's rows (per layer kind): µs and kernels per layer, base and candidate, ratio."""
+    rows = []
+    for k in compare.get("kinds", []):
+        b, c = k.get("base") or {}, k.get("cand") or {}
+        rows.append({
+            "kind": k.get("kind"),
+            "base_us": _us(b.get("ns_per_layer")), "base_ns": b.get("ns_per_layer"), "base_kernels": b.get("kernels_per_layer"),
+            "cand_us": _us(c.get("ns_per_layer")), "cand_ns": c.get("ns_per_layer"), "cand_kernels": c.get("kernels_per_layer"),
+            "time_ratio": k.get("time_ratio"), "kernel_ratio": k.get("kernel_ratio"),
+        })
+    return rows
+
+
+def compare_bars(compare: dict[str, Any]) -> go.Figure:
+    """µs per layer of each layer kind, base and candidate side by side (kernels in the hover)."""
+    rows = seed_rows(compare)
+    kinds = [r["kind"] for r in rows]
+    fig = go.Figure()
+    for side, label in (("base", compare.get("base", {}).get("name", "base")),
+                        ("cand", compare.get("cand", {}).get("name", "candidate"))):
+        fig.add_trace(go.Bar(x=kinds, y=[r[f"{side}_us"] for r in rows], name=str(label),
+                             customdata=[[r[f"{side}_ns"], r[f"{side}_kernels"]] for r in rows],
+                             hovertemplate="%{x}: %{customdata[0]:,} ns, %{customdata[1]} kernels per layer<extra></extra>",
+                             text=[f"{r[f'{side}_kernels']} k" if r[f"{side}_kernels"] is not None else "" for r in rows],
+                             textposition="outside"))
+    fig.update_layout(barmode="group", yaxis_title="µs per layer", xaxis_title="layer kind",
+                      margin={"l": 60, "r": 10, "t": 30, "b": 50}, height=380)
+    return fig
+
+
+def _us(ns: Any) -> float | None:
+    return None if ns is None else round(ns / 1000, 1)
