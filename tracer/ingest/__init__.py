@@ -21,7 +21,7 @@ import duckdb
 
 from tracer import classify
 from tracer.errors import BadInput
-from tracer.ingest import kineto
+from tracer.ingest import kineto, nsys_sqlite
 from tracer.ingest.progress import Progress
 from tracer.ingest.runmeta import RunMeta, insert_run
 from tracer.store import transaction
@@ -56,7 +56,7 @@ class Reader:
 
 READERS: tuple[Reader, ...] = (
     Reader("kineto", kineto.SUFFIXES, kineto.read_run),
-    # Reader("nsys", (".sqlite",), nsys_sqlite.read_run),  # one line per new format
+    Reader("nsys", nsys_sqlite.SUFFIXES, nsys_sqlite.read_run),
 )
 
 _RUN_FACTS_SQL = """

@@ -46,7 +46,8 @@ def _ints(*pairs: tuple[str, str]) -> tuple[Col, ...]:
 
 
 _GPU_COMMON = _ints(("start_ns", "start"), ("end_ns", "end"), ("device", "deviceId"),
-                    ("stream", "streamId"), ("correlation", "correlationId"), ("gpid", "globalPid"))
+                    ("context", "contextId"), ("stream", "streamId"), ("correlation", "correlationId"),
+                    ("gpid", "globalPid"))
 
 STAGING: tuple[Stage, ...] = (
     Stage("_nsys_kernel", "CUPTI_ACTIVITY_KIND_KERNEL", _GPU_COMMON + (
@@ -154,6 +155,24 @@ ENUM_TABLE_SQL = """
 CREATE OR REPLACE TEMP TABLE _nsys_enum (family VARCHAR, id BIGINT, label VARCHAR)
 """
 ENUM_INSERT_SQL = "INSERT INTO _nsys_enum VALUES (?, ?, ?)"
+
+# Synchronization records of nsys 2026.2 carry deviceId 0 for every process (seen in the
+# two-GPU nsys-ai exports: the process whose kernels all run on device 1 has its syncs on
+# "device 0" in the same context as those kernels). The context is right, so a sync takes the
+# device of the kernels and copies of its (process, context); returns how many moved.
+SYNC_DEVICE_FROM_CONTEXT_SQL = f"""
+WITH ctx AS (
+  SELECT (gpid >> 24) & {PID_MASK} AS pid, context, min(device) AS device, count(DISTINCT device) AS n
+  FROM (SELECT gpid, context, device FROM _nsys_kernel UNION ALL SELECT gpid, context, device FROM _nsys_memcpy
+        UNION ALL SELECT gpid, context, device FROM _nsys_memset)
+  WHERE context IS NOT NULL
+  GROUP BY ALL
+)
+UPDATE _nsys_sync AS s SET device = ctx.device
+FROM ctx
+WHERE ctx.pid IS NOT DISTINCT FROM ((s.gpid >> 24) & {PID_MASK}) AND ctx.context = s.context
+  AND ctx.n = 1 AND s.device IS DISTINCT FROM ctx.device
+"""
 
 # pid and tid from globalPid / globalTid.
 DERIVE_IDS_SQL = f"""
@@ -346,11 +365,13 @@ RANGES_CUT_SQL = "SELECT count(*) FROM _nsys_ranges WHERE cut"
 
 # Host rows of processes that have no GPU activity in the export: not stored, counted.
 HOST_ROWS_DROPPED_SQL = f"""
+WITH nv AS (
+  SELECT (gtid >> 24) & {PID_MASK} AS pid FROM _nsys_nvtx
+  WHERE event_type IN ({NVTX_PUSH_POP}, {NVTX_START_END}) AND start_ns IS NOT NULL
+)
 SELECT
   (SELECT count(*) FROM _nsys_calls AS h WHERE NOT EXISTS (SELECT 1 FROM _nsys_ranks AS r WHERE {_PROC_MATCH})),
-  (SELECT count(*) FROM _nsys_nvtx AS n0, LATERAL (SELECT (n0.gtid >> 24) & {PID_MASK} AS pid) AS h
-   WHERE n0.event_type IN ({NVTX_PUSH_POP}, {NVTX_START_END})
-     AND NOT EXISTS (SELECT 1 FROM _nsys_ranks AS r WHERE {_PROC_MATCH}))
+  (SELECT count(*) FROM nv AS h WHERE NOT EXISTS (SELECT 1 FROM _nsys_ranks AS r WHERE {_PROC_MATCH}))
 """
 
 HOST_THREADS_SQL = """
