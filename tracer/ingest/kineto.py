@@ -51,6 +51,8 @@ def _read_doc(con: duckdb.DuckDBPyConnection, path: Path) -> DocFacts:
     except duckdb.Error as exc:
         raise diagnose_json(path, exc) from None
     n_rows, no_events, base, dist, props, ds = con.execute(q.DOC_FACTS_SQL).fetchall()[0]
+    if n_rows == 0:
+        raise BadInput(path, "is empty (no JSON value)")
     if n_rows != 1:
         raise BadInput(path, f"holds {n_rows} top-level JSON values; a Kineto trace is one object")
     if no_events:
@@ -117,35 +119,35 @@ def _gpu_name(props: Any) -> str | None:
 
 def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, prog: Progress) -> RunMeta:
     """Write every per-run table for the Kineto files of one run; return its runs-row facts."""
+    # Staging tables are TEMP and created inside the caller's transaction: on any failure the
+    # rollback removes them with everything else, so they are dropped here only on success.
     con.execute(q.CREATE_EVENTS_SQL)
-    try:
-        docs: list[DocFacts] = []
-        for idx, path in enumerate(files):
-            prog.step(f"parsing {path.name}")
-            doc = _read_doc(con, path)
-            docs.append(doc)
-            declared = _declared_rank(doc)
-            con.execute(q.INSERT_EVENTS_SQL, [idx, declared if declared is not None else idx, doc.base_ns])
-            con.execute("DROP TABLE _kineto_doc")
-        declared_ranks = [_declared_rank(d) for d in docs]
-        by_declared = None not in declared_ranks and len(set(declared_ranks)) == len(docs)
-        ranks = declared_ranks if by_declared else list(range(len(docs)))
-        if not by_declared and len(docs) > 1:
-            con.execute("UPDATE _kineto_ev SET rank = file_idx")
-        _check_events(con, files)
+    docs: list[DocFacts] = []
+    for idx, path in enumerate(files):
+        prog.step(f"parsing {path.name}")
+        doc = _read_doc(con, path)
+        docs.append(doc)
+        declared = _declared_rank(doc)
+        con.execute(q.INSERT_EVENTS_SQL, [idx, declared if declared is not None else idx, doc.base_ns])
+        con.execute("DROP TABLE _kineto_doc")
+    declared_ranks = [_declared_rank(d) for d in docs]
+    by_declared = None not in declared_ranks and len(set(declared_ranks)) == len(docs)
+    ranks = declared_ranks if by_declared else list(range(len(docs)))
+    if not by_declared and len(docs) > 1:
+        con.execute("UPDATE _kineto_ev SET rank = file_idx")
+    _check_events(con, files)
 
-        prog.step("writing tables")
-        for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL,
-                    q.INSERT_GPU_ANNOTATIONS_SQL, q.INSERT_GPU_SYNCS_SQL):
-            con.execute(sql, [run_id])
-        prog.step("nesting ranges")
-        _nest_ranges(con)
-        con.execute(q.INSERT_RANGES_SQL, [run_id])
+    prog.step("writing tables")
+    for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL,
+                q.INSERT_GPU_ANNOTATIONS_SQL, q.INSERT_GPU_SYNCS_SQL):
+        con.execute(sql, [run_id])
+    prog.step("nesting ranges")
+    _nest_ranges(con)
+    con.execute(q.INSERT_RANGES_SQL, [run_id])
 
-        counts = con.execute(q.EVENT_COUNTS_SQL).fetchall()
-        graph_launches = int(con.execute(q.GRAPH_LAUNCHES_SQL).fetchall()[0][0])
-    finally:
-        con.execute(q.DROP_STAGING_SQL)
+    counts = con.execute(q.EVENT_COUNTS_SQL).fetchall()
+    graph_launches = int(con.execute(q.GRAPH_LAUNCHES_SQL).fetchall()[0][0])
+    con.execute(q.DROP_STAGING_SQL)
 
     ds = next((d.decodescope for d in docs if d.decodescope is not None), None)
     capture_rows: list[list[Any]] = []
