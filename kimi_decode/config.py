@@ -68,6 +68,9 @@ class KimiConfig:
     weight_chunks: int = 16             # seeding granularity of sharded weights (>= any tp used)
     expert_weight_format: str = "bf16 (de-quantised from MXFP4)"
     kv_cache_dtype: str = "bf16"
+    # routed experts: "grouped_mm" (torch._grouped_mm: each selected expert read once),
+    # "gather_bmm" (gpt-fast style gather + bmm), or "auto" (grouped_mm when torch has it)
+    expert_impl: str = "auto"
     # --- run parameters ---
     batch: int = 1
     spec_tokens: int = 0                # k: draft rows verified per sequence (0 or 7)
@@ -84,6 +87,10 @@ class KimiConfig:
 
     def __post_init__(self) -> None:
         self.layers = tuple(int(i) for i in self.layers)
+        if self.expert_impl == "auto":
+            self.expert_impl = "grouped_mm" if hasattr(torch, "_grouped_mm") else "gather_bmm"
+        if self.expert_impl not in ("grouped_mm", "gather_bmm"):
+            raise ValueError(f"unknown expert_impl {self.expert_impl!r}")
         if self.spec_tokens not in (0, 7) and self.batch * (1 + self.spec_tokens) > 512:
             raise ValueError("spec_tokens must be small (0 or 7 in K3 practice)")
         if not 1 <= self.batch <= 64:

@@ -220,7 +220,8 @@ class LatentMoE(nn.Module):
         self.w13 = _param(torch.cat([w1, zpad, w3, zpad], dim=1), dt)                  # [E, 2*Ip, L]
         w2 = seed.sharded("w2", (E, L, If), 2, If ** -0.5)
         self.w2 = _param(torch.cat([w2, zpad.transpose(1, 2)], dim=2), dt)             # [E, L, Ip]
-        self.expert_impl = "grouped_mm" if hasattr(torch, "_grouped_mm") else "gather_bmm"
+        self.expert_impl = cfg.expert_impl
+        self.last_idx: torch.Tensor | None = None  # the latest routing, for byte counts in bench
 
     def _experts(self, z: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """e[m, j] = w2_e · SiTU(w1_e z_m, w3_e z_m) for e = idx[m, j]; returns [M, K, L]."""
@@ -256,6 +257,7 @@ class LatentMoE(nn.Module):
         with op_range("routing"):
             s = torch.sigmoid(logits)
             idx = torch.topk(s + self.bias, cfg.top_k, dim=-1).indices                  # bias: selection only
+            self.last_idx = idx
             w = s.gather(-1, idx)
             w = w / w.sum(-1, keepdim=True) * cfg.routed_scaling                       # [M, K] fp32
         with op_range("experts"):

@@ -15,6 +15,7 @@ import math
 import torch
 
 F64 = torch.float64
+LAZY = ("mlp.w13", "mlp.w2")
 
 
 def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -34,10 +35,12 @@ class Reference:
         self.sim_world, self.rank = sim_world, rank
         self.layers = []
         for layer in model.layers:
-            p = {k: v.detach().to(F64).clone() for k, v in layer.named_parameters()}
+            # expert stacks stay in their dtype (GBs at K3 size): rows are upcast when used
+            p = {k: v.detach() if k in LAZY else v.detach().to(F64).clone() for k, v in layer.named_parameters()}
             st = {k: v.detach().to(F64).clone() for k, v in layer.named_buffers()}
             self.layers.append((layer.idx, layer.kind, p, st))
         self.pos = int(model.pos.item())
+        self.routes: list[torch.Tensor] = []  # chosen experts per MoE row, in call order
 
     # --- pieces -------------------------------------------------------------------------
     def attn_res(self, sources: list[torch.Tensor], w_fused: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -58,7 +61,7 @@ class Reference:
         Wq, Wk, Wv, Wg = (W[i * P:(i + 1) * P] for i in range(4))
         Wfa, Wb = W[4 * P:4 * P + d], W[4 * P + d:4 * P + d + H]
         conv_w = p["attn.conv_w"]                                     # [3P, 4]
-        out = torch.zeros(B * T, P, dtype=F64)
+        out = torch.zeros(B * T, P, dtype=F64, device=x.device)
         for b in range(B):
             hist = st["attn.conv_state"][b].clone()                   # [3P, 3] previous inputs
             S = st["attn.rec_state"][b].clone()                       # [H, d, d]
@@ -73,13 +76,13 @@ class Reference:
                 fb = p["attn.f_b"] @ (Wfa @ xr)                        # [P]
                 beta = torch.sigmoid(Wb @ xr)                          # [H]
                 gate = torch.sigmoid(Wg @ xr).view(H, d)
-                o = torch.zeros(H, d, dtype=F64)
+                o = torch.zeros(H, d, dtype=F64, device=x.device)
                 for h in range(H):
                     qh = q[h] / max(q[h].norm(), 1e-6) / math.sqrt(d)
                     kh = k[h] / max(k[h].norm(), 1e-6)
                     A = torch.exp(p["attn.a_log"][h])
                     g = cfg.gate_lower_bound * torch.sigmoid(A * (fb[h * d:(h + 1) * d] + p["attn.dt_bias"][h * d:(h + 1) * d]))
-                    S[h] = (torch.eye(d, dtype=F64) - beta[h] * torch.outer(kh, kh)) @ torch.diag(torch.exp(g)) @ S[h] \
+                    S[h] = (torch.eye(d, dtype=F64, device=x.device) - beta[h] * torch.outer(kh, kh)) @ torch.diag(torch.exp(g)) @ S[h] \
                         + beta[h] * torch.outer(kh, v[h])
                     o[h] = rms(S[h].T @ qh, p["attn.o_norm"], cfg.rms_eps) * gate[h]
                 out[b * T + t] = o.reshape(P)
@@ -92,7 +95,7 @@ class Reference:
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
         nope, rope, c, ql, vd = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim
         kv_b = p["attn.kv_b"].view(H, nope + vd, c)
-        out = torch.zeros(B * T, H * vd, dtype=F64)
+        out = torch.zeros(B * T, H * vd, dtype=F64, device=x.device)
         cache = st["attn.cache"]
         for b in range(B):
             for t in range(T):
@@ -116,15 +119,17 @@ class Reference:
     def moe(self, p: dict, y: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         I, Ip, Is, K = cfg.expert_local_inter, cfg.expert_local_inter_padded, cfg.shared_local_inter, cfg.top_k
-        r = torch.zeros(y.shape[0], cfg.latent_dim, dtype=F64)
+        r = torch.zeros(y.shape[0], cfg.latent_dim, dtype=F64, device=y.device)
         for i, yr in enumerate(y):
             s = torch.sigmoid(p["mlp.router"] @ yr)
             chosen = torch.argsort(s + p["mlp.bias"], descending=True)[:K]
+            self.routes.append(chosen)
             wts = s[chosen] / s[chosen].sum() * cfg.routed_scaling
             z = p["mlp.down"] @ yr
             for e, wt in zip(chosen.tolist(), wts):
-                w1, w3 = p["mlp.w13"][e, :I], p["mlp.w13"][e, Ip:Ip + I]
-                r[i] += wt * (p["mlp.w2"][e, :, :I] @ situ(w1 @ z, w3 @ z, cfg.situ_beta, cfg.situ_linear_beta))
+                w1, w3 = p["mlp.w13"][e, :I].to(F64), p["mlp.w13"][e, Ip:Ip + I].to(F64)
+                w2 = p["mlp.w2"][e, :, :I].to(F64)
+                r[i] += wt * (w2 @ situ(w1 @ z, w3 @ z, cfg.situ_beta, cfg.situ_linear_beta))
         r = rms(self.all_reduce(r), p["mlp.latent_norm"], cfg.rms_eps)
         gu = y @ p["mlp.shared_gate_up"].T
         sh = situ(gu[:, :Is], gu[:, Is:], cfg.situ_beta, cfg.situ_linear_beta) @ p["mlp.shared_down"].T

@@ -1,0 +1,231 @@
+"""Per-layer decode benchmark of kimi_decode variants on the GPU, written to bench/decode.md.
+
+For each (variant, B, k): per-layer time from CUDA events around each replay of a CUDA graph
+holding ONE layer (many replays; median, p10, p90 per layer kind), the full-step graph time,
+kernels per layer (one profiled eager step, kernels attributed to `L{idx}.{kind}` ranges),
+bytes one rank reads per layer (weights as used: experts = distinct selected experts x one
+expert slice, the up-projection's row shard only; plus KDA state read+write and the MLA cache
+read) and the floor bytes / copy bandwidth, with the device-to-device copy bandwidth
+measured in the same run (bytes read + written).
+
+    python -m bench.decode --variant stock --batch 1 8 64 --json out.json   # on the GPU
+    python -m bench.decode --render out.json                                 # update decode.md
+
+decode.md keeps every variant's numbers in a JSON block at its end; rendering merges the new
+results in (replacing the same variant and shape) and prints the variants side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MD_PATH = Path(__file__).with_name("decode.md")
+DATA_RE = re.compile(r"<!-- decode-bench-data\n(.*?)\n-->", re.S)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median of reps)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
+    """Microseconds of each of `reps` back-to-back replays (one event pair each)."""
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for _ in range(5):
+        graph.replay()
+    for a, b in evs:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in evs]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def layer_bytes(layer: torch.nn.Module, cfg: Any) -> dict[str, int]:
+    """Bytes one rank reads for this layer in one step (weights as used, plus state)."""
+    w = 0
+    for name, p in layer.named_parameters():
+        size = p.numel() * p.element_size()
+        if name in ("mlp.w13", "mlp.w2"):
+            idx = layer.mlp.last_idx
+            size = size // p.shape[0] * int(torch.unique(idx).numel())
+        elif name == "mlp.up":
+            size = size * cfg.row_shard // cfg.hidden
+        elif name == "attn.kv_b":  # absorbed into w_uk_t / w_uv at load, unused in decode
+            size = 0
+        w += size
+    state = 0
+    for name, b in layer.named_buffers():
+        size = b.numel() * b.element_size()
+        state += size if name.endswith("cache") else 2 * size  # cache read; KDA state read + write
+    return {"weight_bytes": w, "state_bytes": state}
+
+
+def bench_config(variant: str, cfg: Any, reps: int) -> dict[str, Any]:
+    from kimi_decode.runner import build, eager_step, prepare
+    from tracer.capture import kernels_with_ops, profile_trace
+
+    model, _ = build(variant, cfg, "cuda")
+    m, prefix, blocks = model.make_inputs()
+    prepare(model, (m, prefix, blocks), graph=False, warmup=3)
+    kernels = kernels_with_ops(profile_trace(eager_step(model, (m, prefix, blocks)), 1, True))
+    per_layer_kernels: dict[str, int] = defaultdict(int)
+    for k in kernels:
+        if k["layer"]:
+            per_layer_kernels[k["layer"]] += 1
+    layers = []
+    with torch.no_grad():
+        for layer in model.layers:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                layer(m, prefix, blocks, model.pos)
+            us = time_replays(g, reps)
+            name = f"L{layer.idx}.{layer.kind}"
+            layers.append({"layer": name, "kind": layer.kind, "median_us": statistics.median(us),
+                           "p10_us": pct(us, 0.1), "p90_us": pct(us, 0.9),
+                           "kernels": per_layer_kernels.get(name, 0), **layer_bytes(layer, cfg)})
+            del g
+    step = prepare(model, (m, prefix, blocks), graph=True, warmup=0)
+    step_us = time_replays(step.graph, reps)
+    del step, model
+    torch.cuda.empty_cache()
+    return {"variant": variant, "batch": cfg.batch, "spec_tokens": cfg.spec_tokens, "rows": cfg.rows,
+            "layers": layers, "step_median_us": statistics.median(step_us),
+            "step_p10_us": pct(step_us, 0.1), "step_p90_us": pct(step_us, 0.9),
+            "config": cfg.to_dict()}
+
+
+def by_kind(result: dict[str, Any], bw: float) -> dict[str, dict[str, float]]:
+    """Per layer kind: median over that kind's layers of each figure."""
+    out: dict[str, dict[str, float]] = {}
+    kinds = sorted({r["kind"] for r in result["layers"]})
+    for kind in kinds:
+        rows = [r for r in result["layers"] if r["kind"] == kind]
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        mb = med("weight_bytes") + med("state_bytes")
+        out[kind] = {"n": len(rows), "median_us": med("median_us"), "p10_us": med("p10_us"),
+                     "p90_us": med("p90_us"), "kernels": med("kernels"), "mb": mb / 1e6,
+                     "floor_us": mb / bw * 1e6}
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    """decode.md from all stored results."""
+    runs, meta = data["results"], data["meta"]
+    lines = ["# Kimi K3 decode step: per-layer benchmark", "",
+             "Written by `bench/decode.py` (run on the GPU machine; `--render` merges its JSON here).",
+             "Per-layer time: CUDA events around each replay of a CUDA graph holding one layer (so each",
+             "figure includes one graph launch, ~4 us on this GPU). Bytes: weights as one rank reads them",
+             "(experts: distinct selected experts x one padded expert slice; up-projection: row shard)",
+             "plus KDA state read+write and the whole MLA cache buffer read. Floor = bytes / measured",
+             "copy bandwidth. Kernels: one profiled eager step, attributed to `L{idx}.{kind}` ranges.", ""]
+    for variant, m in sorted(meta.items()):
+        lines.append(f"- **{variant}**: {m['date']}, commit `{m['commit']}`, {m['gpu']}, torch {m['torch']} "
+                     f"(CUDA {m['cuda']}), copy bandwidth {m['copy_bw_tbs']:.2f} TB/s, {m['reps']} replays, "
+                     f"layers {m['layers']}, tp_sim={m['tp_sim']}, experts {m['expert_impl']}")
+    lines += ["", "| variant | B | k | M | kind | layers | median us | p10 us | p90 us | kernels/layer | MB read/layer | floor us | step median us |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["spec_tokens"], r["batch"], r["variant"])):
+        bw = meta[r["variant"]]["copy_bw_tbs"] * 1e12
+        for kind, s in by_kind(r, bw).items():
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['spec_tokens']} | {r['rows']} | {kind} | {s['n']} | "
+                         f"{s['median_us']:.1f} | {s['p10_us']:.1f} | {s['p90_us']:.1f} | {s['kernels']:.0f} | "
+                         f"{s['mb']:.1f} | {s['floor_us']:.1f} | {r['step_median_us']:.1f} |")
+    variants = sorted(meta)
+    if len(variants) > 1:
+        lines += ["", "## Side by side (median us per layer)", "",
+                  "| B | k | kind | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
+        table: dict[tuple, dict[str, float]] = defaultdict(dict)
+        for r in runs:
+            bw = meta[r["variant"]]["copy_bw_tbs"] * 1e12
+            for kind, s in by_kind(r, bw).items():
+                table[(r["batch"], r["spec_tokens"], kind)][r["variant"]] = s["median_us"]
+        for (b, k, kind), vals in sorted(table.items()):
+            cells = " | ".join(f"{vals[v]:.1f}" if v in vals else "-" for v in variants)
+            lines.append(f"| {b} | {k} | {kind} | {cells} |")
+    lines += ["", "<!-- decode-bench-data", json.dumps(data), "-->", ""]
+    return "\n".join(lines)
+
+
+def merge(new: dict[str, Any], md_path: Path = MD_PATH) -> dict[str, Any]:
+    """Stored results with `new` merged in (same variant and shape replaced)."""
+    old: dict[str, Any] = {"results": [], "meta": {}}
+    if md_path.exists():
+        found = DATA_RE.search(md_path.read_text())
+        if found:
+            old = json.loads(found.group(1))
+    key = lambda r: (r["variant"], r["batch"], r["spec_tokens"])  # noqa: E731
+    fresh = {key(r) for r in new["results"]}
+    return {"results": [r for r in old["results"] if key(r) not in fresh] + new["results"],
+            "meta": {**old["meta"], **new["meta"]}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", nargs="+", default=["stock"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--spec", type=int, nargs="+", default=[0], help="k values; k=7 runs at B=1 only")
+    ap.add_argument("--layers", default="4-7")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--expert-impl", default="auto", choices=["auto", "grouped_mm", "gather_bmm"])
+    ap.add_argument("--json", type=Path, help="write results here (GPU run)")
+    ap.add_argument("--render", type=Path, help="merge this results JSON into decode.md")
+    args = ap.parse_args(argv)
+    if args.render:
+        MD_PATH.write_text(render(merge(json.loads(args.render.read_text()))))
+        print(f"updated {MD_PATH}")
+        return
+    from cli.commands.capture import parse_layers
+    from kimi_decode.config import k3_tp16
+    from tracer.capture import git_commit
+
+    bw = copy_bandwidth()
+    shapes = [(b, 0) for b in args.batch if 0 in args.spec] + [(1, k) for k in args.spec if k]
+    results, meta = [], {}
+    for variant in args.variant:
+        for b, k in shapes:
+            cfg = k3_tp16(batch=b, spec_tokens=k, layers=parse_layers(args.layers), tp_sim=True,
+                          expert_impl=args.expert_impl)
+            r = bench_config(variant, cfg, args.reps)
+            results.append(r)
+            for kind, s in by_kind(r, bw).items():
+                print(f"{variant} B={b} k={k} {kind}: {s['median_us']:.1f} us (p10 {s['p10_us']:.1f}, p90 "
+                      f"{s['p90_us']:.1f}), {s['kernels']:.0f} kernels, {s['mb']:.1f} MB, floor {s['floor_us']:.1f} us",
+                      flush=True)
+        meta[variant] = {"date": _dt.date.today().isoformat(), "commit": git_commit(),
+                         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                         "copy_bw_tbs": bw / 1e12, "reps": args.reps, "layers": args.layers, "tp_sim": True,
+                         "expert_impl": k3_tp16(expert_impl=args.expert_impl).expert_impl}
+    out = {"results": results, "meta": meta}
+    if args.json:
+        args.json.write_text(json.dumps(out))
+    else:
+        MD_PATH.write_text(render(merge(out)))
+
+
+if __name__ == "__main__":
+    main()

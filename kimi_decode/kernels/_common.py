@@ -1,0 +1,101 @@
+"""Small pieces every kernel module shares: pointers from torch tensors, the current stream,
+a compile cache, and a CTA-wide sum.
+
+Kernels take raw pointers plus runtime sizes (as NVIDIA's CuTe DSL rmsnorm example does), so
+one compiled kernel serves every call of a configuration and a call costs a few pointer
+conversions instead of a DLPack export per tensor.
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sets the sm_90a target before cutlass is imported)
+
+from collections.abc import Callable
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.runtime import make_ptr
+
+TORCH_TO_CUTE = {
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.float32: cutlass.Float32,
+    torch.int32: cutlass.Int32,
+    torch.int64: cutlass.Int64,
+    torch.uint8: cutlass.Uint8,
+}
+ALIGN = 16  # bytes: every pointer we pass is 16-byte aligned (checked in ptr())
+
+
+def ptr(t: torch.Tensor) -> cute.Pointer:
+    """A global-memory pointer to `t`'s data; `t` must be contiguous and 16-byte aligned."""
+    if not t.is_contiguous():
+        raise ValueError("kernel operands must be contiguous")
+    if t.data_ptr() % ALIGN:
+        raise ValueError(f"kernel operand not {ALIGN}-byte aligned")
+    return make_ptr(TORCH_TO_CUTE[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, assumed_align=ALIGN)
+
+
+def dummy_ptr(dtype: torch.dtype) -> cute.Pointer:
+    """A placeholder pointer with the right element type, for compiling without data."""
+    return make_ptr(TORCH_TO_CUTE[dtype], ALIGN, cute.AddressSpace.gmem, assumed_align=ALIGN)
+
+
+def compile_options(extra: str = "") -> str:
+    """`--gpu-arch sm_90a` unless a GPU is present (then the DSL targets the GPU it finds).
+    Passed explicitly because the environment default is read once, when cutlass is first
+    imported, which may happen before this package is."""
+    arch = "" if torch.cuda.is_available() else "--gpu-arch sm_90a"
+    return " ".join(x for x in (arch, extra) if x)
+
+
+def current_stream() -> cuda.CUstream:
+    """torch's current CUDA stream (so kernels join CUDA-graph capture), or the null stream."""
+    if torch.cuda.is_available():
+        return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    return cuda.CUstream(0)
+
+
+_CACHE: dict[Any, Any] = {}
+
+
+def compiled(key: Any, build: Callable[[], Any]) -> Any:
+    """Compile once per key (a kernel class plus its compile-time configuration)."""
+    fn = _CACHE.get(key)
+    if fn is None:
+        fn = _CACHE[key] = build()
+    return fn
+
+
+@cute.jit
+def block_sum(val: Float32, red: cute.Tensor, slot: Int32, num_warps: cutlass.Constexpr[int]) -> Float32:
+    """Sum of `val` over all threads of the CTA: warp shuffles, then one value per warp in
+    `red[slot, warp]` (shared memory), then every thread adds the warp sums. The caller makes
+    sure `slot` is not reused before all threads have read it (two slots alternate, or a
+    barrier)."""
+    val = cute.arch.warp_reduction_sum(val)
+    if cute.arch.lane_idx() == 0:
+        red[slot, cute.arch.warp_idx()] = val
+    cute.arch.sync_threads()
+    total = Float32(0.0)
+    for w in cutlass.range_constexpr(num_warps):
+        total += red[slot, w]
+    return total
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    """1 / (1 + exp(-x))."""
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+
+
+def cuda_available() -> bool:
+    """True when kernels can be launched (a GPU and its driver are present)."""
+    return torch.cuda.is_available()
+
+
+__all__ = ["ptr", "dummy_ptr", "compile_options", "current_stream", "compiled", "block_sum", "sigmoid", "Int32", "Float32"]

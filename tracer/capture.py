@@ -1,0 +1,205 @@
+"""Run a kimi_decode step under the PyTorch profiler and write a Kineto trace that carries
+its own metadata: a top-level `decodescope` object (read by the ingest into `runs` and
+`graph_capture_map`, tracer/schema.sql).
+
+Eager mode: the profiled steps show every kernel under its `step` / `L{idx}.{kind}` / op
+annotations. Graph mode: replayed kernels have no enclosing annotation, so the same process
+first profiles ONE eager step of the identical model and inputs, and records its kernels in
+start order with their (step, layer, op) as `graph_capture_map`; the first profiled replay is
+then checked against that list, kernel name by kernel name (`graph_capture_map_matched`).
+`comm_streams` are read off the written trace itself (Kineto's `args.stream` numbering): the
+streams that only collective ops (`comm_ops`) launched kernels on.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_decode.config import KimiConfig
+from kimi_decode.ranges import COMM_OPS, COMM_OPS_REGEX, OPS, STEP
+from kimi_decode.runner import Step, build, eager_step, prepare
+
+LAYER_RE = re.compile(r"^L\d+\.(kda|mla|dense)$")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout (DECODESCOPE_COMMIT wins: the GPU machine gets no .git)."""
+    if os.environ.get("DECODESCOPE_COMMIT"):
+        return os.environ["DECODESCOPE_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def profile_trace(step: Step, n: int, cuda: bool) -> dict[str, Any]:
+    """Profile n calls of `step` (CPU + CUPTI activities, no stacks or shapes); the Kineto JSON."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False,
+                                profile_memory=False, with_flops=False) as prof:
+        for _ in range(n):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def _events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+
+
+def kernels_with_ops(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every kernel, start order, with the step / layer / op annotations enclosing its launch.
+
+    A kernel's launch is the runtime or driver call with the same correlation id; the
+    annotations are user_annotation ranges on the launching thread that contain that call.
+    """
+    evs = _events(trace)
+    anns: dict[tuple, list[dict]] = defaultdict(list)
+    launches: dict[int, dict] = {}
+    kernels = []
+    for e in evs:
+        cat = e.get("cat")
+        if cat == "user_annotation":
+            anns[(e.get("pid"), e.get("tid"))].append(e)
+        elif cat in LAUNCH_CATS and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+        elif cat == "kernel":
+            kernels.append(e)
+    out = []
+    for k in sorted(kernels, key=lambda e: float(e["ts"])):
+        args = k.get("args", {})
+        launch = launches.get(args.get("correlation"))
+        step = layer = op = None
+        if launch is not None:
+            t = float(launch["ts"])
+            enclosing = [a for a in anns[(launch.get("pid"), launch.get("tid"))]
+                         if float(a["ts"]) <= t <= float(a["ts"]) + float(a.get("dur", 0))]
+            for a in sorted(enclosing, key=lambda a: float(a["ts"])):  # outermost first
+                if a["name"] == STEP:
+                    step = a["name"]
+                elif LAYER_RE.match(a["name"]):
+                    layer = a["name"]
+                elif a["name"] in OPS:
+                    op = a["name"]
+        out.append({"name": k["name"], "ts": float(k["ts"]), "stream": args.get("stream"),
+                    "correlation": args.get("correlation"),
+                    "launch": launch["name"] if launch else None,
+                    "step": step, "layer": layer, "op": op})
+    return out
+
+
+def graph_replays(kernels: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Kernels grouped by the cudaGraphLaunch that replayed them, replays in time order."""
+    groups: dict[Any, list] = defaultdict(list)
+    for k in kernels:
+        if k["launch"] and "GraphLaunch" in k["launch"]:
+            groups[k["correlation"]].append(k)
+    return sorted(groups.values(), key=lambda g: g[0]["ts"])
+
+
+def comm_streams(kernels: list[dict[str, Any]]) -> list[int]:
+    """Streams on which only collective ops launched kernels (Kineto numbering)."""
+    comm = {k["stream"] for k in kernels if k["op"] in COMM_OPS}
+    other = {k["stream"] for k in kernels if k["op"] not in COMM_OPS}
+    return sorted(s for s in comm - other if s is not None)
+
+
+def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
+            warmup: int = 3, device: str | None = None) -> dict[str, Any]:
+    """Build, warm up, (capture,) profile `steps` steps, write `out` (.json or .json.gz).
+
+    Returns the `decodescope` metadata object written into the trace.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    model, rt = build(variant, cfg, device)
+    inputs = model.make_inputs()
+    notes: list[str] = []
+    cmap: list[dict[str, Any]] = []
+    eager_kernels: list[dict[str, Any]] = []
+    if graph:
+        prepare(model, inputs, graph=False, warmup=warmup)
+        # Same process, same model and inputs: one eager step gives the launch order and ops.
+        eager_kernels = [k for k in kernels_with_ops(profile_trace(eager_step(model, inputs), 1, cuda))
+                         if k["step"] == STEP]
+        cmap = [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"],
+                 "op": k["op"]} for i, k in enumerate(eager_kernels)]
+        step = prepare(model, inputs, graph=True, warmup=0)
+    else:
+        step = prepare(model, inputs, graph=False, warmup=warmup)
+    trace = profile_trace(step, steps, cuda)
+    kernels = kernels_with_ops(trace)
+    matched: bool | None = None
+    if graph:
+        replays = graph_replays(kernels)
+        first = [k["name"] for k in replays[0]] if replays else []
+        matched = first == [m["kernel_name"] for m in cmap]
+        if not matched:
+            same_set = sorted(first) == sorted(m["kernel_name"] for m in cmap)
+            notes.append(f"first replay has {len(first)} kernels vs {len(cmap)} in the eager map; "
+                         f"same multiset: {same_set} (parallel streams can reorder starts)")
+        else:  # attribute the replay's kernels by position to find the comm streams
+            for k, m in zip(replays[0], cmap):
+                k["op"] = m["op"]
+        streams = comm_streams(replays[0] if replays else []) if matched else []
+        if not streams:
+            notes.append("graph replay: comm kernels share a stream with compute kernels in the "
+                         "trace, or the map did not match; comm_streams from the eager map step: "
+                         f"{comm_streams(eager_kernels)}")
+    else:
+        streams = comm_streams(kernels)
+    comm = rt.comm
+    meta: dict[str, Any] = {
+        "model": "kimi-k3",
+        "variant": variant,
+        "config": cfg.to_dict(),
+        "gpu": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "commit": git_commit(),
+        "graph_mode": graph,
+        "tp_sim": bool(getattr(comm, "simulated", False)),
+        "comm_streams": streams,
+        "prefetch_streams": [],
+        "comm_ops": COMM_OPS_REGEX,
+        "prefetch_ops": None,
+        "graph_capture_map": cmap,
+        "graph_capture_map_matched": matched,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "world_size": getattr(comm, "tp", 1) if not getattr(comm, "simulated", False) else 1,
+        "captured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch_comm_stream": ({"stream_id": comm.side.stream.stream_id, "cuda_stream": comm.side.stream.cuda_stream}
+                              if getattr(comm, "simulated", False) and comm.side.stream is not None else None),
+        "notes": notes,
+    }
+    trace["decodescope"] = meta
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps(trace).encode()
+    if out.name.endswith(".gz"):
+        with gzip.open(out, "wb", compresslevel=9) as fh:
+            fh.write(body)
+    else:
+        out.write_bytes(body)
+    return meta
