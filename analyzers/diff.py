@@ -330,7 +330,8 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
             if r["verdict"] == "regression":
                 r["explanation"] = {"ops": [], "kernels": [], "kernel_time_delta_ns": r["busy_delta_ns"],
                                     "bubble_delta_ns": None, "exposed_comm_delta_ns": None}
-    increases = [{"layer": r["layer"], "op": r["op"], "base_kernels": r["base_kernels"], "cand_kernels": r["cand_kernels"]}
+    increases = [{"layer": r["layer"], "op": r["op"], "kernel": r.get("kernel"), "base_kernels": r["base_kernels"],
+                  "cand_kernels": r["cand_kernels"]}
                  for r in rows if r["base_kernels"] is not None and r["cand_kernels"] is not None
                  and r["cand_kernels"] > r["base_kernels"]]
     alignment = {"matched": sum(1 for k in bv if k in cv), "base_only": sum(1 for k in bv if k not in cv),
@@ -355,7 +356,7 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
              threshold: float, min_delta: float, resamples: int, seed: int) -> dict[str, Any]:
     """One aligned key: medians, p90s, bootstrap CIs and the verdict."""
     kind, index, op = k
-    row: dict[str, Any] = {"layer": label if not op or kind == "kernel" else label, "layer_kind": kind or None,
+    row: dict[str, Any] = {"layer": label, "layer_kind": kind or None,
                            "layer_index": index if index >= 0 else None, "op": op or None,
                            "base_steps": 0 if b is None else len(b), "cand_steps": 0 if c is None else len(c)}
     if kind == "kernel":

@@ -83,10 +83,22 @@ def _ci(m: dict[str, Any]) -> str:
     return ci + (" (degenerate: point estimate)" if m.get("degenerate") else "")
 
 
+def _short(name: str, width: int = 100) -> str:
+    """Kernel names run to kilobytes of template arguments; JSON keeps them whole."""
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
 def _where(r: dict[str, Any]) -> str:
     if r.get("kernel"):
-        return f"kernel {r['kernel']}"
+        return f"kernel {_short(r['kernel'])}"
     return r["layer"] + (f" / {r['op']}" if r["op"] else "")
+
+
+def _one_side(rep: DiffReport, limit: int = 10) -> list[tuple[str, dict[str, Any], float]]:
+    """Keys present on one side only, largest kernel time first: (verdict, row, busy ns)."""
+    rows = [(r["verdict"], r, (r["cand_busy_ns"] if r["verdict"] == "added" else r["base_busy_ns"]) or 0.0)
+            for r in rep.rows if r["verdict"] in ("added", "removed")]
+    return sorted(rows, key=lambda x: -x[2])[:limit]
 
 
 def _ns(x: float | None) -> str:
@@ -103,9 +115,12 @@ def _explanation_lines(r: dict[str, Any], metric: str) -> list[str]:
             + (f" ({o['base_kernels']:g}→{o['cand_kernels']:g} kernels)" if o["verdict"] not in ("added", "removed")
                else f" ({o['verdict']})") for o in ex["ops"][:5]))
     for k in ex.get("kernels", [])[:6]:
-        what = {"renamed": f"{k['base_kernel']} → {k['cand_kernel']}", "added": f"+ {k['cand_kernel']}",
-                "removed": f"- {k['base_kernel']}", "same": k["base_kernel"]}[k["change"]]
+        bk, ck = _short(k["base_kernel"] or "", 60), _short(k["cand_kernel"] or "", 60)
+        what = {"renamed": f"{bk} → {ck}", "added": f"+ {ck}", "removed": f"- {bk}", "same": bk}[k["change"]]
         lines.append(f"kernel {k['change']} in {_where({**k, 'kernel': None})}: {what} ({k['delta_ns']:+,.0f} ns)")
+    if ex and r.get("base_kernels") is not None and r.get("cand_kernels") is not None \
+            and r["base_kernels"] != r["cand_kernels"]:
+        lines.append(f"kernels per step {r['base_kernels']:g} → {r['cand_kernels']:g}")
     if ex:
         comm = ex.get("exposed_comm_delta_ns")
         lines.append(f"kernel time {_ns(ex.get('kernel_time_delta_ns'))}, bubbles {_ns(ex.get('bubble_delta_ns'))}, "
@@ -142,8 +157,11 @@ def render_text(rep: DiffReport) -> str:
                 out += [f"      {line}" for line in (_explanation_lines(r, m) if title == "Regressions" else [])]
     if rep.kernel_count_increases:
         out += ["", "Kernel count increases:"]
-        out += [f"  {_where({**x, 'kernel': None})}: {x['base_kernels']:g} → {x['cand_kernels']:g}"
-                for x in rep.kernel_count_increases if x["layer"]]
+        out += [f"  {_where(x)}: {x['base_kernels']:g} → {x['cand_kernels']:g}" for x in rep.kernel_count_increases]
+    one_side = _one_side(rep)
+    if one_side:
+        out += ["", "Only on one side (largest first):"]
+        out += [f"  {v}: {_where(r)} ({_q(t, 'span')} kernel time)" for v, r, t in one_side]
     if rep.notes:
         out += ["", "Notes:"] + [f"  {n}" for n in rep.notes]
     return "\n".join(out)
@@ -174,8 +192,13 @@ def render_markdown(rep: DiffReport) -> str:
                     out += [f"<details><summary>{_where(r)}: why</summary>", ""] + [f"- {x}" for x in lines] + ["", "</details>", ""]
     if rep.kernel_count_increases:
         out += ["#### Kernel count increases", "", "| where | base | cand |", "|---|---:|---:|"]
-        out += [f"| `{_where({**x, 'kernel': None})}` | {x['base_kernels']:g} | {x['cand_kernels']:g} |"
-                for x in rep.kernel_count_increases if x["layer"]] + [""]
+        out += [f"| `{_where(x)}` | {x['base_kernels']:g} | {x['cand_kernels']:g} |"
+                for x in rep.kernel_count_increases] + [""]
+    one_side = _one_side(rep)
+    if one_side:
+        out += ["#### Only on one side (largest first)", "", "| where | side | kernel time |", "|---|---|---:|"]
+        out += [f"| `{_where(r)}` | {'candidate only' if v == 'added' else 'base only'} | {_q(t, 'span')} |"
+                for v, r, t in one_side] + [""]
     if rep.notes:
         out += ["#### Notes", ""] + [f"- {n}" for n in rep.notes]
     return "\n".join(out).rstrip() + "\n"
