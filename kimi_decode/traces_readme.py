@@ -1,0 +1,81 @@
+"""Write traces/README.md from the `decodescope` objects of the bundled stock traces.
+
+    python -m kimi_decode.traces_readme [--extra notes.md]
+
+Figures come from the traces themselves: kernels per step and per layer are counted from the
+eager traces' annotations (and graph_capture_map for graph traces).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from tracer.capture import kernels_with_ops
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+def describe(path: Path) -> dict:
+    trace = json.loads(gzip.decompress(path.read_bytes()))
+    meta = trace["decodescope"]
+    cfg = meta["config"]
+    if meta["graph_mode"]:
+        per_layer = Counter(m["layer"] for m in meta["graph_capture_map"])
+        steps = 1
+    else:
+        ks = [k for k in kernels_with_ops(trace) if k["step"]]
+        per_layer = Counter(k["layer"] for k in ks)
+        steps = meta["steps"]
+    kinds: dict[str, list[float]] = {}
+    for layer, n in per_layer.items():
+        if layer:
+            kinds.setdefault(layer.split(".")[1], []).append(n / steps)
+    return {"file": path.name, "meta": meta, "cfg": cfg, "size": path.stat().st_size,
+            "kernels_per_layer": {k: statistics.median(v) for k, v in sorted(kinds.items())},
+            "kernels_per_step": sum(per_layer.values()) / steps}
+
+
+def render(rows: list[dict], extra: str) -> str:
+    first = rows[0]["meta"]
+    lines = ["# Bundled traces", "",
+             "Real PyTorch-profiler (Kineto) traces of the **stock** Kimi K3 decode step, one rank of TP16",
+             "(6 local KDA/MLA heads, all 896 experts with the 192→256-padded intermediate slice, bf16",
+             "de-quantised expert weights), layers 4-7 of the model (KDA, KDA, KDA, MLA), captured by",
+             "`kimi_decode/device_job.py` (`decodescope capture`) on the GPU machine. Collectives are",
+             "simulated on one GPU (`tp_sim`: each all-reduce / reduce-scatter / all-gather is a local",
+             "kernel reading 16 partials on its own stream, the other ranks' partials zero).",
+             "Each file holds a top-level `decodescope` object (config, GPU, versions, commit, graph mode,",
+             "tp_sim, comm streams and ops, `graph_capture_map` for graph traces).", "",
+             f"- GPU: {first['gpu']}; torch {first['torch_version']}, CUDA {first['cuda_version']}",
+             f"- captured: {first.get('captured_at')}; commit `{first['commit']}`",
+             f"- context: {first['config']['context_len']} cached MLA tokens per sequence; seed {first['config']['seed']};"
+             f" experts via `{first['config']['expert_impl']}`; op fusion: "
+             f"{'torch.compile per op' if first['config'].get('compile_ops') else 'none (plain eager PyTorch ops)'}", "",
+             "| file | B | k | M | mode | profiled steps | kernels/step | kernels per KDA / MLA layer | comm_streams | map matched | size |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, c, kpl = r["meta"], r["cfg"], r["kernels_per_layer"]
+        lines.append(f"| `{r['file']}` | {c['batch']} | {c['spec_tokens']} | {c['derived']['rows']} | "
+                     f"{'graph' if m['graph_mode'] else 'eager'} | {m['steps']} | {r['kernels_per_step']:.0f} | "
+                     f"{kpl.get('kda', 0):.0f} / {kpl.get('mla', 0):.0f} | {m['comm_streams']} | "
+                     f"{m['graph_capture_map_matched']} | {r['size'] / 1e3:.0f} kB |")
+    lines += ["", extra.strip(), ""] if extra.strip() else [""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--extra", type=Path, help="markdown appended (notes, checks)")
+    args = ap.parse_args()
+    rows = [describe(p) for p in sorted(TRACES.glob("k3_stock_*.json.gz"))]
+    rows.sort(key=lambda r: (r["cfg"]["spec_tokens"], r["cfg"]["batch"], r["meta"]["graph_mode"]))
+    extra = args.extra.read_text() if args.extra else ""
+    (TRACES / "README.md").write_text(render(rows, extra))
+
+
+if __name__ == "__main__":
+    main()
