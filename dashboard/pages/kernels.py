@@ -19,6 +19,7 @@ dash.register_page(__name__, path="/kernels", name="Kernels", order=7)
 
 PAGE_ROWS = 100
 TEXT_COLS = ("name", "category")
+EXACT_COLS = ("start_ns", "end_ns", "correlation")
 COLUMNS = [
     ("kernel_id", "kernel"), ("rank", "rank"), ("stream", "stream"), ("name", "name"), ("category", "category"),
     ("start_ns", "start (ns)"), ("end_ns", "end (ns)"), ("dur_ns", "duration (ns)"), ("correlation", "correlation"),
@@ -61,4 +62,7 @@ def _rows(request: dict[str, Any] | None, run: str) -> Any:
     start, end = int(request.get("startRow", 0)), int(request.get("endRow", PAGE_ROWS))
     filters = {col: spec for col, spec in (request.get("filterModel") or {}).items() if "filter" in spec}
     rows, total = data.kernel_rows(int(run), start, end - start, request.get("sortModel"), filters)
+    for row in rows:  # epoch ns exceed float64 precision in JavaScript: send them as text
+        for col in EXACT_COLS:
+            row[col] = None if row[col] is None else str(row[col])
     return {"rowData": rows, "rowCount": total}, f"{total:,} kernels match"

@@ -15,6 +15,7 @@ from dash import ClientsideFunction, Input, Output, State, callback, clientside_
 from dashboard import components as c
 from dashboard import data
 from dashboard.figures.timeline import timeline_figure
+from dashboard.timeline_state import pack_state, unpack_state, window_from_relayout
 
 dash.register_page(__name__, path="/timeline", name="Timeline", order=3)
 
@@ -33,11 +34,11 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
                          c.notice(f"run {run_id} rank {rank_id} has no kernels")])
     steps = data.timeline_steps(run_id, rank_id)
     step_idx = c.int_arg(step)
-    start, end = _initial_window(extent, steps, step_idx, c.int_arg(t0), c.int_arg(t1))
+    start, end, step_idx = _initial_window(extent, steps, step_idx, c.int_arg(t0), c.int_arg(t1))
     mark = (c.int_arg(m0), c.int_arg(m1))
-    state = {"run": run_id, "rank": rank_id, "origin": extent["first_start_ns"], "step": step_idx,
-             "t0": start, "t1": end, "mark": list(mark) if None not in mark else None,
-             "extent": [extent["first_start_ns"], extent["last_end_ns"]]}
+    state = pack_state(run=run_id, rank=rank_id, step=step_idx, origin=extent["first_start_ns"], t0=start, t1=end,
+                       mark=None if None in mark else mark,
+                       extent=(extent["first_start_ns"], extent["last_end_ns"]))
     figure, info = _render(state)
     step_options = [{"label": f"step {s['step_index']} ({s['name']}, {s['kernels']:,} kernels)",
                      "value": s["step_index"]} for s in steps]
@@ -63,20 +64,22 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
 
 
 def _initial_window(extent: dict[str, int], steps: list[dict[str, Any]], step: int | None,
-                    t0: int | None, t1: int | None) -> tuple[int, int]:
-    """URL window if given, else the step's device window, else the first step, else the whole run."""
+                    t0: int | None, t1: int | None) -> tuple[int, int, int | None]:
+    """(t0, t1, step): the URL window if given, else the step's device window, else the first
+    step's, else the whole run."""
     if t0 is not None and t1 is not None and t1 > t0:
-        return t0, t1
+        return t0, t1, step
     chosen = next((s for s in steps if s["step_index"] == step), None) or (steps[0] if steps and step is None else None)
     if chosen is not None and chosen["dev_end_ns"] > chosen["dev_start_ns"]:
-        return int(chosen["dev_start_ns"]), int(chosen["dev_end_ns"])
-    return extent["first_start_ns"], max(extent["last_end_ns"], extent["first_start_ns"] + 1)
+        return int(chosen["dev_start_ns"]), int(chosen["dev_end_ns"]), int(chosen["step_index"])
+    return extent["first_start_ns"], max(extent["last_end_ns"], extent["first_start_ns"] + 1), None
 
 
-def _render(state: dict[str, Any]) -> tuple[Any, str]:
+def _render(packed: dict[str, Any]) -> tuple[Any, str]:
+    state = unpack_state(packed)
     win, bands = data.timeline_window(state["run"], state["rank"], state["t0"], state["t1"])
-    mark = tuple(state["mark"]) if state.get("mark") else None
-    fig = timeline_figure(win.rows, win.mode, win.idle, bands, state["origin"], win.start_ns, win.end_ns, mark)
+    fig = timeline_figure(win.rows, win.mode, win.idle, bands, state["origin"], win.start_ns, win.end_ns,
+                          state["mark"])
     shown = "each kernel" if win.mode == "kernels" else f"binned per stream ({len(win.rows):,} bins)"
     idle_ns = int(win.idle["gap_ns"].sum()) if len(win.idle) else 0
     info = (f"window [{win.start_ns}, {win.end_ns}) ns = {win.end_ns - win.start_ns:,} ns · "
@@ -97,45 +100,29 @@ def _permalink(state: dict[str, Any]) -> str:
 def _update(relayout: dict[str, Any] | None, step: int | None, rank: int, state: dict[str, Any]) -> Any:
     """Zoom, step or rank changed: fetch the new window from the store and redraw."""
     trigger = dash.ctx.triggered_id
-    new = dict(state)
-    if trigger == "timeline-rank" and rank != state["rank"]:
-        extent = data.timeline_extent(state["run"], rank)
+    cur = unpack_state(state)
+    new = dict(cur)
+    if trigger == "timeline-rank" and rank != cur["rank"]:
+        extent = data.timeline_extent(cur["run"], rank)
         if extent is None:
             return dash.no_update, f"rank {rank} has no kernels", dash.no_update, dash.no_update
         new.update(rank=rank, origin=extent["first_start_ns"], step=None, mark=None,
                    t0=extent["first_start_ns"], t1=extent["last_end_ns"],
-                   extent=[extent["first_start_ns"], extent["last_end_ns"]])
+                   extent=(extent["first_start_ns"], extent["last_end_ns"]))
     elif trigger == "timeline-step":
-        steps = data.timeline_steps(state["run"], state["rank"])
+        steps = data.timeline_steps(cur["run"], cur["rank"])
         chosen = next((s for s in steps if s["step_index"] == step), None)
         new["step"] = step
-        new["t0"], new["t1"] = ((chosen["dev_start_ns"], chosen["dev_end_ns"]) if chosen
-                                else tuple(state["extent"]))
+        new["t0"], new["t1"] = ((int(chosen["dev_start_ns"]), int(chosen["dev_end_ns"])) if chosen
+                                else tuple(cur["extent"]))
     else:
-        window = window_from_relayout(relayout or {}, state)
+        window = window_from_relayout(relayout or {}, cur)
         if window is None:
             return dash.no_update, dash.no_update, dash.no_update, dash.no_update
         new["t0"], new["t1"] = window
-    fig, info = _render(new)
-    return fig, info, _permalink(new), new
-
-
-def window_from_relayout(relayout: dict[str, Any], state: dict[str, Any]) -> tuple[int, int] | None:
-    """The absolute-ns window a plotly relayout event asks for; None if it is not an x change.
-
-    Axis values are ns since the origin; a reset (autorange) returns the step or run window.
-    """
-    origin = state["origin"]
-    if relayout.get("xaxis.autorange"):
-        return int(state["extent"][0]), int(state["extent"][1])
-    if "xaxis.range[0]" in relayout and "xaxis.range[1]" in relayout:
-        lo, hi = relayout["xaxis.range[0]"], relayout["xaxis.range[1]"]
-    elif isinstance(relayout.get("xaxis.range"), list):
-        lo, hi = relayout["xaxis.range"]
-    else:
-        return None
-    t0, t1 = origin + int(round(float(lo))), origin + int(round(float(hi)))
-    return (t0, t1) if t1 > t0 else None
+    packed = pack_state(**new)
+    fig, info = _render(packed)
+    return fig, info, _permalink(packed), packed
 
 
 clientside_callback(

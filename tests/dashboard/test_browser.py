@@ -1,0 +1,117 @@
+"""The dashboard in headless Chromium: every page loads without console errors, a shared
+timeline link restores its window, zooming fetches a new window and rewrites the URL, the
+kernels grid pages from the store, a bad upload is rejected without changing the store.
+Expected values come from the hand-made traces (tests/dashboard/decode_traces.py) or from an
+independent count in the store with plain SQL."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import duckdb
+import pytest
+from playwright.sync_api import expect
+
+from tests.dashboard.conftest import FUSED, STOCK
+from tests.dashboard.decode_traces import OPS
+
+pytestmark = pytest.mark.browser
+
+PAGES = ["/", "/runs", "/layers", "/timeline", "/bubbles", "/overlap", "/diff", "/kernels"]
+
+
+def _load(page: Any, url: str) -> None:
+    page.goto(url)
+    page.wait_for_selector("#_pages_content h1", timeout=20_000)
+    page.wait_for_load_state("networkidle")
+
+
+def _kernels_per_layer(spec: Any) -> int:
+    return len(OPS) * spec.kernels_per_op + 1  # + the layer's all-reduce
+
+
+def _count_in_window(live: dict[str, Any], run: int, t0: int, t1: int) -> int:
+    """Independent count: kernels of rank 0 overlapping [t0, t1), straight from the table."""
+    with live["pool"].cursor() as cur:
+        return cur.execute("SELECT count(*) FROM kernels WHERE run_id = ? AND rank = 0 AND end_ns > ? AND start_ns < ?",
+                           [run, t0, t1]).fetchall()[0][0]
+
+
+def _window_text(page: Any) -> tuple[int, int, int]:
+    text = page.locator("#timeline-info").inner_text()
+    m = re.search(r"window \[(\d+), (\d+)\) ns .* ([\d,]+) kernels", text)
+    assert m, text
+    return int(m.group(1)), int(m.group(2)), int(m.group(3).replace(",", ""))
+
+
+def test_every_page_loads_without_console_errors(page: Any, live_server: dict[str, Any]) -> None:
+    for path in PAGES:
+        _load(page, live_server["url"] + path)
+        assert page.errors == [], (path, page.errors)
+    # navbar navigation (client-side routing) works too
+    page.locator("#nav-runs").click()
+    expect(page.locator("#runs-table")).to_be_visible()
+    assert page.errors == []
+
+
+def test_shared_timeline_link_restores_the_window(page: Any, live_server: dict[str, Any]) -> None:
+    """Open a link with an explicit window: the page shows exactly that window and the number of
+    kernels overlapping it (counted independently in the store)."""
+    with live_server["pool"].cursor() as cur:
+        first = cur.execute("SELECT min(start_ns) FROM kernels WHERE run_id = 1").fetchall()[0][0]
+    t0, t1 = first + 4_000, first + 30_000
+    _load(page, f"{live_server['url']}/timeline?run=1&rank=0&t0={t0}&t1={t1}")
+    assert _window_text(page) == (t0, t1, _count_in_window(live_server, 1, t0, t1))
+    assert page.errors == []
+
+
+def test_zoom_fetches_the_new_window_and_rewrites_the_url(page: Any, live_server: dict[str, Any]) -> None:
+    _load(page, f"{live_server['url']}/timeline?run=1")
+    t0, t1, n = _window_text(page)
+    # the default window is step 0's device window: every kernel of one step
+    assert n == STOCK.layers * _kernels_per_layer(STOCK)
+    box = page.locator("#timeline-graph .nsewdrag").first.bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.30, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.45, y, steps=5)
+    page.mouse.up()
+    expect(page.locator("#timeline-info")).not_to_have_text(re.compile(rf"window \[{t0}, {t1}\)"), timeout=10_000)
+    z0, z1, zn = _window_text(page)
+    assert t0 < z0 < z1 < t1
+    assert zn == _count_in_window(live_server, 1, z0, z1)
+    query = parse_qs(urlparse(page.url).query)
+    assert (int(query["t0"][0]), int(query["t1"][0])) == (z0, z1)
+    assert page.errors == []
+
+
+def test_kernels_grid_pages_sorted_from_the_store(page: Any, live_server: dict[str, Any]) -> None:
+    _load(page, f"{live_server['url']}/kernels?run=2")
+    n = FUSED.steps * FUSED.layers * _kernels_per_layer(FUSED)
+    expect(page.locator("#kernels-count")).to_have_text(f"{n:,} kernels match")
+    page.locator(".ag-header-cell[col-id='dur_ns'] .ag-header-cell-label").click()  # ascending
+    first = page.locator(".ag-row[row-index='0'] .ag-cell[col-id='dur_ns']")
+    expect(first).to_have_text("500")  # the all-reduce (500 ns) is the shortest kernel
+    assert page.errors == []
+
+
+def test_bad_upload_shows_one_line_and_leaves_store_unchanged(page: Any, live_server: dict[str, Any],
+                                                             tmp_path: Path) -> None:
+    def snapshot() -> list[tuple[Any, ...]]:
+        with live_server["pool"].cursor() as cur:
+            return cur.execute("SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM kernels), "
+                               "(SELECT count(*) FROM ranges)").fetchall()
+
+    before = snapshot()
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"traceEvents": [{"ph": "X", "name": ')
+    _load(page, f"{live_server['url']}/runs")
+    page.locator("#runs-upload input[type=file]").set_input_files(str(bad))
+    err = page.locator("#runs-upload-result .error")
+    expect(err).to_be_visible(timeout=20_000)
+    text = err.inner_text()
+    assert text.startswith("error: broken.json: ") and "\n" not in text
+    assert snapshot() == before
+    assert page.errors == []
