@@ -1,0 +1,121 @@
+"""Layer breakdown on hand-made rows: busy time is recomputed by brute force (a set of covered
+nanoseconds), medians by sorting, so the SQL's union and quantile are checked independently."""
+from __future__ import annotations
+
+import random
+
+import duckdb
+import pytest
+
+from analyzers.layers import compare, layer_breakdown, layer_steps
+from tests.analyzers.attribution_rows import RunRows
+from tracer.store import open_store
+
+
+def _lower_median(xs: list[int]) -> int:
+    return sorted(xs)[(len(xs) - 1) // 2]
+
+
+def _busy(intervals: list[tuple[int, int]]) -> int:
+    covered: set[int] = set()
+    for s, e in intervals:
+        covered.update(range(s, e))
+    return len(covered)
+
+
+def _random_run(run_id: int, seed: int, n_steps: int) -> tuple[RunRows, dict]:
+    """n_steps steps of 1000 ns on the host; layers L0.mla [100,400) with ops q [100,200),
+    o [200,300), and L1.kda [400,800) with op e [400,600). Each launch lands in a known
+    (layer, op); its kernel gets a random GPU interval on one of two streams, so kernels
+    overlap and the union differs from the sum. Returns the truth per (step, layer, op)."""
+    rng = random.Random(seed)
+    r = RunRows(run_id, name=f"r{run_id}")
+    truth: dict[tuple[int, str, str | None], list[tuple[int, int]]] = {}
+    spots = [("L0.mla", "q", 150), ("L0.mla", "o", 250), ("L0.mla", None, 350),
+             ("L1.kda", "e", 500), ("L1.kda", None, 700)]
+    for s in range(n_steps):
+        b = 1000 * s
+        r.range("step", b, b + 1000)
+        r.range("L0.mla", b + 100, b + 400, depth=1)
+        r.range("q", b + 100, b + 200, depth=2)
+        r.range("o", b + 200, b + 300, depth=2)
+        r.range("L1.kda", b + 400, b + 800, depth=1)
+        r.range("e", b + 400, b + 600, depth=2)
+        gpu0 = 100_000 + 10_000 * s
+        for _ in range(rng.randint(3, 8)):
+            layer, op, t = rng.choice(spots)
+            start = gpu0 + rng.randint(0, 300) + (0 if layer == "L0.mla" else 2000)
+            end = start + rng.randint(0, 120)
+            r.kernel("k", start, end, r.launch(b + t + rng.randint(0, 40)), stream=rng.choice((7, 8)))
+            truth.setdefault((s, layer, None), []).append((start, end))
+            if op:
+                truth.setdefault((s, layer, op), []).append((start, end))
+    return r, truth
+
+
+@pytest.mark.parametrize("seed,n_steps", [(1, 3), (2, 4), (3, 5)])
+def test_layer_steps_and_breakdown_brute_force(seed: int, n_steps: int) -> None:
+    con = open_store(None)
+    run, truth = _random_run(1, seed, n_steps)
+    run.insert(con)
+    df = layer_steps(con, 1)
+    got = {(int(r.step_index), r.layer, None if r.op is None or r.op != r.op else r.op):
+           (r.kernels, r.span_ns, r.busy_ns, r.bubble_ns) for r in df.itertuples()}
+    exp = {}
+    for key, ivs in truth.items():
+        span = max(e for _, e in ivs) - min(s for s, _ in ivs)
+        busy = _busy(ivs)
+        exp[key] = (len(ivs), span, busy, span - busy)
+    assert got == exp
+    bd = layer_breakdown(con, 1)
+    assert bd["steps"] == n_steps
+    for layer in bd["layers"]:
+        steps = [k for k in exp if k[1] == layer["layer"] and k[2] is None]
+        for field, i in (("kernels", 0), ("span_ns", 1), ("busy_ns", 2), ("bubble_ns", 3)):
+            assert layer[field] == _lower_median([exp[k][i] for k in steps]), field
+        for op in layer["ops"]:
+            keys = [k for k in exp if k[1] == layer["layer"] and k[2] == op["op"]]
+            assert op["kernels"] == _lower_median([exp[k][0] for k in keys])
+            assert op["busy_ns"] == _lower_median([exp[k][2] for k in keys])
+    assert [x["layer"] for x in bd["layers"]] == sorted({k[1] for k in exp}, key=lambda n: n[1])
+
+
+def test_compare_per_kind() -> None:
+    """Base: per step, L0.mla has 2 kernels [0,100) and [100,130) -> span 130; L1.mla one kernel
+    of 70 -> span 70; L2.kda one of 50. Cand halves every kernel length and drops the second
+    kernel of L0.mla. Over 2 identical steps the medians equal the step values, so
+    base mla: span (130 + 70) / 2 = 100 ns, kernels (2 + 1) / 2 = 1.5; kda 50 ns, 1 kernel.
+    cand mla: (50 + 35) / 2 = 42.5 -> 42 (half to even), kernels 1; kda 25 ns.
+    Ratios: mla 42/100, kernels 1/1.5; kda 25/50."""
+    con = open_store(None)
+    for run_id, scale, drop in ((1, 2, False), (2, 1, True)):
+        r = RunRows(run_id, name=f"r{run_id}")
+        for s in range(2):
+            b, g = 1000 * s, 100_000 * (s + 1)
+            r.range("step", b, b + 1000)
+            r.range("L0.mla", b + 100, b + 200, depth=1)
+            r.range("L1.mla", b + 200, b + 300, depth=1)
+            r.range("L2.kda", b + 300, b + 400, depth=1)
+            r.kernel("a", g, g + 50 * scale, r.launch(b + 150))
+            if not drop:
+                r.kernel("b", g + 100, g + 130, r.launch(b + 160))
+            r.kernel("c", g + 1000, g + 1000 + 35 * scale, r.launch(b + 250))
+            r.kernel("d", g + 2000, g + 2000 + 25 * scale, r.launch(b + 350))
+        r.insert(con)
+    out = compare(con, 1, 2)
+    kinds = {k["kind"]: k for k in out["kinds"]}
+    assert kinds["mla"]["base"] == {"layers": 2, "span_ns": 100, "us": 0.1, "kernels": 1.5}
+    assert kinds["mla"]["cand"] == {"layers": 2, "span_ns": 42, "us": 0.042, "kernels": 1.0}
+    assert kinds["kda"]["base"]["span_ns"] == 50 and kinds["kda"]["cand"]["span_ns"] == 25
+    assert kinds["mla"]["ratio_time"] == pytest.approx(0.42)
+    assert kinds["mla"]["ratio_kernels"] == pytest.approx(1 / 1.5)
+
+
+def test_not_applicable_without_layers() -> None:
+    con = open_store(None)
+    r = RunRows(1)
+    r.range("step", 0, 100)
+    r.kernel("k", 1000, 1010, r.launch(10))
+    r.insert(con)
+    out = layer_breakdown(con, 1)
+    assert out["layers"] == [] and "not_applicable" in out
