@@ -76,12 +76,22 @@ def collect(con: duckdb.DuckDBPyConnection, run_id: int, name: str | None = None
     if not rows:
         raise NotComparable(f"run {run_id}", "no such run in the store")
     ls = layer_steps(con, run_id, **attribution_kwargs)
+    if not _has_attribution(con, run_id):  # layer_steps attributes through a path of its own
+        from analyzers.attribution import attribute
+
+        attribute(con, [run_id], **attribution_kwargs)
     kernels = con.execute(ATTRIBUTED_KERNELS_SQL, [run_id]).df()
     sample = RunSample(run_id, name or rows[0][0], ls, kernels)
     sample.exposed_comm, note = _exposed_comm(con, run_id)
     if note:
         sample.notes.append(note)
     return sample
+
+
+def _has_attribution(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
+    exists = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'kernel_attribution'").fetchall()
+    return bool(exists[0][0]) and bool(
+        con.execute("SELECT count(*) FROM kernel_attribution WHERE run_id = ?", [run_id]).fetchall()[0][0])
 
 
 def _exposed_comm(con: duckdb.DuckDBPyConnection, run_id: int) -> tuple[pd.DataFrame | None, str | None]:

@@ -40,14 +40,24 @@ def open_side(spec: str, role: str, graph_reference: str | None, **attribution_k
     if len(ids) != 1:
         raise BadInput(spec, f"{role}: holds {len(ids)} runs {ids}; name one as {spec}:RUN")
     kwargs = dict(attribution_kwargs)
-    if graph_reference is not None and _graph_mode(con, ids[0]):
+    replay = graph_reference is not None and _graph_replay(con, ids[0])
+    if replay:
         kwargs["graph_reference"] = _reference_run(con, graph_reference, spec)
-    return collect(con, ids[0], name=f"{Path(spec).name}", **kwargs)
+    sample = collect(con, ids[0], name=f"{Path(spec).name}", **kwargs)
+    if graph_reference is not None and not replay:
+        sample.notes.append("--graph-reference not used: this side does not replay a CUDA graph")
+    return sample
 
 
-def _graph_mode(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
-    row = con.execute("SELECT coalesce(graph_mode, false) FROM runs WHERE run_id = ?", [run_id]).fetchall()
-    return bool(row and row[0][0])
+# A side is a graph replay when its capture says so or when any kernel carries a graph id.
+GRAPH_REPLAY_SQL = """
+SELECT coalesce((SELECT graph_mode FROM runs WHERE run_id = $run), false)
+    OR EXISTS (SELECT 1 FROM kernels WHERE run_id = $run AND graph_id IS NOT NULL)
+"""
+
+
+def _graph_replay(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
+    return bool(con.execute(GRAPH_REPLAY_SQL, {"run": run_id}).fetchall()[0][0])
 
 
 def _reference_run(con: duckdb.DuckDBPyConnection, reference: str, spec: str) -> int:
