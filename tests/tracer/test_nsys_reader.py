@@ -270,3 +270,16 @@ def test_nesting_matches_the_push_pop_stack(program: list[tuple[str, int]]) -> N
     assert got == want
     meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
     assert meta["ranges_cut"] == sum(r["end"] is None for r in ranges)
+
+
+def test_driver_table_rows_are_driver_calls(tmp_path: Path) -> None:
+    """CUPTI_ACTIVITY_KIND_DRIVER (exported with --trace=cuda,...driver) holds cu* calls."""
+    b = NsysExportBuilder()
+    c = b.runtime("cuLaunchKernel", 100, 200, driver_table=True)
+    b.kernel("k", 300, 400, correlation=c)
+    b.runtime("cudaDeviceSynchronize_v3020", 500, 900)
+    con, _ = _ingest(b.write(tmp_path / "d.sqlite"))
+    assert _rows(con, "SELECT kind, name, correlation FROM api_calls ORDER BY start_ns") == [
+        ("driver", "cuLaunchKernel", c), ("runtime", "cudaDeviceSynchronize", c + 1)]
+    meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
+    assert meta["kernels_without_launch"] == 0 and meta["rows_read"]["CUPTI_ACTIVITY_KIND_DRIVER"] == 1
