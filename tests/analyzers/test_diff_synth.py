@@ -126,6 +126,24 @@ def write_kineto(s: Synth, path: Path, variant: str = "stock") -> Path:
     return b.write(path, gz=True, decodescope_meta={"variant": variant})
 
 
+def write_kineto_graph(s: Synth, path: Path) -> Path:
+    """The same run replayed from a CUDA graph by a foreign tool: one `cudaGraphLaunch` per step
+    inside a `step` range, the kernels carry its correlation and a graph id, and there is no
+    layer or op range and no capture map, so only an eager reference can attribute them."""
+    from tests.kineto_builder import KinetoTraceBuilder
+
+    k = kernel_rows(s)
+    b = KinetoTraceBuilder(rank=0, world_size=1)
+    for step, gs in k.groupby("step_index"):
+        first = int(gs.start_ns.min())
+        b.annotation("step", first - 30_000, 20_000)
+        corr = b.runtime("cudaGraphLaunch", first - 25_000, 5_000)
+        for r in gs.itertuples():
+            b.kernel(r.name, int(r.start_ns), int(r.end_ns - r.start_ns), correlation=corr, graph_id=1,
+                     stream=9 if r.category == "communication" else 7)
+    return b.write(path, gz=True, decodescope_meta={"variant": "stock"})
+
+
 def test_layer_steps_stub_is_consistent() -> None:
     """The stub obeys span = busy + bubble and counts every kernel once per step."""
     k = kernel_rows(Synth(STOCK, steps=3))

@@ -70,6 +70,23 @@ def test_one_op_slower_by_3_or_10_pct(name: str, expected: int, synth_traces: di
         assert {(r["layer"], r["op"]) for r in json.loads(out)["regressions"]} == {("L2.kda", "kda_recurrence")}
 
 
+def test_graph_replay_attributed_through_an_eager_reference(synth_traces: dict[str, Path], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A graph replay without ranges or capture map aligns by layer only with --graph-reference."""
+    from tests.analyzers.test_diff_synth import write_kineto_graph
+
+    graph = write_kineto_graph(Synth(STOCK, steps=8, seed=26), tmp_path / "graph.json.gz")
+    eager = str(synth_traces["stock"])
+    code, out, err = run([eager, str(graph), "--format", "json"], capsys)
+    assert json.loads(out)["mode"] == "kernel-name fallback", err
+    code, out, err = run([eager, str(graph), "--graph-reference", eager, "--format", "json"], capsys)
+    doc = json.loads(out)
+    assert code == OK, err
+    assert doc["mode"] == "layers" and doc["cand"]["kernels_in_layers_pct"] == 100.0
+    assert doc["alignment"]["base_only"] == doc["alignment"]["cand_only"] == 0
+    assert any("--graph-reference not used" in n for n in doc["notes"])  # the eager side ignores it
+
+
 # -- the HTA corpus pair: not our layer convention -----------------------------------------------
 
 def _step_kernel_names(path: Path) -> set[str]:
