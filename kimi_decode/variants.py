@@ -10,7 +10,7 @@ import importlib
 
 VARIANTS: dict[str, str] = {
     "stock": "kimi_decode.stock:StockDecoder",
-    # "fused": "kimi_decode.fused:FusedDecoder",
+    "fused": "kimi_decode.fused:FusedDecoder",
 }
 
 

@@ -2,7 +2,8 @@
 (KIMI_K3.md §1.6 step 1; the stock path issues a GEMM, a cast, sigmoid, add, topk, gather,
 sum and divide, 7–8 kernels).
 
-    logits[m, e] = <y[m], W_gate[e]>            bf16 inputs, fp32 accumulation
+    logits[m, e] = <y[m], W_gate[e]>            bf16 inputs, fp32 accumulation (then rounded
+                                                 to bf16 as the stock GEMM's output, by default)
     s = sigmoid(logits)                          fp32
     ids[m] = top-k of (s + bias)                 the bias only chooses (ties: lower index)
     w[m, j] = s[m, ids[m, j]] / Σ_j s[m, ids[m, j]] · routed_scaling
@@ -55,13 +56,18 @@ class RouterConfig:
     gemv: bool
     rows: int = 0          # M, compile-time in gemv mode only (registers per lane)
     scaling: float = 1.0
+    # Round logits to bf16 before the sigmoid, as the stock path does (`(y @ W.t()).float()`
+    # is a bf16 GEMM): routing then matches stock; False keeps KIMI_K3.md's fp32 logits.
+    # In `topk` mode the logits buffer itself is bf16 (the stock GEMM's output) when set.
+    logits_bf16: bool = True
 
 
-def config_for(m: int, hidden: int, experts: int, top_k: int, scaling: float) -> RouterConfig:
+def config_for(m: int, hidden: int, experts: int, top_k: int, scaling: float,
+               logits_bf16: bool = True) -> RouterConfig:
     """Per-M table: the one-kernel GEMV path for small M, cuBLAS logits + top-k beyond."""
     if m <= GEMV_MAX_ROWS:
-        return RouterConfig(hidden, experts, top_k, True, m, scaling)
-    return RouterConfig(hidden, experts, top_k, False, 0, scaling)
+        return RouterConfig(hidden, experts, top_k, True, m, scaling, logits_bf16)
+    return RouterConfig(hidden, experts, top_k, False, 0, scaling, logits_bf16)
 
 
 def can_implement(hidden: int, experts: int, top_k: int, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -144,6 +150,8 @@ class Router:
                     acc[r] = acc[r] + wv[j].to(Float32) * yv[j].to(Float32)
         for r in cutlass.range_constexpr(self.cfg.rows):
             tot = cute.arch.warp_reduction_sum(acc[r])
+            if cutlass.const_expr(self.cfg.logits_bf16):
+                tot = tot.to(cutlass.BFloat16).to(Float32)
             if lane == 0:
                 mL[r, e] = tot
 
@@ -155,7 +163,7 @@ class Router:
         key = cute.make_rmem_tensor(cute.make_layout(self.per_lane), Float32)
         for i in cutlass.range_constexpr(self.per_lane):
             e = lane + i * 32
-            sc[i] = sigmoid(mL[row, e])
+            sc[i] = sigmoid(mL[row, e].to(Float32))
             key[i] = sc[i] + mB[e]
         my_id = Int32(0)
         my_s = Float32(0.0)
@@ -184,53 +192,51 @@ class Router:
                 my_id = bi
                 my_s = s_win
         if lane < self.K:
-            mI[row, lane] = my_id
+            mI[row, lane] = my_id.to(cutlass.Int64)
             mO[row, lane] = my_s / total * Float32(self.cfg.scaling)
 
 
 def compile_for(cfg: RouterConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
     def build() -> object:
-        bf, f32, i32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32), dummy_ptr(torch.int32)
-        return cute.compile(Router(cfg), bf, bf, f32, f32, i32, i32, f32, Int32(1), current_stream(), options=compile_options())
+        bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
+        i32, i64 = dummy_ptr(torch.int32), dummy_ptr(torch.int64)
+        lg = bf if cfg.logits_bf16 and not cfg.gemv else f32
+        return cute.compile(Router(cfg), bf, bf, f32, lg, i32, i64, f32, Int32(1), current_stream(), options=compile_options())
     return compiled(("router", cfg), build)
 
 
 def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
-          scaling: float, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          scaling: float, counter: torch.Tensor,
+          logits_bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on the current stream. y [M, D] bf16, w_gate [E, D] bf16, bias [E] fp32,
     counter: a zeroed int32 [1] buffer the caller keeps (the kernel leaves it zeroed).
-    Returns (ids [M, k] int32, weights [M, k] fp32), ordered by biased score, descending."""
+    Returns (ids [M, k] int64, weights [M, k] fp32), ordered by biased score, descending."""
     m, d = y.shape
     e = w_gate.shape[0]
     if not can_implement(d, e, top_k, (y.dtype, w_gate.dtype)) or bias.dtype != torch.float32:
         raise ValueError(f"router kernel cannot run D={d} E={e} k={top_k}")
-    cfg = config_for(m, d, e, top_k, scaling)
+    cfg = config_for(m, d, e, top_k, scaling, logits_bf16)
     if cfg.gemv:
         logits = torch.empty(m, e, dtype=torch.float32, device=y.device)
+    elif logits_bf16:
+        logits = y @ w_gate.t()                                       # the stock GEMM, bf16 out
     else:
-        logits = torch.mm(y, w_gate.t(), out_dtype=torch.float32) if _has_out_dtype() \
-            else torch.mm(y.float(), w_gate.float().t())
-    ids = torch.empty(m, top_k, dtype=torch.int32, device=y.device)
+        logits = torch.mm(y.float(), w_gate.float().t())
+    ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)
     compile_for(cfg)(ptr(y), ptr(w_gate), ptr(bias), ptr(logits), ptr(counter), ptr(ids),
                      ptr(weights), Int32(m), current_stream())
     return ids, weights
 
 
-def _has_out_dtype() -> bool:
-    """torch.mm(..., out_dtype=fp32) for bf16 inputs exists in recent torch (CUDA)."""
-    import inspect
-    try:
-        return "out_dtype" in str(inspect.signature(torch.mm))
-    except (TypeError, ValueError):
-        return False
-
-
 def reference(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scaling: float, logits_bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 statement of the module docstring: (ids, weights, biased scores [M, E])."""
-    s = torch.sigmoid(y.double() @ w_gate.double().t())
+    logits = y.double() @ w_gate.double().t()
+    if logits_bf16:
+        logits = logits.to(torch.bfloat16).double()
+    s = torch.sigmoid(logits)
     key = s + bias.double()
     ids = key.topk(top_k, dim=-1).indices
     w = s.gather(1, ids)

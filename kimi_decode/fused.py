@@ -1,0 +1,260 @@
+"""Fused Kimi K3 decode step: stock.py's math with custom CuTe DSL kernels where they exist.
+
+Mirrors stock.py: same class names, forward signatures and NVTX op names, so a diff of the two
+files is the list of fusions. `FusedDecoder.from_stock(stock)` re-uses the stock model's
+weights (shared, not copied) and clones its decode state, so the two can run side by side
+from the same state; `FusedDecoder(cfg, rt, device)` (the variant registry's constructor)
+builds the stock model and converts it.
+
+Fused (CuTe DSL kernels in kimi_decode/kernels/, used on a GPU when `can_implement` holds
+and the kernel is in `VERIFIED`):
+- `attn_res`, `mlp_res`: prefix add + optional block write + AttnRes mix + RMSNorm, one
+  kernel (kernels/attn_res.py) instead of the stock op chain.
+- KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
+  gated RMSNorm for the local heads, one kernel (kernels/kda_decode.py) under op
+  `kda_recurrence`; the stock ops `f_b_proj`, `conv`, `o_norm` disappear.
+- MoE router: fp32 GEMV + sigmoid + correction-bias top-k + renormalisation, one kernel for
+  M ≤ 16 (cuBLAS logits + one kernel above), op `router`; the stock op `routing` disappears.
+- Shared expert on the side stream, next to the latent down-projection, overlapping the
+  router on the main stream (stock joins the side stream before the router starts).
+- `prefetch`: after the routed experts are issued, a side-stream kernel pulls the first
+  `PREFETCH_BYTES` of the next layer's first attention weight into L2 (kernels/l2_prefetch.py).
+
+Still stock torch ops (not fused yet): in_proj, o_proj and the all-reduce (no GEMV+AR+AttnRes
+kernel), the whole MLA attention, the routed experts (grouped GEMMs), the MoE tail
+(collectives, latent RMSNorm, up-projection), the dense layer-0 MLP.
+
+On the CPU (no kernels) every op falls back to the stock ops, so fused equals stock exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from kimi_decode import stock
+from kimi_decode.config import KimiConfig
+from kimi_decode.ranges import layer_range, op_range, step_range
+from kimi_decode.stock import Runtime, StockDecoder, rms_norm, situ
+
+# Kernels that passed their device check (bench/fused_correctness.md); others stay stock.
+VERIFIED: frozenset[str] = frozenset()  # none checked on the GPU yet
+PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
+
+
+def _kernels_usable(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _restate(module: nn.Module, cls: type) -> nn.Module:
+    """A copy of `module` that shares its parameters, clones its buffers (decode state), and
+    has class `cls` (a fused subclass overriding forward)."""
+    memo = {id(p): p for p in module.parameters()}
+    new = copy.deepcopy(module, memo)
+    new.__class__ = cls
+    return new
+
+
+@contextlib.contextmanager
+def _on_side(rt: Runtime, *inputs: torch.Tensor) -> Iterator[torch.cuda.Stream | None]:
+    """Issue the block on the aux stream after the main stream's work so far, WITHOUT joining
+    at the end (call `_join` where the main stream first needs the results)."""
+    side = rt.aux.stream
+    if side is None:
+        yield None
+        return
+    side.wait_stream(torch.cuda.current_stream())
+    for t in inputs:
+        t.record_stream(side)
+    with torch.cuda.stream(side):
+        yield side
+
+
+def _join(rt: Runtime, *outputs: torch.Tensor) -> None:
+    """The main stream waits for the aux stream; its outputs are marked used on main."""
+    side = rt.aux.stream
+    if side is None:
+        return
+    main = torch.cuda.current_stream()
+    main.wait_stream(side)
+    for t in outputs:
+        t.record_stream(main)
+
+
+class AttnRes(stock.AttnRes):
+    """prefix' = prefix (+ delta), optional block write, mix, RMSNorm: one kernel."""
+
+    use_kernel = False
+
+    def forward(self, prefix: torch.Tensor, blocks: torch.Tensor, nb: int,
+                delta: torch.Tensor | None = None,
+                write_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            from kimi_decode.kernels.attn_res import attn_res_rmsnorm
+            return attn_res_rmsnorm(blocks, nb, prefix, self.w, self.norm, self.eps,
+                                    delta=delta, write_slot=write_slot)
+        if delta is not None:
+            prefix = prefix + delta
+        if write_slot is not None:
+            blocks[:, write_slot].copy_(prefix)
+        return super().forward(prefix, blocks, nb), prefix
+
+
+class KDAAttention(stock.KDAAttention):
+    """in_proj GEMM, one fused KDA kernel, o_proj, all-reduce."""
+
+    use_kernel = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return super().forward(x)
+        from kimi_decode.kernels.kda_decode import KDAConfig, kda_decode
+        cfg = self.cfg
+        with op_range("in_proj"):
+            z = x @ self.in_proj.t()                                                   # [M, R]
+        with op_range("kda_recurrence"):
+            kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq,
+                             cfg.in_proj_rows, cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
+            o = kda_decode(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias, self.a_log,
+                           self.rec_state, self.o_norm, kcfg)                         # [M, P]
+        with op_range("o_proj"):
+            out = o @ self.o_proj.t()
+        with op_range("all_reduce"):
+            return self.rt.comm.all_reduce(out)
+
+
+class MLAAttention(stock.MLAAttention):
+    """Not fused yet: the stock op sequence."""
+
+
+class LatentMoE(stock.LatentMoE):
+    """Router kernel; shared expert beside the latent down-projection on the side stream;
+    L2 prefetch of the next layer's weights; experts and tail as stock."""
+
+    use_router_kernel = False
+    prefetch_target: torch.Tensor | None = None
+
+    def _route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if self.use_router_kernel:
+            from kimi_decode.kernels.router import route
+            return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
+        logits = (y @ self.router.t()).float()
+        s = torch.sigmoid(logits)
+        idx = torch.topk(s + self.bias, cfg.top_k, dim=-1).indices
+        w = s.gather(-1, idx)
+        return idx, w / w.sum(-1, keepdim=True) * cfg.routed_scaling
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        Is, n = cfg.shared_local_inter, cfg.row_shard
+        with _on_side(self.rt, y):
+            with op_range("latent_down"):
+                z = y @ self.down.t()                                                  # [M, L]
+            with op_range("shared_expert"):
+                h = y @ self.shared_gate_up.t()
+                sh = situ(h[:, :Is], h[:, Is:], cfg.situ_beta, cfg.situ_linear_beta).to(y.dtype)
+                sh = sh @ self.shared_down.t()                                         # [M, D] partial
+        with op_range("router"):
+            idx, w = self._route(y)                                                    # [M, K]
+        self.last_idx = idx
+        _join(self.rt, z, sh)
+        with op_range("experts"):
+            e = self._experts(z, idx)
+            r = (w[..., None] * e.float()).sum(1).to(y.dtype)                          # [M, L] partial
+        if self.prefetch_target is not None:
+            from kimi_decode.kernels.l2_prefetch import prefetch_l2
+            with _on_side(self.rt), op_range("prefetch"):
+                prefetch_l2(self.prefetch_target, PREFETCH_BYTES)
+            _join(self.rt)
+        with op_range("moe_tail"):
+            r = self.rt.comm.all_reduce(r)
+            sh = self.rt.comm.reduce_scatter_cols(sh)                                  # [M, D/tp]
+        with op_range("up_proj"):
+            r = rms_norm(r, self.latent_norm, cfg.rms_eps)
+            rank = self.rt.comm.rank
+            part = r @ self.up[rank * n:(rank + 1) * n].t() + sh                       # row shard
+        with op_range("moe_gather"):
+            return self.rt.comm.all_gather_cols(part)
+
+
+class DenseMLP(stock.DenseMLP):
+    """Not fused yet: the stock op sequence."""
+
+
+class DecoderLayer(stock.DecoderLayer):
+    """One K3 layer; the prefix update and block write live inside the AttnRes kernels."""
+
+    def forward(self, m: torch.Tensor, prefix: torch.Tensor, blocks: torch.Tensor,
+                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with layer_range(self.idx, self.kind):
+            with op_range("attn_res"):
+                slot = self.block_slot if self.starts_block else None
+                x, prefix = self.attn_res(prefix, blocks, self.nb_attn, delta=m, write_slot=slot)
+            a = self.attn(x, pos) if self.kind == "mla" else self.attn(x)
+            with op_range("mlp_res"):
+                if self.starts_block:
+                    y, prefix = self.mlp_res(a, blocks, self.nb_mlp)
+                else:
+                    y, prefix = self.mlp_res(prefix, blocks, self.nb_mlp, delta=a)
+            return self.mlp(y), prefix
+
+
+FUSED_CLASS = {stock.AttnRes: AttnRes, stock.KDAAttention: KDAAttention,
+               stock.MLAAttention: MLAAttention, stock.LatentMoE: LatentMoE,
+               stock.DenseMLP: DenseMLP, stock.DecoderLayer: DecoderLayer}
+
+
+class FusedDecoder(StockDecoder):
+    """The fused step; same interface as StockDecoder (forward, make_inputs, layers, pos)."""
+
+    def __init__(self, cfg: KimiConfig, rt: Runtime | None = None,
+                 device: torch.device | str = "cpu", kernels: frozenset[str] | None = None) -> None:
+        nn.Module.__init__(self)
+        self._adopt(StockDecoder(cfg, rt, device), kernels)
+
+    @classmethod
+    def from_stock(cls, model: StockDecoder, kernels: frozenset[str] | None = None) -> "FusedDecoder":
+        """Fused decoder over `model`'s weights (shared) with a copy of its current state."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._adopt(model, kernels)
+        return new
+
+    def _adopt(self, model: StockDecoder, kernels: frozenset[str] | None) -> None:
+        memo = {id(p): p for p in model.parameters()}
+        memo[id(model.rt)] = model.rt                                    # same runtime, not a copy
+        clone = copy.deepcopy(model, memo)
+        for mod in clone.modules():
+            if type(mod) in FUSED_CLASS:
+                mod.__class__ = FUSED_CLASS[type(mod)]
+        self.cfg, self.rt = clone.cfg, clone.rt
+        self.layers = clone.layers
+        self.register_buffer("pos", clone.pos)
+        self.kernels = self.enable(kernels if kernels is not None else VERIFIED)
+
+    def enable(self, kernels: frozenset[str]) -> frozenset[str]:
+        """Switch the named kernels on where they can run (GPU, supported shapes), the rest
+        off; returns the set actually enabled."""
+        from kimi_decode.kernels import applicable
+        dev = self.pos.device
+        on = frozenset(k for k in kernels if _kernels_usable(dev) and applicable(k, self.cfg))
+        for i, layer in enumerate(self.layers):
+            for res in (layer.attn_res, layer.mlp_res):
+                res.use_kernel = "attn_res" in on
+            if isinstance(layer.attn, KDAAttention):
+                layer.attn.use_kernel = "kda" in on
+            if isinstance(layer.mlp, LatentMoE):
+                layer.mlp.use_router_kernel = "router" in on
+                if "router" in on and not hasattr(layer.mlp, "router_counter"):
+                    # grid-completion counter of the one-kernel router; the kernel re-zeroes it
+                    layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))
+                nxt = self.layers[i + 1].attn if i + 1 < len(self.layers) else None
+                target = None
+                if "prefetch" in on and nxt is not None:
+                    target = nxt.in_proj if isinstance(nxt, stock.KDAAttention) else nxt.qkv_a
+                layer.mlp.prefetch_target = target
+        return on

@@ -1,0 +1,221 @@
+"""GPU checks of each kernel against the stock path's own module (and a float64 statement of
+the formula), plus timings of both; the `__main__` of every kernel module calls one of these,
+and bench/fused_device.py calls them all.
+
+Tolerances (bf16 outputs; the stock path rounds the same intermediates to bf16):
+- a bf16 result: relative L2 error against stock ≤ 1e-2, and against the float64 statement no
+  worse than stock's own error × 1.5 + 1e-3 (bf16 rounding alone gives ~1e-3 relative);
+- fp32 state (KDA recurrent state): relative L2 error against stock ≤ 1e-3;
+- values stock stores exactly (prefix' in bf16, conv history): equal;
+- routing: the chosen expert sets equal stock's on ≥ 99% of rows (a near-tie at the k-th
+  score may flip under a different fp32 summation order), weights within 1e-3 where equal.
+Timings: CUDA-graph replays of 20 back-to-back calls (no CPU launch cost), median of 20.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kimi_decode.comm import LocalComm, SideStream
+from kimi_decode.config import k3_tp16
+from kimi_decode.weights import Seeder
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of a against b."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def time_us(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:
+    """Median GPU time of one call, from CUDA-graph replays of `calls` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Kernel vs stock AttnRes (prefix add, block write, mix, RMSNorm) at K3 width."""
+    from kimi_decode.fused import AttnRes as FusedAttnRes
+    from kimi_decode.fused import _restate
+    from kimi_decode.kernels.attn_res import reference
+    from kimi_decode.stock import AttnRes
+    cfg = k3_tp16()
+    dev = torch.device("cuda")
+    mod = AttnRes(cfg, Seeder(cfg, dev).sub("check.attn_res"))
+    fused = _restate(mod, FusedAttnRes)
+    fused.use_kernel = True
+    out = []
+    for m in rows:
+        for nb in nbs:
+            for write in (False, True):
+                gen = torch.Generator(device=dev).manual_seed(m * 100 + nb)
+                blocks = torch.randn(m, 8, cfg.hidden, generator=gen, device=dev).bfloat16()
+                prefix = torch.randn(m, cfg.hidden, generator=gen, device=dev).bfloat16()
+                delta = torch.randn(m, cfg.hidden, generator=gen, device=dev).bfloat16()
+                slot = nb if write and nb < 8 else None
+                b_s, b_k = blocks.clone(), blocks.clone()
+                with torch.no_grad():
+                    p_s = prefix + delta
+                    if slot is not None:
+                        b_s[:, slot].copy_(p_s)
+                    x_s = mod(p_s, b_s, nb)
+                    x_k, p_k = fused(prefix, b_k, nb, delta=delta, write_slot=slot)
+                torch.cuda.synchronize()
+                ref = reference(blocks, nb, prefix, mod.w, mod.norm, cfg.rms_eps, delta)
+                e_ks, e_k, e_s = rel(x_k, x_s), rel(x_k, ref), rel(x_s, ref)
+                ok = (e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(p_k, p_s)
+                      and torch.equal(b_k, b_s))
+                r = {"kernel": "attn_res", "M": m, "nb": nb, "write": slot is not None,
+                     "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s, "ok": ok}
+                if not write:
+                    def stock_call() -> None:
+                        mod(prefix + delta, b_s, nb)
+                    r["stock_us"] = time_us(stock_call)
+                    r["kernel_us"] = time_us(lambda: fused(prefix, b_k, nb, delta=delta))
+                out.append(r)
+    return out
+
+
+def check_router(rows: tuple[int, ...] = (1, 8, 64, 512)) -> list[dict]:
+    """Kernel vs the stock LatentMoE router + routing ops (same weights, same rows)."""
+    from types import SimpleNamespace
+
+    from kimi_decode.fused import LatentMoE as FusedMoE
+    from kimi_decode.kernels.router import route
+    cfg = k3_tp16()
+    dev = torch.device("cuda")
+    seed = Seeder(cfg, dev).sub("check.router")
+    w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
+    bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    # the stock router + routing lines, as the fused LatentMoE's fallback issues them
+    stock_route = FusedMoE._route
+    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False)
+    out = []
+    for m in rows:
+        y = torch.randn(m, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(m), device=dev)
+        y = torch.nn.functional.rms_norm(y, (cfg.hidden,)).bfloat16()
+        with torch.no_grad():
+            ids_s, w_s = stock_route(moe, y)
+            ids_k, w_k = route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling, counter)
+        torch.cuda.synchronize()
+        same = (ids_k.sort(-1).values == ids_s.sort(-1).values).all(-1)
+        dense_s = torch.zeros(m, cfg.num_experts, device=dev).scatter_(1, ids_s, w_s)
+        dense_k = torch.zeros(m, cfg.num_experts, device=dev).scatter_(1, ids_k, w_k)
+        werr = float((dense_k - dense_s)[same].abs().max()) if bool(same.any()) else 0.0
+        agree = float(same.float().mean())
+        out.append({"kernel": "router", "M": m, "rows_same_experts": agree, "max_weight_err": werr,
+                    "counter_zero": int(counter.item()) == 0,
+                    "ok": agree >= 0.99 and werr <= 1e-3 and int(counter.item()) == 0,
+                    "stock_us": time_us(lambda: stock_route(moe, y)),
+                    "kernel_us": time_us(lambda: route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling, counter))})
+    return out
+
+
+def check_kda(batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0, 7)) -> list[dict]:
+    """Kernel path of KDAAttention vs the stock module: output, conv and recurrent state."""
+    from kimi_decode.fused import KDAAttention as FusedKDA
+    from kimi_decode.fused import _restate
+    from kimi_decode.stock import KDAAttention, Runtime
+    dev = torch.device("cuda")
+    out = []
+    for b in batches:
+        for k in spec:
+            cfg = k3_tp16(batch=b, spec_tokens=k)
+            rt = Runtime(LocalComm(), SideStream(dev))
+            mod = KDAAttention(cfg, Seeder(cfg, dev).sub("check.kda"), rt)
+            fused = _restate(mod, FusedKDA)
+            fused.use_kernel = True
+            errs = {"out": 0.0, "rec_state": 0.0}
+            conv_equal = True
+            for step in range(3):
+                gen = torch.Generator(device=dev).manual_seed(step)
+                x = torch.nn.functional.rms_norm(torch.randn(cfg.rows, cfg.hidden, generator=gen, device=dev),
+                                                 (cfg.hidden,)).bfloat16()
+                with torch.no_grad():
+                    o_s, o_k = mod(x), fused(x)
+                torch.cuda.synchronize()
+                errs["out"] = max(errs["out"], rel(o_k, o_s))
+                errs["rec_state"] = max(errs["rec_state"], rel(fused.rec_state, mod.rec_state))
+                conv_equal &= torch.equal(fused.conv_state, mod.conv_state)
+            r = {"kernel": "kda", "B": b, "k": k, "rel_out": errs["out"], "rel_rec_state": errs["rec_state"],
+                 "conv_state_equal": conv_equal,
+                 "ok": errs["out"] <= 1e-2 and errs["rec_state"] <= 1e-3 and conv_equal}
+            x = torch.randn(cfg.rows, cfg.hidden, device=dev).bfloat16()
+            r["stock_us"] = time_us(lambda: mod(x))
+            r["kernel_us"] = time_us(lambda: fused(x))
+            out.append(r)
+            del mod, fused
+    return out
+
+
+def check_prefetch() -> list[dict]:
+    """A bf16 GEMV over the KDA in_proj weight [3216, 7168] from HBM (L2 flushed) vs after a
+    prefetch of its first 24 MB; the kernel must run and the GEMV result must not change."""
+    from kimi_decode.kernels.l2_prefetch import prefetch_l2
+    dev = torch.device("cuda")
+    w = torch.randn(3216, 7168, device=dev).bfloat16()
+    x = torch.randn(1, 7168, device=dev).bfloat16()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    ref = x @ w.t()
+
+    def timed(pre: bool) -> float:
+        ts = []
+        for _ in range(20):
+            flush.add_(1)
+            if pre:
+                prefetch_l2(w, 24 << 20)
+                torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            x @ w.t()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    cold, warm = timed(False), timed(True)
+    same = torch.equal(x @ w.t(), ref)
+    return [{"kernel": "prefetch", "gemv_cold_us": cold, "gemv_after_prefetch_us": warm,
+             "prefetch_kernel_us": time_us(lambda: prefetch_l2(w, 24 << 20)), "ok": same}]
+
+
+def _print(rows: list[dict]) -> None:
+    for r in rows:
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def main_attn_res() -> None:
+    _print(check_attn_res())
+
+
+def main_router() -> None:
+    _print(check_router())
+
+
+def main_kda() -> None:
+    _print(check_kda())
+
+
+def main_prefetch() -> None:
+    _print(check_prefetch())
