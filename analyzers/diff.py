@@ -328,6 +328,9 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
         bv, bl, bnotes = _kernel_name_values(base.kernels)
         cv, cl, cnotes = _kernel_name_values(cand.kernels)
     notes += [f"base: {n}" for n in bnotes] + [f"candidate: {n}" for n in cnotes]
+    if mode != "layers" and metric == "bubbles":
+        col = METRICS["busy"]
+        notes.append("bubbles are not defined per kernel name: kernel time is compared instead")
     settings = {"metric": metric, "threshold_pct": threshold_pct, "min_delta": min_delta, "resamples": resamples,
                 "confidence": CONFIDENCE, "seed": seed, "statistic": "median (gate) and p90 over steps",
                 "ci": "percentile bootstrap of steps, each side resampled independently"}

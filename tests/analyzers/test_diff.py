@@ -143,3 +143,24 @@ def test_kernel_name_fallback_without_layers() -> None:
     # only L3.mla has attention: flash_mla_decode and softmax_reduce grow by 30 %
     assert {r["kernel"] for r in rep.regressions} >= {"flash_mla_decode", "softmax_reduce"}
     assert all(r.get("kernel") or r["layer"] == "all kernels" for r in rep.regressions)
+
+
+def test_bubbles_metric_in_fallback_compares_kernel_time() -> None:
+    """Per kernel name there is no bubble: the gate falls back to kernel time, and says so."""
+    def bare(seed: int, scale: float, run_id: int) -> RunSample:
+        k = kernel_rows(Synth(STOCK, seed=seed, scale={(0, "in_proj"): scale}))
+        k["layer"] = k["layer_kind"] = k["op"] = k["layer_index"] = None
+        return RunSample(run_id, f"r{run_id}", k.iloc[0:0].assign(span_ns=0, busy_ns=0, bubble_ns=0, kernels=0), k)
+
+    rep = compare(bare(1, 1.0, 1), bare(2, 1.5, 2), metric="bubbles")
+    assert any("kernel time is compared instead" in n for n in rep.notes)
+    # a name regresses when L0's in_proj share of its per-step time, grown by 50 %, is over 5 %
+    total: dict[str, int] = {}
+    grown: dict[str, float] = {}
+    for idx, kind in LAYERS:
+        for op, kernels in STOCK[kind]:
+            for name, dur in kernels:
+                total[name] = total.get(name, 0) + dur
+                grown[name] = grown.get(name, 0) + (0.5 * dur if (idx, op) == (0, "in_proj") else 0)
+    expected = {n for n in total if grown[n] / total[n] > 0.05}
+    assert expected and {r["kernel"] for r in rep.regressions} == expected
