@@ -93,16 +93,29 @@ def layer_bands(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_ns
                 layer_regex: str = DEFAULT_LAYER_REGEX) -> pd.DataFrame:
     """Device-side layer bands (layer, start_ns, end_ns) overlapping the window.
 
-    From the profiler's gpu_user_annotation projections when the trace has them; otherwise from
-    the kernel_attribution table when the caller has built it (CUDA-graph replays have no
-    projections). Empty when neither is available.
+    From the profiler's gpu_user_annotation projections when the trace has them; otherwise
+    from analyzers.attribution (launch ranges, or the capture map for CUDA-graph replays, which
+    have no projections). The attribution TEMP table lives on `con`, so a pooled connection
+    attributes a run once (runs never change after ingest). Empty when neither applies.
     """
     params = {"run": run_id, "rank": rank, "t0": int(start_ns), "t1": int(end_ns)}
     bands = con.execute("SELECT * FROM timeline_window_annotation_bands($run, $rank, $t0, $t1, $re)",
                         {**params, "re": layer_regex}).df()
-    if len(bands) or not _has_table(con, "kernel_attribution"):
+    if len(bands):
         return bands
+    if not _attributed(con, run_id):
+        from analyzers.attribution import attribute
+
+        attribute(con, run_ids=[run_id])
     return con.execute(ATTRIBUTION_BANDS_SQL, params).df()[["layer", "start_ns", "end_ns"]]
+
+
+def _attributed(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
+    """Whether `con` already holds kernel_attribution rows of this run."""
+    if not _has_table(con, "kernel_attribution"):
+        return False
+    rows = con.execute("SELECT count(*) FROM kernel_attribution WHERE run_id = $run", {"run": run_id}).fetchall()
+    return bool(rows[0][0])
 
 
 def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:

@@ -53,15 +53,16 @@ def kernel_bars(breakdown: dict[str, Any], title: str) -> go.Figure:
 
 
 def seed_rows(compare: dict[str, Any]) -> list[dict[str, Any]]:
-    """The seed table's rows (per layer kind): µs and kernels per layer, base and candidate, ratio."""
+    """The seed table's rows (per layer kind, from analyzers.layers.compare): ns and kernels per
+    layer for base and candidate, and the candidate/base ratios."""
     rows = []
     for k in compare.get("kinds", []):
         b, c = k.get("base") or {}, k.get("cand") or {}
         rows.append({
             "kind": k.get("kind"),
-            "base_us": _us(b.get("ns_per_layer")), "base_ns": b.get("ns_per_layer"), "base_kernels": b.get("kernels_per_layer"),
-            "cand_us": _us(c.get("ns_per_layer")), "cand_ns": c.get("ns_per_layer"), "cand_kernels": c.get("kernels_per_layer"),
-            "time_ratio": k.get("time_ratio"), "kernel_ratio": k.get("kernel_ratio"),
+            "base_us": _us(b.get("span_ns")), "base_ns": b.get("span_ns"), "base_kernels": _kernels(b.get("kernels")),
+            "cand_us": _us(c.get("span_ns")), "cand_ns": c.get("span_ns"), "cand_kernels": _kernels(c.get("kernels")),
+            "time_ratio": k.get("ratio_time"), "kernel_ratio": k.get("ratio_kernels"),
         })
     return rows
 
@@ -71,8 +72,8 @@ def compare_bars(compare: dict[str, Any]) -> go.Figure:
     rows = seed_rows(compare)
     kinds = [r["kind"] for r in rows]
     fig = go.Figure()
-    for side, label in (("base", compare.get("base", {}).get("name", "base")),
-                        ("cand", compare.get("cand", {}).get("name", "candidate"))):
+    for side, label in (("base", compare.get("base", {}).get("run", "base")),
+                        ("cand", compare.get("cand", {}).get("run", "candidate"))):
         fig.add_trace(go.Bar(x=kinds, y=[r[f"{side}_us"] for r in rows], name=str(label),
                              customdata=[[r[f"{side}_ns"], r[f"{side}_kernels"]] for r in rows],
                              hovertemplate="%{x}: %{customdata[0]:,} ns, %{customdata[1]} kernels per layer<extra></extra>",
@@ -85,3 +86,10 @@ def compare_bars(compare: dict[str, Any]) -> go.Figure:
 
 def _us(ns: Any) -> float | None:
     return None if ns is None else round(ns / 1000, 1)
+
+
+def _kernels(v: Any) -> float | int | None:
+    """Kernels per layer: a mean over layers, shown as an integer when it is one."""
+    if v is None:
+        return None
+    return int(v) if float(v).is_integer() else round(float(v), 1)

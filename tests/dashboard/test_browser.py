@@ -115,3 +115,34 @@ def test_bad_upload_shows_one_line_and_leaves_store_unchanged(page: Any, live_se
     assert text.startswith("error: broken.json: ") and "\n" not in text
     assert snapshot() == before
     assert page.errors == []
+
+
+def _layer_span_ns(spec: Any) -> int:
+    """Span of one layer of the hand-made trace: from its first kernel (launch_ns after the
+    layer starts) to the end of its all-reduce (launched gap_ns before the layer ends, +100 ns
+    to start, 500 ns long), with len(OPS) * kernels_per_op slots of kernel_ns + gap_ns."""
+    slots = len(OPS) * spec.kernels_per_op
+    return slots * (spec.kernel_ns + spec.gap_ns) - spec.gap_ns + 100 + 500 - spec.launch_ns
+
+
+def test_layers_page_shows_both_runs_side_by_side(page: Any, live_server: dict[str, Any]) -> None:
+    from tests.dashboard.conftest import screenshots_dir
+
+    _load(page, f"{live_server['url']}/layers?base=1&cand=2")
+    expect(page.locator("#layers-base-title")).to_have_text("#1 k3_stock (stock)")
+    expect(page.locator("#layers-cand-title")).to_have_text("#2 k3_fused (fused)")
+    for side in ("base", "cand"):
+        expect(page.locator(f"#layers-{side}-time .main-svg").first).to_be_visible()
+    rows = page.locator("#layers-seed-table tbody tr")
+    expect(rows).to_have_count(2)  # kda and mla
+    for i in range(2):
+        cells = [c.strip() for c in rows.nth(i).locator("td").all_inner_texts()]
+        assert cells[0] in ("kda", "mla")
+        assert f"{_layer_span_ns(STOCK):,} ns" in cells[1] and cells[2] == str(_kernels_per_layer(STOCK))
+        assert f"{_layer_span_ns(FUSED):,} ns" in cells[3] and cells[4] == str(_kernels_per_layer(FUSED))
+        assert cells[5] == f"{_layer_span_ns(FUSED) / _layer_span_ns(STOCK):.2f}×"
+    out = screenshots_dir()
+    if out is not None:
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(out / "layers.png"), full_page=True)
+    assert page.errors == []
