@@ -68,7 +68,7 @@ FROM _attr_cmap c
 WHERE c.verified AND w.run_id = c.run_id AND w.item_kind = 'kernel' AND w.item_id = c.item_id"""
 CAPTURE_SUMMARY_SQL = """
 SELECT run_id, rank, correlation, map_graph_id, any_value(n_replay), any_value(n_map),
-       any_value(n_equal), bool_and(verified),
+       any_value(n_equal), any_value(match),
        min(node_order) FILTER (WHERE expected_name IS DISTINCT FROM name) AS first_bad,
        arg_min(expected_name, node_order) FILTER (WHERE expected_name IS DISTINCT FROM name),
        arg_min(name, node_order) FILTER (WHERE expected_name IS DISTINCT FROM name)
@@ -266,13 +266,15 @@ def attribute(con: duckdb.DuckDBPyConnection, run_ids: list[int] | None = None,
 def _capture_summary(con: duckdb.DuckDBPyConnection) -> dict[int, dict[str, Any]]:
     """Per run: replays matched against the capture map, verified or not, with examples."""
     out: dict[int, dict[str, Any]] = {}
-    for (run_id, rank, corr, graph, n_replay, n_map, n_equal, ok, first_bad, exp,
+    for (run_id, rank, corr, graph, n_replay, n_map, n_equal, match, first_bad, exp,
          found) in con.execute(CAPTURE_SUMMARY_SQL).fetchall():
-        s = out.setdefault(run_id, {"replays": 0, "replays_verified": 0, "replays_mismatched": 0,
-                                    "kernels_attributed": 0, "mismatches": []})
+        s = out.setdefault(run_id, {"replays": 0, "replays_verified": 0, "replays_reordered": 0,
+                                    "replays_mismatched": 0, "kernels_attributed": 0,
+                                    "mismatches": []})
         s["replays"] += 1
-        if ok:
+        if match is not None:
             s["replays_verified"] += 1
+            s["replays_reordered"] += match == "reordered"
             s["kernels_attributed"] += n_replay
             continue
         s["replays_mismatched"] += 1

@@ -28,8 +28,14 @@ RUN_NAME_SQL = "SELECT name FROM runs WHERE run_id = ?"
 
 
 def _attributed(con: duckdb.DuckDBPyConnection, run_id: int, attribution_kwargs: dict[str, Any]) -> None:
-    """Attribute the run (refreshing kernel_attribution) and load the layer macros."""
-    attribute(con, [run_id], **attribution_kwargs)
+    """Attribute the run (refreshing kernel_attribution) and load the layer macros.
+
+    `attributed=True` among the kwargs skips the attribution: the caller has just run it
+    (and kept its report), so the run is not attributed twice.
+    """
+    kw = dict(attribution_kwargs)
+    if not kw.pop("attributed", False):
+        attribute(con, [run_id], **kw)
     load_sql(con, "layers")
 
 

@@ -234,8 +234,11 @@ def test_graph_capture_map_and_mismatch(con: duckdb.DuckDBPyConnection) -> None:
     Replay in step 0: a b c -> verified, each kernel gets its node's layer/op, step 0.
     Replay in step 1: a x c -> names differ at node 1: the replay is reported (expected b,
     found x) and none of its kernels takes a layer; they keep the launch's step 1 (method range).
-    Replay in step 2: a b (one short) -> reported too (2 kernels vs 3 nodes)."""
-    _graph_run(1, [["a", "b", "c"], ["a", "x", "c"], ["a", "b"]], with_map=True).insert(con, True)
+    Replay in step 2: a b (one short) -> reported too (2 kernels vs 3 nodes).
+    Replay in step 3: a c b (concurrent streams started c first) -> the same multiset, so
+    matched by (name, occurrence): c -> L1.kda/o_proj, b -> L0.mla/attn; counted as reordered."""
+    _graph_run(1, [["a", "b", "c"], ["a", "x", "c"], ["a", "b"], ["a", "c", "b"]],
+               with_map=True).insert(con, True)
     rep = attribute(con)
     rows = con.execute("SELECT k.name, a.step_index, a.layer, a.layer_index, a.layer_kind, a.op, a.method "
                        "FROM kernel_attribution a JOIN kernels k ON k.run_id = a.run_id "
@@ -243,10 +246,14 @@ def test_graph_capture_map_and_mismatch(con: duckdb.DuckDBPyConnection) -> None:
     assert rows[:3] == [("a", 0, "L0.mla", 0, "mla", "q_proj", "capture_map"),
                         ("b", 0, "L0.mla", 0, "mla", "attn", "capture_map"),
                         ("c", 0, "L1.kda", 1, "kda", "o_proj", "capture_map")]
-    assert rows[3:] == [(n, s, None, None, None, None, "range")
-                        for n, s in (("a", 1), ("x", 1), ("c", 1), ("a", 2), ("b", 2))]
+    assert rows[3:8] == [(n, s, None, None, None, None, "range")
+                         for n, s in (("a", 1), ("x", 1), ("c", 1), ("a", 2), ("b", 2))]
+    assert rows[8:] == [("a", 3, "L0.mla", 0, "mla", "q_proj", "capture_map"),
+                        ("c", 3, "L1.kda", 1, "kda", "o_proj", "capture_map"),
+                        ("b", 3, "L0.mla", 0, "mla", "attn", "capture_map")]
     r = rep.runs[1]
-    assert r.capture_map["replays"] == 3 and r.capture_map["replays_verified"] == 1
+    assert r.capture_map["replays"] == 4 and r.capture_map["replays_verified"] == 2
+    assert r.capture_map["replays_reordered"] == 1
     assert r.capture_map["replays_mismatched"] == 2 and rep.mismatch_count == 2
     m = {x["correlation"]: x for x in r.mismatches}
     bad = [x for x in m.values() if x["kernels"] == 3][0]

@@ -1,0 +1,116 @@
+"""`decodescope layers [TRACE_OR_DB...]`: per layer and op, medians over steps of kernels,
+span, busy and bubble ns (kernels attributed by analyzers.attribution)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import duckdb
+
+from analyzers.attribution import attribute
+from analyzers.layers import layer_breakdown
+from cli.common import emit, format_option, open_input, verbose_option, with_boundary
+from tracer.errors import BadInput
+
+
+def pattern_options(fn: Any) -> Any:
+    """--layer-pattern / --step-pattern / --graph-reference, shared with `compare`."""
+    fn = click.option("--graph-reference", "graph_reference", default=None, metavar="TRACE",
+                      help="Eager trace (or run id in the store) of the same workload, to attribute "
+                           "CUDA-graph replays that have no capture map.")(fn)
+    fn = click.option("--step-pattern", default=None, metavar="RE",
+                      help="Regex naming step ranges (default: `step`, else ProfilerStep#N).")(fn)
+    fn = click.option("--layer-pattern", default=None, metavar="RE",
+                      help="Regex with a named group `layer` (optional `kind`, `idx`); default: "
+                           "L{idx}.{kind} and model.layers.{idx}.")(fn)
+    return fn
+
+
+def resolve_reference(con: duckdb.DuckDBPyConnection, ref: str | None) -> int | None:
+    """A run id in the store, or a trace file ingested into the (in-memory) store."""
+    if ref is None:
+        return None
+    if ref.isdigit():
+        return int(ref)
+    from tracer.ingest import ingest_path
+
+    read_only = con.execute("SELECT readonly FROM duckdb_databases() "
+                            "WHERE database_name = current_database()").fetchall()[0][0]
+    if read_only:
+        raise BadInput(ref, "cannot add a reference trace to a read-only store; pass its run id, "
+                            "or pass trace files instead of the store")
+    infos = ingest_path(con, Path(ref), progress=False)
+    return infos[0].run_id
+
+
+def attribution_kwargs(layer_pattern: str | None, step_pattern: str | None,
+                       reference: int | None) -> dict[str, Any]:
+    return {"layer_pattern": layer_pattern, "step_pattern": step_pattern,
+            "graph_reference": reference}
+
+
+def _text(doc: Any) -> str:
+    docs = doc if isinstance(doc, list) else [doc]
+    out: list[str] = []
+    for d in docs:
+        out.append(f"run {d['run']}: {d['steps']} steps; medians over steps (lower median), ns")
+        if not d["layers"]:
+            out.append(f"  not applicable: {d.get('not_applicable', 'no layers')}")
+            continue
+        out.append(f"  {'layer / op':<28} {'kind':<8} {'kernels':>7} {'span_ns':>12} "
+                   f"{'busy_ns':>12} {'bubble_ns':>12}")
+        for layer in d["layers"]:
+            out.append(f"  {layer['layer'][:28]:<28} {str(layer['kind'] or '-'):<8} "
+                       f"{layer['kernels']:>7} {layer['span_ns']:>12} {layer['busy_ns']:>12} "
+                       f"{layer['bubble_ns']:>12}")
+            for op in layer["ops"]:
+                out.append(f"    {op['op'][:26]:<26} {'':<8} {op['kernels']:>7} {'':>12} "
+                           f"{op['busy_ns']:>12}")
+    return "\n".join(out)
+
+
+def warn_mismatches(report: Any) -> None:
+    """Verification failures go to stderr, never silently."""
+    for r in report.runs.values():
+        if r.mismatches:
+            n_cap = r.capture_map.get("replays_mismatched", 0)
+            n_ref = r.reference.get("kernels_unmatched", 0)
+            click.echo(f"warning: run {r.run_id}: {n_cap} graph replays differ from the capture map, "
+                       f"{n_ref} replayed kernels not found in the reference; left without layer "
+                       f"(first: {r.mismatches[0]})", err=True)
+
+
+@click.command("layers")
+@click.argument("inputs", nargs=-1)
+@click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
+@pattern_options
+@format_option("text", "json")
+@verbose_option
+@with_boundary
+def command(inputs: tuple[str, ...], run_id: int | None, layer_pattern: str | None,
+            step_pattern: str | None, graph_reference: str | None, fmt: str, verbose: bool) -> None:
+    """Per layer and op: kernels, span, busy and bubble ns, medians over steps.
+
+    A kernel belongs to the innermost annotation range around the call that launched it
+    (same thread, through the correlation id); CUDA-graph replays take their layers from the
+    capture map, or from --graph-reference. Span: first kernel start to last kernel end;
+    busy: union of the kernel intervals; bubble: span - busy.
+
+    \b
+    Examples:
+      decodescope layers traces/k3_stock_b1_k0_eager.json.gz --format json
+      decodescope layers vllm_graph.json.gz --graph-reference vllm_eager.json.gz
+      decodescope layers runs.duckdb:2 --layer-pattern 'blocks\\.(?P<layer>\\d+)'
+    """
+    con, ids = open_input(inputs, progress=False)
+    ref = resolve_reference(con, graph_reference)
+    if run_id is not None:
+        if run_id not in ids:
+            raise BadInput(inputs[0] if inputs else "traces/", f"no run {run_id} (runs: {ids})")
+        ids = [run_id]
+    ids = [i for i in ids if i != ref]
+    kw = attribution_kwargs(layer_pattern, step_pattern, ref)
+    warn_mismatches(attribute(con, ids, **kw))
+    docs = [layer_breakdown(con, i, attributed=True, **kw) for i in ids]
+    emit(docs[0] if len(docs) == 1 else docs, fmt, _text)

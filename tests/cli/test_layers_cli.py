@@ -1,0 +1,74 @@
+"""`decodescope layers` and `decodescope compare` end to end: Kineto files written by the test
+builder, ingested by the real reader, answers derived in tests/analyzers/decode_pair.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from cli.exit_codes import BAD_INPUT, OK
+from cli.main import main
+from tests.analyzers.decode_pair import EXPECTED_LAYERS, write_eager, write_graph
+
+
+def _run(*args: str, code: int = OK) -> str:
+    res = CliRunner().invoke(main, list(args))
+    assert res.exit_code == code, (res.output, res.exception)
+    return res.output
+
+
+def test_layers_eager_json(tmp_path: Path) -> None:
+    eager = write_eager(tmp_path / "eager.json.gz")
+    doc = json.loads(_run("layers", str(eager), "--format", "json"))
+    assert doc["steps"] == 3 and doc["layers"] == EXPECTED_LAYERS
+
+
+def test_layers_graph_capture_map_equals_eager(tmp_path: Path) -> None:
+    """The graph trace's replays take their layers from the capture map; the graph run has no
+    `sample` kernel (outside layers anyway), so its breakdown equals the eager one."""
+    graph = write_graph(tmp_path / "graph.json.gz")
+    doc = json.loads(_run("layers", str(graph), "--format", "json"))
+    assert doc["layers"] == EXPECTED_LAYERS
+
+
+def test_layers_graph_reference(tmp_path: Path) -> None:
+    """No capture map: --graph-reference aligns each replay to the eager step's sequence."""
+    eager = write_eager(tmp_path / "eager.json.gz")
+    graph = write_graph(tmp_path / "graph.json.gz", with_map=False)
+    doc = json.loads(_run("layers", str(graph), "--graph-reference", str(eager), "--format", "json"))
+    assert doc["layers"] == EXPECTED_LAYERS
+
+
+def test_layers_mismatch_is_reported(tmp_path: Path) -> None:
+    """The last replay's 4th kernel is renamed `gemm_X`: that replay fails verification
+    against the map (reported on stderr) and only 2 of 3 steps carry layers; with 2 samples
+    the lower median of L0.kda's span is min(4800, 4900) = 4800."""
+    graph = write_graph(tmp_path / "graph.json.gz",
+                        names=["gemm_in", "conv1d", "kda_rec", "gemm_X", "allreduce"])
+    res = CliRunner().invoke(main, ["layers", str(graph), "--format", "json"])
+    assert res.exit_code == OK
+    assert "differ from the capture map" in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["layers"][0]["span_ns"] == 4800
+
+
+def test_layers_text_and_bad_pattern(tmp_path: Path) -> None:
+    eager = write_eager(tmp_path / "eager.json.gz")
+    out = _run("layers", str(eager))
+    assert "L0.kda" in out and "kda_recurrence" in out and "4900" in out
+    res = CliRunner().invoke(main, ["layers", str(eager), "--layer-pattern", r"L\d+"])
+    assert res.exit_code == BAD_INPUT and "named group" in res.stderr
+
+
+def test_compare_eager_vs_graph(tmp_path: Path) -> None:
+    """Same workload both sides: per kind, 4900 ns (kda) and 2000 ns (mla) per layer, kernels
+    3 and 2, ratios 1."""
+    eager = write_eager(tmp_path / "eager.json.gz")
+    graph = write_graph(tmp_path / "graph.json.gz")
+    doc = json.loads(_run("compare", str(eager), str(graph), "--format", "json"))
+    kinds = {k["kind"]: k for k in doc["kinds"]}
+    assert kinds["kda"]["base"]["span_ns"] == 4900 and kinds["kda"]["cand"]["span_ns"] == 4900
+    assert kinds["mla"]["base"]["kernels"] == 2.0 and kinds["mla"]["ratio_time"] == 1.0
+    text = _run("compare", str(eager), str(graph))
+    assert "4.900" in text and "(4900 ns)" in text
