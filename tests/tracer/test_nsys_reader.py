@@ -283,3 +283,21 @@ def test_driver_table_rows_are_driver_calls(tmp_path: Path) -> None:
         ("driver", "cuLaunchKernel", c), ("runtime", "cudaDeviceSynchronize", c + 1)]
     meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
     assert meta["kernels_without_launch"] == 0 and meta["rows_read"]["CUPTI_ACTIVITY_KIND_DRIVER"] == 1
+
+
+def test_stage_write_discard(tmp_path: Path) -> None:
+    """stage reads outside any transaction, write inserts inside one, discard leaves no TEMP table."""
+    from tracer.ingest import nsys_sqlite
+    from tracer.ingest.progress import Progress
+    from tracer.store import transaction
+    con = open_store(None)
+    staged = nsys_sqlite.stage(con, [nested_export().write(tmp_path / "n.sqlite")], Progress(False))
+    assert _rows(con, "SELECT count(*) FROM kernels") == [(0,)]
+    with transaction(con):
+        meta = nsys_sqlite.write(con, staged, 7, Progress(False))
+    nsys_sqlite.discard(con)
+    assert meta.world_size == 1 and meta.gpu == "NVIDIA H200"
+    assert _rows(con, "SELECT run_id, count(*) FROM kernels GROUP BY 1") == [(7, 3)]
+    assert _rows(con, "SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE '\\_nsys%' ESCAPE '\\'") == [(0,)]
+    with pytest.raises(BadInput):
+        nsys_sqlite.stage(con, [_not_nsys(tmp_path)], Progress(False))

@@ -17,13 +17,16 @@ the window and ranges that cross its edges; the reader counts what it can see of
 (`kernels_without_launch`, `launches_without_kernel`, `ranges_cut`), stores it in
 `runs.metadata`, and prints one warning line per issue on stderr.
 
-Python moves rows from SQLite to DuckDB as Arrow batches and nests NVTX ranges
-(tracer.ingest.nesting); everything else is SQL in tracer.ingest.nsys_sql.
+`stage` reads and checks the export into TEMP tables outside the store transaction (Python
+moves rows from SQLite to DuckDB as Arrow batches and nests NVTX ranges with
+tracer.ingest.nesting); `write` inserts them as one run inside it; `discard` drops the TEMP
+tables. Everything else is SQL in tracer.ingest.nsys_sql.
 """
 from __future__ import annotations
 
 import sqlite3
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +211,27 @@ def _window_facts(con: duckdb.DuckDBPyConnection, export: dict[str, str], ranges
     return facts, warnings
 
 
-def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, prog: Progress) -> RunMeta:
-    """Write every per-run table for one nsys SQLite export; return its runs-row facts."""
+@dataclass
+class Staged:
+    """What `stage` read from the export besides its TEMP tables: lookups and counts."""
+
+    path: Path
+    rows_read: dict[str, int]
+    export: dict[str, str]
+    gpus: dict[int, dict[str, Any]]
+    threads: dict[tuple[int, int], str]
+    unread: dict[str, int]
+    event_classes: dict[int, str]
+    event_types: dict[int, str]
+    syncs_moved: int
+
+
+def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> Staged:
+    """Read and check one export into TEMP tables, outside the store transaction.
+
+    Raises BadInput for a file that is not an nsys export or cannot be read. Ranks, host-row
+    placement and NVTX nesting are worked out here too; `write` only inserts.
+    """
     if len(files) != 1:
         raise BadInput(files[0].parent, f"{len(files)} nsys exports in one folder; ingest each export as its own run")
     path = files[0]
@@ -223,67 +245,69 @@ def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, pro
         _check_export(path, tables)
         rows_read = _stage(con, db, path, tables)
         _load_enums(con, db, tables)
-        export = _export_meta(db, tables)
-        gpus = _gpus(db, tables)
-        threads = _thread_names(db, tables)
-        unread = _unread_tables(db, tables)
-        event_classes = _enum(db, tables, "ENUM_NSYS_EVENT_CLASS", {0: "CUDA runtime", 1: "CUDA driver",
-                                                                    67: "CUDA backtrace"})
-        event_types = _enum(db, tables, "ENUM_NSYS_EVENT_TYPE", q.NVTX_EVENT_TYPES)
+        staged = Staged(
+            path=path, rows_read=rows_read, export=_export_meta(db, tables), gpus=_gpus(db, tables),
+            threads=_thread_names(db, tables), unread=_unread_tables(db, tables),
+            event_classes=_enum(db, tables, "ENUM_NSYS_EVENT_CLASS",
+                                {0: "CUDA runtime", 1: "CUDA driver", 67: "CUDA backtrace"}),
+            event_types=_enum(db, tables, "ENUM_NSYS_EVENT_TYPE", q.NVTX_EVENT_TYPES),
+            syncs_moved=0)
     finally:
         db.close()
-    try:
-        prog.step("writing tables")
-        syncs_moved = int(con.execute(q.SYNC_DEVICE_FROM_CONTEXT_SQL).fetchall()[0][0])
-        for sql in (q.DERIVE_IDS_SQL, q.RANKS_SQL, q.LAUNCHED_SQL, q.HOST_CALLS_SQL):
-            con.execute(sql)
-        for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL, q.INSERT_GPU_SYNCS_SQL):
-            con.execute(sql, [run_id])
-        last_ns = con.execute(q.LAST_NS_SQL).fetchall()[0][0]
-        con.execute(q.STAGE_RANGES_SQL, [last_ns if last_ns is not None else 0])
-        prog.step("nesting ranges")
-        _nest_ranges(con)
-        con.execute(q.INSERT_RANGES_SQL, [run_id])
+    prog.step("placing rows on ranks")
+    staged.syncs_moved = int(con.execute(q.SYNC_DEVICE_FROM_CONTEXT_SQL).fetchall()[0][0])
+    for sql in (q.DERIVE_IDS_SQL, q.RANKS_SQL, q.LAUNCHED_SQL, q.HOST_CALLS_SQL):
+        con.execute(sql)
+    last_ns = con.execute(q.LAST_NS_SQL).fetchall()[0][0]
+    con.execute(q.STAGE_RANGES_SQL, [last_ns if last_ns is not None else 0])
+    prog.step("nesting ranges")
+    _nest_ranges(con)
+    return staged
 
-        ranks = con.execute("SELECT rank, pid, device FROM _nsys_ranks ORDER BY rank").fetchall()
-        n_kernels = int(con.execute("SELECT count(*) FROM _nsys_kernel").fetchall()[0][0])
-        ranges_cut = int(con.execute(q.RANGES_CUT_SQL).fetchall()[0][0])
-        window, warnings = _window_facts(con, export, ranges_cut, n_kernels)
-        runtime_classes = con.execute(q.RUNTIME_CLASSES_SQL).fetchall()
-        nvtx_types = con.execute(q.NVTX_TYPES_SQL).fetchall()
-        domains = {str(d): n for d, n in con.execute(q.NVTX_DOMAINS_SQL).fetchall()}
-        calls_dropped, ranges_dropped = con.execute(q.HOST_ROWS_DROPPED_SQL).fetchall()[0]
-        graph_kernels, graph_launches = con.execute(q.GRAPH_EVIDENCE_SQL).fetchall()[0]
-        host_threads = con.execute(q.HOST_THREADS_SQL, [run_id, run_id]).fetchall()
-    finally:
-        con.execute(q.DROP_STAGING_SQL)
 
-    skipped_classes = {k: n for k, n in runtime_classes if k not in q.EVENT_CLASS_KIND and k is not None}
+def write(con: duckdb.DuckDBPyConnection, staged: Staged, run_id: int, prog: Progress) -> RunMeta:
+    """Insert the staged export as run `run_id` (inside the caller's transaction); its runs-row facts."""
+    prog.step("writing tables")
+    for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL, q.INSERT_GPU_SYNCS_SQL,
+                q.INSERT_RANGES_SQL):
+        con.execute(sql, [run_id])
+    ranks = con.execute("SELECT rank, pid, device FROM _nsys_ranks ORDER BY rank").fetchall()
+    n_kernels = int(con.execute("SELECT count(*) FROM _nsys_kernel").fetchall()[0][0])
+    ranges_cut = int(con.execute(q.RANGES_CUT_SQL).fetchall()[0][0])
+    window, warnings = _window_facts(con, staged.export, ranges_cut, n_kernels)
+    runtime_classes = con.execute(q.RUNTIME_CLASSES_SQL).fetchall()
+    nvtx_types = con.execute(q.NVTX_TYPES_SQL).fetchall()
+    domains = {str(d): n for d, n in con.execute(q.NVTX_DOMAINS_SQL).fetchall()}
+    calls_dropped, ranges_dropped = con.execute(q.HOST_ROWS_DROPPED_SQL).fetchall()[0]
+    graph_kernels, graph_launches = con.execute(q.GRAPH_EVIDENCE_SQL).fetchall()[0]
+    host_threads = con.execute(q.HOST_THREADS_SQL, [run_id, run_id]).fetchall()
+
+    skipped_classes = [(k, n) for k, n in runtime_classes if k not in q.EVENT_CLASS_KIND and k is not None]
     rank_info = []
     for rank, pid, device in ranks:
-        gpu = gpus.get(int(device)) if device is not None else None
+        gpu = staged.gpus.get(int(device)) if device is not None else None
         rank_info.append({"rank": rank, "pid": pid, "device": device, "gpu": gpu})
     names = sorted({str(r["gpu"]["name"]) for r in rank_info if r["gpu"] and r["gpu"].get("name")})
     if calls_dropped or ranges_dropped:
         warnings.append(f"{calls_dropped} API calls and {ranges_dropped} NVTX ranges belong to processes with no "
                         "GPU activity in the export; not stored")
     for w in warnings:
-        print(f"warning: {path}: {w}", file=sys.stderr)
+        print(f"warning: {staged.path}: {w}", file=sys.stderr)
     metadata: dict[str, Any] = {
-        "nsys_version": export.get("EXPORT_PRODUCT_VERSION"),
-        "export_schema_version": export.get("EXPORT_SCHEMA_VERSION"),
+        "nsys_version": staged.export.get("EXPORT_PRODUCT_VERSION"),
+        "export_schema_version": staged.export.get("EXPORT_SCHEMA_VERSION"),
         "rank_source": "one rank per (process, device) with GPU activity, in device-id then pid order",
         "ranks": rank_info,
-        "rows_read": rows_read,
-        "unread_tables": unread,
-        "runtime_rows_skipped": _labelled(skipped_classes.items(), event_classes),  # type: ignore[arg-type]
-        "nvtx_event_types": _labelled(nvtx_types, event_types),
+        "rows_read": staged.rows_read,
+        "unread_tables": staged.unread,
+        "runtime_rows_skipped": _labelled(skipped_classes, staged.event_classes),
+        "nvtx_event_types": _labelled(nvtx_types, staged.event_types),
         "nvtx_domains": domains,
         "host_rows_without_gpu_process": {"api_calls": int(calls_dropped), "nvtx_ranges": int(ranges_dropped)},
-        "threads": {f"{pid}/{tid}": threads[(pid, tid)] for pid, tid in sorted(host_threads)
-                    if (pid, tid) in threads},
+        "threads": {f"{pid}/{tid}": staged.threads[(pid, tid)] for pid, tid in sorted(host_threads)
+                    if (pid, tid) in staged.threads},
         "graph_launches": int(graph_launches),
-        "syncs_device_from_context": syncs_moved,
+        "syncs_device_from_context": staged.syncs_moved,
         **window,
         "warnings": warnings,
     }
@@ -295,3 +319,16 @@ def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, pro
         gpu=" / ".join(names) if names else None,
         graph_mode=bool(graph_kernels or graph_launches) if n_kernels else None,
     )
+
+
+def discard(con: duckdb.DuckDBPyConnection) -> None:
+    """Drop every TEMP table `stage` may have left."""
+    con.execute(q.DROP_STAGING_SQL)
+
+
+def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, prog: Progress) -> RunMeta:
+    """stage + write + discard in one call (the single-function reader form)."""
+    try:
+        return write(con, stage(con, files, prog), run_id, prog)
+    finally:
+        discard(con)
