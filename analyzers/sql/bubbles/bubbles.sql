@@ -1,0 +1,162 @@
+-- requires: intervals/intervals.sql, temporal/device_items.sql
+-- Private: device items keyed by (run, rank): the union across all streams of kernels and memops.
+CREATE OR REPLACE VIEW _bubble_items AS
+SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns FROM device_items;
+
+-- Private: device-wide idle gaps per rank over the whole timeline (no stream runs anything).
+CREATE OR REPLACE VIEW _bubble_gaps AS
+SELECT key.run_id AS run_id, key.rank AS rank, start_ns, end_ns, gap_ns
+FROM intervals_gaps('_bubble_items');
+
+-- Private: the host call that launched each correlation id, one row per (run, rank,
+-- correlation): the runtime call when there is one (cudaLaunchKernel over cuLaunchKernel).
+CREATE OR REPLACE VIEW _bubble_launches AS
+SELECT run_id, rank, correlation,
+       arg_min(name, (kind <> 'runtime', start_ns)) AS name,
+       arg_min(start_ns, (kind <> 'runtime', start_ns)) AS start_ns,
+       arg_min(end_ns, (kind <> 'runtime', start_ns)) AS end_ns
+FROM api_calls
+WHERE correlation IS NOT NULL
+GROUP BY run_id, rank, correlation;
+
+-- Private: host calls that block the host until the device (or a stream, or an event) is done:
+-- cuda/hip Device/Stream/Event/Ctx Synchronize, and synchronous memcpy calls.
+CREATE OR REPLACE VIEW _bubble_host_syncs AS
+SELECT run_id, rank, name, start_ns, end_ns FROM api_calls
+WHERE regexp_matches(name, '(?i)(synchroni[sz]e|^(cuda|hip)Memcpy(2D|3D|FromSymbol|ToSymbol)?$|^cuMemcpy[DH]to[DH](_v2)?$)')
+UNION ALL
+SELECT run_id, rank, name, start_ns, end_ns FROM gpu_syncs
+WHERE name IN ('Context Sync', 'Stream Sync', 'Event Sync');
+
+-- Bubbles: maximal intervals inside a step when the device runs nothing, i.e. the gaps of the
+-- union of all kernels and memops of a rank across every stream, at ns precision. A step spans
+-- from the first start to the last end of the items attributed to it (table `attr`, shaped as
+-- kernel_attribution); a gap belongs to the step whose span contains it (the lowest step index
+-- if spans overlap); gaps between steps are not bubbles. Each bubble sits between prev (the
+-- item whose end opens the gap; latest start wins a tie) and next (the item whose start closes
+-- it; lowest stream, then id, wins a tie), and its layer and op are next's (prev's when next
+-- has none). Its cause is the first that holds, in this order:
+--   graph_boundary: next was launched by a graph launch (cudaGraphLaunch, or it has a graph id)
+--     and prev was not launched by that same launch call (new replay, or first graph kernel);
+--   host_sync: a blocking host call (cuda/hip *Synchronize, synchronous cudaMemcpy) or a
+--     Context/Stream/Event Sync record overlaps the gap;
+--   launch_bound: next is not graph-launched and its launching host call ended after the gap
+--     began (the device finished prev before the host had issued next);
+--   event_wait: a 'Stream Wait Event' record on next's stream, waiting on another stream, lies
+--     between the end of the previous item on next's stream and next's start;
+--   other: none of the above.
+CREATE OR REPLACE MACRO bubbles_in_steps(attr) AS TABLE
+WITH _items AS (
+  SELECT d.*, a.step, a.step_index, a.layer, a.op,
+         max(d.end_ns) OVER (
+           PARTITION BY d.run_id, d.rank, d.stream ORDER BY d.start_ns, d.item_kind, d.item_id
+           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+         ) AS prev_on_stream_end_ns
+  FROM device_items d
+  LEFT JOIN query_table(attr) a
+    ON a.run_id = d.run_id AND a.rank = d.rank AND a.item_kind = d.item_kind AND a.item_id = d.item_id
+),
+_steps AS (
+  SELECT run_id, rank, step_index, any_value(step) AS step,
+         min(start_ns) AS step_start_ns, max(end_ns) AS step_end_ns
+  FROM _items WHERE step_index IS NOT NULL
+  GROUP BY run_id, rank, step_index
+),
+_in_step AS (
+  SELECT g.run_id, g.rank, s.step_index, s.step, g.start_ns, g.end_ns, g.gap_ns
+  FROM _bubble_gaps g
+  JOIN _steps s
+    ON g.run_id = s.run_id AND g.rank = s.rank
+    AND g.start_ns >= s.step_start_ns AND g.end_ns <= s.step_end_ns
+  QUALIFY row_number() OVER (PARTITION BY g.run_id, g.rank, g.start_ns ORDER BY s.step_index) = 1
+),
+_with_prev AS (
+  SELECT b.*, p.item_kind AS prev_kind, p.item_id AS prev_id, p.name AS prev_name,
+         p.stream AS prev_stream, p.layer AS prev_layer, p.op AS prev_op,
+         p.correlation AS prev_correlation
+  FROM _in_step b
+  JOIN _items p ON p.run_id = b.run_id AND p.rank = b.rank AND p.end_ns = b.start_ns
+  QUALIFY row_number() OVER (PARTITION BY b.run_id, b.rank, b.start_ns
+                             ORDER BY p.start_ns DESC, p.stream, p.item_kind, p.item_id) = 1
+),
+_with_next AS (
+  SELECT b.*, n.item_kind AS next_kind, n.item_id AS next_id, n.name AS next_name,
+         n.stream AS next_stream, n.layer AS next_layer, n.op AS next_op,
+         n.correlation AS next_correlation, n.graph_id AS next_graph_id,
+         n.start_ns AS next_start_ns, n.prev_on_stream_end_ns
+  FROM _with_prev b
+  JOIN _items n ON n.run_id = b.run_id AND n.rank = b.rank AND n.start_ns = b.end_ns
+  QUALIFY row_number() OVER (PARTITION BY b.run_id, b.rank, b.start_ns
+                             ORDER BY n.stream, n.item_kind, n.item_id) = 1
+),
+_facts AS (
+  SELECT b.*,
+    l.end_ns AS launch_end_ns,
+    coalesce(regexp_matches(l.name, '(?i)graph_?launch'), false) OR b.next_graph_id IS NOT NULL
+      AS next_graph_launched,
+    EXISTS (SELECT 1 FROM _bubble_host_syncs h
+            WHERE h.run_id = b.run_id AND h.rank = b.rank
+              AND h.start_ns < b.end_ns AND h.end_ns > b.start_ns) AS host_sync,
+    EXISTS (SELECT 1 FROM gpu_syncs w
+            WHERE w.run_id = b.run_id AND w.rank = b.rank AND w.name = 'Stream Wait Event'
+              AND w.stream = b.next_stream
+              AND (w.wait_on_stream IS NULL OR w.wait_on_stream <> b.next_stream)
+              AND w.start_ns >= coalesce(b.prev_on_stream_end_ns, b.start_ns)
+              AND w.start_ns <= b.next_start_ns) AS event_wait
+  FROM _with_next b
+  LEFT JOIN _bubble_launches l
+    ON l.run_id = b.run_id AND l.rank = b.rank AND l.correlation = b.next_correlation
+)
+SELECT
+  run_id, rank, step_index, step, start_ns, end_ns, gap_ns,
+  CASE
+    WHEN next_graph_launched AND prev_correlation IS DISTINCT FROM next_correlation THEN 'graph_boundary'
+    WHEN host_sync THEN 'host_sync'
+    WHEN NOT next_graph_launched AND launch_end_ns > start_ns THEN 'launch_bound'
+    WHEN event_wait THEN 'event_wait'
+    ELSE 'other'
+  END AS cause,
+  coalesce(next_layer, prev_layer) AS layer,
+  CASE WHEN next_layer IS NOT NULL OR prev_layer IS NULL THEN next_op ELSE prev_op END AS op,
+  prev_kind, prev_id, prev_name, prev_stream, prev_layer, prev_op,
+  next_kind, next_id, next_name, next_stream, next_layer, next_op
+FROM _facts;
+
+-- Bubble totals per step: span_ns is the step's span (first item start to last item end),
+-- bubble_ns the sum of its bubbles, busy_ns = span_ns - bubble_ns (the union of device items
+-- inside the span), and bubble_ns split by cause. Steps without bubbles have zeros.
+CREATE OR REPLACE MACRO bubble_steps(attr) AS TABLE
+WITH _items AS (
+  SELECT d.run_id, d.rank, d.start_ns, d.end_ns, a.step_index, a.step
+  FROM device_items d
+  JOIN query_table(attr) a
+    ON a.run_id = d.run_id AND a.rank = d.rank AND a.item_kind = d.item_kind AND a.item_id = d.item_id
+  WHERE a.step_index IS NOT NULL
+),
+_steps AS (
+  SELECT run_id, rank, step_index, any_value(step) AS step,
+         max(end_ns) - min(start_ns) AS span_ns
+  FROM _items GROUP BY run_id, rank, step_index
+),
+_b AS (
+  SELECT run_id, rank, step_index,
+    CAST(sum(gap_ns) AS BIGINT) AS bubble_ns,
+    CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'launch_bound'), 0) AS BIGINT) AS launch_bound_ns,
+    CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'graph_boundary'), 0) AS BIGINT) AS graph_boundary_ns,
+    CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'host_sync'), 0) AS BIGINT) AS host_sync_ns,
+    CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'event_wait'), 0) AS BIGINT) AS event_wait_ns,
+    CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'other'), 0) AS BIGINT) AS other_ns,
+    count(*) AS bubbles
+  FROM bubbles_in_steps(attr) GROUP BY run_id, rank, step_index
+)
+SELECT s.run_id, s.rank, s.step_index, s.step, s.span_ns,
+  s.span_ns - coalesce(b.bubble_ns, 0) AS busy_ns,
+  coalesce(b.bubble_ns, 0) AS bubble_ns,
+  coalesce(b.bubbles, 0) AS bubbles,
+  coalesce(b.launch_bound_ns, 0) AS launch_bound_ns,
+  coalesce(b.graph_boundary_ns, 0) AS graph_boundary_ns,
+  coalesce(b.host_sync_ns, 0) AS host_sync_ns,
+  coalesce(b.event_wait_ns, 0) AS event_wait_ns,
+  coalesce(b.other_ns, 0) AS other_ns
+FROM _steps s
+LEFT JOIN _b b ON b.run_id = s.run_id AND b.rank = s.rank AND b.step_index = s.step_index;
