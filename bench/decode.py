@@ -199,8 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         MD_PATH.write_text(render(merge(json.loads(args.render.read_text()))))
         print(f"updated {MD_PATH}")
         return
-    from cli.commands.capture import parse_layers
-    from kimi_decode.config import k3_tp16
+    from kimi_decode.config import k3_tp16, parse_layers
     from tracer.capture import git_commit
 
     bw = copy_bandwidth()

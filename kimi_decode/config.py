@@ -71,6 +71,9 @@ class KimiConfig:
     # routed experts: "grouped_mm" (torch._grouped_mm: each selected expert read once),
     # "gather_bmm" (gpt-fast style gather + bmm), or "auto" (grouped_mm when torch has it)
     expert_impl: str = "auto"
+    # compile each non-GEMM op group with torch.compile (~1 Triton kernel each, as vLLM's
+    # fused kernels); off = plain eager ops (CPU tests)
+    compile_ops: bool = False
     # --- run parameters ---
     batch: int = 1
     spec_tokens: int = 0                # k: draft rows verified per sequence (0 or 7)
@@ -187,3 +190,14 @@ def tiny(**run: Any) -> KimiConfig:
 
 
 PRESETS = {"k3_tp16": k3_tp16, "tiny": tiny}
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'4-7' or '4,5,6,7' -> (4, 5, 6, 7)."""
+    try:
+        if "-" in text:
+            a, b = text.split("-", 1)
+            return tuple(range(int(a), int(b) + 1))
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r}: use FIRST-LAST or a comma list of layer indices") from None

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kimi_decode import stock_ops as ops
 from kimi_decode.comm import LocalComm, SideStream
+from kimi_decode.stock_ops import situ  # noqa: F401  (re-exported: fused.py uses stock.situ)
 from kimi_decode.config import KimiConfig
 from kimi_decode.ranges import layer_range, op_range, step_range
 from kimi_decode.weights import Seeder
@@ -36,12 +38,6 @@ class Runtime:
     aux: SideStream
 
 
-def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lin_beta: float) -> torch.Tensor:
-    """SiTU GLU in fp32: [β·tanh(g/β)·σ(g)] · [β_lin·tanh(u/β_lin)]."""
-    g, u = g.float(), u.float()
-    return (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
 
@@ -51,22 +47,27 @@ def _param(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
 
 
 class AttnRes(nn.Module):
-    """Softmax mix of [blocks..., prefix] scored against w_norm ⊙ w_proj, then RMSNorm (fp32)."""
+    """Weights of one AttnRes mix: w = w_norm ⊙ w_proj (fused at load) and the RMSNorm after it."""
 
     def __init__(self, cfg: KimiConfig, seed: Seeder) -> None:
         super().__init__()
         D = cfg.hidden
         self.eps = cfg.rms_eps
+        self.mix_fn = ops.maybe_compiled(ops.attn_res_mix, cfg.compile_ops)
+        self.update_fn = ops.maybe_compiled(ops.res_mix, cfg.compile_ops)
         w_norm = seed.replicated("res_norm", (D,), 0.1, 1.0)
         w_proj = seed.replicated("res_proj", (D,), D ** -0.5)
         self.w = _param(w_norm * w_proj, torch.float32)  # fused at load, as llama.cpp does
         self.norm = _param(seed.replicated("layernorm", (D,), 0.1, 1.0), torch.float32)
 
     def forward(self, prefix: torch.Tensor, blocks: torch.Tensor, nb: int) -> torch.Tensor:
-        src = torch.cat([blocks[:, :nb], prefix[:, None]], dim=1).float()    # [M, nb+1, D]
-        score = F.rms_norm(src, (src.shape[-1],), None, self.eps) @ self.w    # [M, nb+1]
-        mix = (torch.softmax(score, dim=-1)[..., None] * src).sum(dim=1)     # raw sources
-        return F.rms_norm(mix, (mix.shape[-1],), self.norm, self.eps).to(prefix.dtype)
+        """RMSNorm(mix of [blocks[:nb], prefix])."""
+        return self.mix_fn(prefix, blocks, self.w, self.norm, self.eps, nb)
+
+    def update_and_mix(self, base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, nb: int,
+                       reset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new prefix, normalised mix) with prefix = delta if reset else base + delta: one op."""
+        return self.update_fn(base, delta, blocks, self.w, self.norm, self.eps, nb, reset)
 
 
 class KDAAttention(nn.Module):
@@ -96,10 +97,12 @@ class KDAAttention(nn.Module):
         self.register_buffer("conv_state", (seed.sharded("conv_state0", (B, 3, Hf * d, cfg.conv_kernel - 1), 2)
                                             .reshape(B, 3 * P, cfg.conv_kernel - 1).to(dt)))
         self.register_buffer("rec_state", seed.sharded("rec_state0", (B, Hf, d, d), 1, 0.05))
+        self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
+                   (("conv", ops.conv_update), ("rec", ops.kda_recurrence), ("norm", ops.gated_rms_norm))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        B, T, H, d, P = cfg.batch, cfg.tokens_per_seq, cfg.kda_local_heads, cfg.kda_head_dim, cfg.kda_local_dim
+        cfg, fx = self.cfg, self.fx
+        H, d, P = cfg.kda_local_heads, cfg.kda_head_dim, cfg.kda_local_dim
         with op_range("in_proj"):
             z = x @ self.in_proj.t()                                                   # [M, R]
         qkv, gate_out = z[:, :3 * P], z[:, 3 * P:4 * P]
@@ -107,30 +110,14 @@ class KDAAttention(nn.Module):
         with op_range("f_b_proj"):
             f_b = f_a @ self.f_b.t()                                                   # [M, P]
         with op_range("conv"):
-            new = qkv.reshape(B, T, 3 * P).transpose(1, 2)                           # [B, 3P, T]
-            full = torch.cat([self.conv_state, new], dim=-1)                           # [B, 3P, 3+T]
-            y = torch.einsum("bctj,cj->btc", full.float().unfold(-1, cfg.conv_kernel, 1), self.conv_w)
-            qkv = F.silu(y)                                                            # [B, T, 3P] fp32
-            self.conv_state.copy_(full[..., -(cfg.conv_kernel - 1):])
+            act, conv_state = fx["conv"](self.conv_state, qkv, self.conv_w, cfg.batch)  # [B, T, 3P]
+            self.conv_state.copy_(conv_state)
         with op_range("kda_recurrence"):
-            q, k, v = qkv.reshape(B, T, 3, H, d).unbind(2)                             # [B, T, H, d]
-            q = F.normalize(q, dim=-1, eps=1e-6) * d ** -0.5
-            k = F.normalize(k, dim=-1, eps=1e-6)
-            g = (f_b.float() + self.dt_bias).reshape(B, T, H, d) * self.a_log.exp()[:, None]
-            g = cfg.gate_lower_bound * torch.sigmoid(g)                                # log-decay in (-5, 0)
-            beta = torch.sigmoid(beta_in.float()).reshape(B, T, H)
-            S = self.rec_state
-            outs = []
-            for t in range(T):
-                S = S * g[:, t].exp()[..., None]
-                kS = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-                S = S + (beta[:, t, :, None] * k[:, t])[..., None] * (v[:, t] - kS)[..., None, :]
-                outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+            o, S = fx["rec"](act, f_b, beta_in, self.dt_bias, self.a_log, self.rec_state,
+                             cfg.gate_lower_bound, H)                                  # [M, H, d] fp32
             self.rec_state.copy_(S)
-            o = torch.stack(outs, dim=1).reshape(B * T, H, d)                          # [M, H, d] fp32
         with op_range("o_norm"):
-            o = rms_norm(o, self.o_norm, cfg.rms_eps) * torch.sigmoid(gate_out.float()).reshape(-1, H, d)
-            o = o.to(x.dtype).reshape(B * T, P)
+            o = fx["norm"](o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)             # [M, P]
         with op_range("o_proj"):
             out = o @ self.o_proj.t()
         with op_range("all_reduce"):
@@ -159,9 +146,11 @@ class MLAAttention(nn.Module):
         cache[:, :, :c] = F.rms_norm(cache[:, :, :c], (c,), self.kv_a_norm.float(), cfg.rms_eps)
         cache[:, cfg.context_len:] = 0                                 # not yet written
         self.register_buffer("cache", cache.to(dt))
+        self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
+                   (("norms", ops.mla_norms), ("attend", ops.mla_attend), ("gate", ops.sigmoid_gate))}
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, fx = self.cfg, self.fx
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
         with self.rt.aux.run(x) as side:
@@ -170,26 +159,21 @@ class MLAAttention(nn.Module):
         with op_range("qkv_a"):
             a = x @ self.qkv_a.t()                                                     # [M, ql+c+rope]
         with op_range("qkv_norm"):
-            qa = rms_norm(a[:, :ql], self.q_a_norm, cfg.rms_eps)
-            ckv = rms_norm(a[:, ql:ql + c], self.kv_a_norm, cfg.rms_eps)
+            qa, ckv = fx["norms"](a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
             q = (qa @ self.q_b.t()).reshape(-1, H, nope + rope)                        # [M, H, 192]
         with op_range("uk_bmm"):
             q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)  # [M, H, c]
         with op_range("kv_insert"):
             q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).reshape(B, T * H, c + rope)
-            idx = pos + torch.arange(T, device=x.device)
-            self.cache.index_copy_(1, idx, torch.cat([ckv, a[:, ql + c:]], dim=-1).reshape(B, T, c + rope))
+            last = pos + torch.arange(T, device=x.device)                              # [T] positions
+            self.cache.index_copy_(1, last, torch.cat([ckv, a[:, ql + c:]], dim=-1).reshape(B, T, c + rope))
         with op_range("mla_decode"):
-            scores = torch.bmm(q_full, self.cache.transpose(1, 2)).float()             # [B, T*H, C]
-            scores = scores * (nope + rope) ** -0.5
-            allowed = torch.arange(cfg.cache_len, device=x.device) <= idx[:, None]     # [T, C]
-            scores = scores.masked_fill(~allowed.repeat_interleave(H, 0), float("-inf"))
-            o_lat = torch.bmm(torch.softmax(scores, -1).to(x.dtype), self.cache[..., :c])  # [B, T*H, c]
+            o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)  # [B, T*H, c]
         with op_range("uv_bmm"):
             o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)  # [M, H, vd]
         with op_range("gate_mul"):
-            o = (o.reshape(B * T, -1) * torch.sigmoid(side[0]))
+            o = fx["gate"](o.reshape(B * T, -1), side[0])
         with op_range("o_proj"):
             out = o @ self.o_proj.t()
         with op_range("all_reduce"):
@@ -222,28 +206,17 @@ class LatentMoE(nn.Module):
         self.w2 = _param(torch.cat([w2, zpad.transpose(1, 2)], dim=2), dt)             # [E, L, Ip]
         self.expert_impl = cfg.expert_impl
         self.last_idx: torch.Tensor | None = None  # the latest routing, for byte counts in bench
+        self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
+                   (("situ", ops.situ_glu), ("route", ops.route), ("experts", ops.EXPERTS[cfg.expert_impl]),
+                    ("up", ops.latent_up))}
 
     def _experts(self, z: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """e[m, j] = w2_e · SiTU(w1_e z_m, w3_e z_m) for e = idx[m, j]; returns [M, K, L]."""
-        cfg, Ip = self.cfg, self.cfg.expert_local_inter_padded
-        M, K = idx.shape
-        flat = idx.reshape(-1)
-        if self.expert_impl == "grouped_mm":  # each selected expert's weights read once
-            sorted_e, order = torch.sort(flat, stable=True)
-            offs = torch.searchsorted(sorted_e, torch.arange(cfg.num_experts, device=z.device), right=True)
-            offs = offs.to(torch.int32)
-            zs = z[order // K]                                                         # [M*K, L]
-            h = torch._grouped_mm(zs, self.w13.transpose(1, 2), offs=offs)             # [M*K, 2Ip]
-            a = situ(h[:, :Ip], h[:, Ip:], cfg.situ_beta, cfg.situ_linear_beta).to(z.dtype)
-            e = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)               # [M*K, L]
-            return torch.empty_like(e).index_copy_(0, order, e).reshape(M, K, -1)
-        zr = z.repeat_interleave(K, dim=0)[..., None]                                  # [M*K, L, 1]
-        h = torch.bmm(self.w13[flat], zr).squeeze(-1)
-        a = situ(h[:, :Ip], h[:, Ip:], cfg.situ_beta, cfg.situ_linear_beta).to(z.dtype)
-        return torch.bmm(self.w2[flat], a[..., None]).reshape(M, K, -1)
+        """Unweighted expert outputs [M, K, L] (kept for fused.py, which finalizes itself)."""
+        return ops.EXPERT_OUTPUTS[self.expert_impl](z, idx, self.w13, self.w2, self.cfg.situ_beta,
+                                                    self.cfg.situ_linear_beta)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, fx = self.cfg, self.fx
         Is, n = cfg.shared_local_inter, cfg.row_shard
         with self.rt.aux.run(y) as side:
             with op_range("latent_down"):
@@ -251,25 +224,19 @@ class LatentMoE(nn.Module):
         with op_range("router"):
             logits = (y @ self.router.t()).float()                                     # [M, E]
         with op_range("shared_expert"):
-            h = y @ self.shared_gate_up.t()
-            sh = situ(h[:, :Is], h[:, Is:], cfg.situ_beta, cfg.situ_linear_beta).to(y.dtype)
+            sh = fx["situ"](y @ self.shared_gate_up.t(), Is, cfg.situ_beta, cfg.situ_linear_beta)
             sh = sh @ self.shared_down.t()                                             # [M, D] partial
         with op_range("routing"):
-            s = torch.sigmoid(logits)
-            idx = torch.topk(s + self.bias, cfg.top_k, dim=-1).indices                  # bias: selection only
+            idx, w = fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)     # [M, K]
             self.last_idx = idx
-            w = s.gather(-1, idx)
-            w = w / w.sum(-1, keepdim=True) * cfg.routed_scaling                       # [M, K] fp32
         with op_range("experts"):
-            e = self._experts(side[0], idx)
-            r = (w[..., None] * e.float()).sum(1).to(y.dtype)                          # [M, L] partial
+            r = fx["experts"](side[0], idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         with op_range("moe_tail"):
-            r = self.rt.comm.all_reduce(r)
+            r = self.rt.comm.all_reduce(r)                                             # [M, L]
             sh = self.rt.comm.reduce_scatter_cols(sh)                                  # [M, D/tp]
         with op_range("up_proj"):
-            r = rms_norm(r, self.latent_norm, cfg.rms_eps)
             rank = self.rt.comm.rank
-            part = r @ self.up[rank * n:(rank + 1) * n].t() + sh                       # row shard
+            part = fx["up"](r, self.latent_norm, self.up[rank * n:(rank + 1) * n], sh, cfg.rms_eps)
         with op_range("moe_gather"):
             return self.rt.comm.all_gather_cols(part)
 
@@ -284,13 +251,14 @@ class DenseMLP(nn.Module):
         gu = [seed.sharded(n, (If, D), 0, D ** -0.5) for n in ("gate_proj", "up_proj")]
         self.gate_up = _param(torch.cat(gu), cfg.torch_dtype)
         self.down = _param(seed.sharded("down_proj", (D, If), 1, If ** -0.5), cfg.torch_dtype)
+        self.situ = ops.maybe_compiled(ops.situ_glu, cfg.compile_ops)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         cfg, I = self.cfg, self.cfg.dense_local_inter
         with op_range("dense_gate_up"):
             h = y @ self.gate_up.t()
         with op_range("situ"):
-            a = situ(h[:, :I], h[:, I:], cfg.situ_beta, cfg.situ_linear_beta).to(y.dtype)
+            a = self.situ(h, I, cfg.situ_beta, cfg.situ_linear_beta)
         with op_range("dense_down"):
             out = a @ self.down.t()
         with op_range("all_reduce"):
@@ -317,14 +285,12 @@ class DecoderLayer(nn.Module):
                 pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with layer_range(self.idx, self.kind):
             with op_range("attn_res"):
-                prefix = prefix + m
-                if self.starts_block:
+                prefix, x = self.attn_res.update_and_mix(prefix, m, blocks, self.nb_attn, False)
+                if self.starts_block:  # the mix above reads blocks[:nb_attn] only: slot is free
                     blocks[:, self.block_slot].copy_(prefix)
-                x = self.attn_res(prefix, blocks, self.nb_attn)
             a = self.attn(x, pos) if self.kind == "mla" else self.attn(x)
             with op_range("mlp_res"):
-                prefix = a if self.starts_block else prefix + a
-                y = self.mlp_res(prefix, blocks, self.nb_mlp)
+                prefix, y = self.mlp_res.update_and_mix(prefix, a, blocks, self.nb_mlp, self.starts_block)
             return self.mlp(y), prefix
 
 

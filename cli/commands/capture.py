@@ -9,15 +9,13 @@ from cli.common import verbose_option, with_boundary
 from tracer.errors import BadInput
 
 
-def parse_layers(text: str) -> tuple[int, ...]:
-    """'4-7' or '4,5,6,7' -> (4, 5, 6, 7)."""
+def layers_option(text: str) -> tuple[int, ...]:
+    from kimi_decode.config import parse_layers
+
     try:
-        if "-" in text:
-            a, b = text.split("-", 1)
-            return tuple(range(int(a), int(b) + 1))
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: use FIRST-LAST or a comma list of layer indices") from None
+        return parse_layers(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.command("capture")
@@ -52,7 +50,7 @@ def command(variant: str, preset: str, batch: int, spec_tokens: int, layers: str
     if variant not in VARIANTS:
         raise BadInput(variant, f"unknown variant; known: {', '.join(sorted(VARIANTS))}")
     try:
-        cfg = PRESETS[preset](batch=batch, spec_tokens=spec_tokens, layers=parse_layers(layers), seed=seed)
+        cfg = PRESETS[preset](batch=batch, spec_tokens=spec_tokens, layers=layers_option(layers), seed=seed)
         if tp_sim is None:
             tp_sim = cfg.tp > 1
         cfg = cfg.with_(tp_sim=tp_sim)

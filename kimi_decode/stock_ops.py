@@ -1,0 +1,175 @@
+"""The non-GEMM math of the stock step, one pure function per stock vLLM kernel (group).
+
+GEMMs stay plain cuBLAS calls in stock.py (vLLM issues each as one GEMM kernel). Everything
+between them lives here as a pure function of tensors and Python constants, so that with
+`cfg.compile_ops` each can be compiled on its own (torch.compile, static shapes): inductor
+turns a function's plain PyTorch ops into about one Triton kernel, which is how vLLM issues
+these steps (one fused attn_res kernel, a Triton conv update, one recurrent-KDA kernel, a
+gated RMSNorm, fused routing, ...). Without compile_ops they run op by op in eager PyTorch
+(about five times the kernels). State tensors are never mutated here: new state is returned
+and the caller copies it in place.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def maybe_compiled(fn: Callable, enabled: bool) -> Callable:
+    """`fn`, or its torch.compile'd twin (one per function, static shapes) when enabled."""
+    return _compiled(fn) if enabled else fn
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lin_beta: float) -> torch.Tensor:
+    """SiTU GLU in fp32: [β·tanh(g/β)·σ(g)] · [β_lin·tanh(u/β_lin)]."""
+    g, u = g.float(), u.float()
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))
+
+
+def situ_glu(h: torch.Tensor, inter: int, beta: float, lin_beta: float) -> torch.Tensor:
+    """SiTU over a gate-first [.., 2·inter] GEMM output, back in h's dtype."""
+    return situ(h[..., :inter], h[..., inter:], beta, lin_beta).to(h.dtype)
+
+
+def attn_res_mix(prefix: torch.Tensor, blocks: torch.Tensor, w: torch.Tensor, norm: torch.Tensor,
+                 eps: float, nb: int) -> torch.Tensor:
+    """Softmax mix of [blocks[:nb], prefix] scored by RMS-normalised sources · w, taken over the
+    RAW sources in fp32; then RMSNorm(norm)."""
+    src = torch.cat([blocks[:, :nb], prefix[:, None]], dim=1).float()         # [M, nb+1, D]
+    score = (F.rms_norm(src, (src.shape[-1],), None, eps) * w).sum(-1)        # [M, nb+1]
+    mix = (torch.softmax(score, dim=-1)[..., None] * src).sum(dim=1)
+    return F.rms_norm(mix, (mix.shape[-1],), norm, eps).to(prefix.dtype)
+
+
+def res_mix(base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, w: torch.Tensor,
+            norm: torch.Tensor, eps: float, nb: int, reset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """AttnRes with its prefix update: prefix = delta (new block) or base + delta, then the mix."""
+    prefix = delta if reset else base + delta
+    return prefix, attn_res_mix(prefix, blocks, w, norm, eps, nb)
+
+
+def conv_update(conv_state: torch.Tensor, qkv: torch.Tensor, conv_w: torch.Tensor,
+                batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv (width 4, no bias) + SiLU over T new tokens per sequence.
+    conv_state [B, C, 3] holds the last 3 pre-conv inputs; returns (act [B, T, C] fp32, new state)."""
+    width = conv_w.shape[1]
+    new = qkv.reshape(batch, -1, qkv.shape[-1]).transpose(1, 2)                 # [B, C, T]
+    full = torch.cat([conv_state, new], dim=-1)                                 # [B, C, 3+T]
+    y = (full.float().unfold(-1, width, 1) * conv_w[:, None, :]).sum(-1)       # [B, C, T]
+    return F.silu(y).transpose(1, 2), full[..., -(width - 1):]
+
+
+def kda_recurrence(act: torch.Tensor, f_b: torch.Tensor, beta_in: torch.Tensor, dt_bias: torch.Tensor,
+                   a_log: torch.Tensor, state: torch.Tensor, lower_bound: float,
+                   heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-norm q, k; gate g = lb·σ(e^A·(f_b + dt_bias)); β = σ(b); per token
+    S ← S·e^g (key rows), S ← S + β k ⊗ (v − kᵀS), o = qᵀS. Returns (o [M, H, d] fp32, S)."""
+    B, T, _ = act.shape
+    d = state.shape[-1]
+    q, k, v = act.reshape(B, T, 3, heads, d).unbind(2)                         # [B, T, H, d]
+    q = F.normalize(q, dim=-1, eps=1e-6) * d ** -0.5
+    k = F.normalize(k, dim=-1, eps=1e-6)
+    g = (f_b.float() + dt_bias).reshape(B, T, heads, d) * a_log.exp()[:, None]
+    g = lower_bound * torch.sigmoid(g)
+    beta = torch.sigmoid(beta_in.float()).reshape(B, T, heads)
+    S, outs = state, []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        kS = (k[:, t, :, :, None] * S).sum(-2)                                  # [B, H, d]
+        S = S + (beta[:, t, :, None] * k[:, t])[..., None] * (v[:, t] - kS)[..., None, :]
+        outs.append((q[:, t, :, :, None] * S).sum(-2))
+    return torch.stack(outs, dim=1).reshape(B * T, heads, d), S
+
+
+def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Per-head RMSNorm(o) ⊙ σ(gate), flattened to [M, H·d] in `dtype`."""
+    M, H, d = o.shape
+    out = F.rms_norm(o, (d,), weight.float(), eps) * torch.sigmoid(gate.float()).reshape(M, H, d)
+    return out.to(dtype).reshape(M, H * d)
+
+
+def mla_norms(a: torch.Tensor, q_norm: torch.Tensor, kv_norm: torch.Tensor, q_rank: int, kv_rank: int,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the q latent and of c_kv (vLLM's fused_q_kv_rmsnorm)."""
+    qa = F.rms_norm(a[:, :q_rank], (q_rank,), q_norm, eps)
+    ckv = F.rms_norm(a[:, q_rank:q_rank + kv_rank], (kv_rank,), kv_norm, eps)
+    return qa, ckv
+
+
+def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
+               scale: float) -> torch.Tensor:
+    """Absorbed MLA decode over the latent cache [B, C, c + rope]: row (t, h) sees positions
+    <= last[t]. Returns o_lat [B, T·H, c]."""
+    scores = torch.bmm(q_full, cache.transpose(1, 2)).float() * scale           # [B, T*H, C]
+    allowed = torch.arange(cache.shape[1], device=cache.device) <= last[:, None]  # [T, C]
+    scores = scores.masked_fill(~allowed.repeat_interleave(heads, 0), float("-inf"))
+    return torch.bmm(torch.softmax(scores, -1).to(cache.dtype), cache[..., :kv_rank])
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return o * torch.sigmoid(gate)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """σ(logits); top-k of σ + bias (bias selects only); weights = unbiased σ renormalised."""
+    s = torch.sigmoid(logits)
+    idx = torch.topk(s + bias, top_k, dim=-1).indices
+    w = s.gather(-1, idx)
+    return idx, w / w.sum(-1, keepdim=True) * scaling
+
+
+def expert_outputs_grouped(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           beta: float, lin_beta: float) -> torch.Tensor:
+    """e[m, j] = w2_e · SiTU(w1_e z_m, w3_e z_m), e = idx[m, j]: rows sorted by expert, two
+    grouped GEMMs (each selected expert's weights read once). Returns [M, K, L]."""
+    M, K = idx.shape
+    inter = w2.shape[-1]
+    sorted_e, order = torch.sort(idx.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_e, torch.arange(w13.shape[0], device=z.device), right=True).to(torch.int32)
+    h = torch._grouped_mm(z[order // K], w13.transpose(1, 2), offs=offs)        # [M*K, 2I]
+    e = torch._grouped_mm(situ_glu(h, inter, beta, lin_beta), w2.transpose(1, 2), offs=offs)  # [M*K, L]
+    return torch.empty_like(e).index_copy_(0, order, e).reshape(M, K, -1)
+
+
+def expert_outputs_gathered(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            beta: float, lin_beta: float) -> torch.Tensor:
+    """Same as expert_outputs_grouped via a gather of each row's expert weights and bmm (gpt-fast)."""
+    M, K = idx.shape
+    flat = idx.reshape(-1)
+    h = torch.bmm(w13[flat], z.repeat_interleave(K, dim=0)[..., None]).squeeze(-1)
+    return torch.bmm(w2[flat], situ_glu(h, w2.shape[-1], beta, lin_beta)[..., None]).reshape(M, K, -1)
+
+
+EXPERT_OUTPUTS = {"grouped_mm": expert_outputs_grouped, "gather_bmm": expert_outputs_gathered}
+
+
+def experts_grouped(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    beta: float, lin_beta: float) -> torch.Tensor:
+    """Σ_j w[m, j] · e[m, j] (the top-k finalize) in fp32, back in z's dtype: [M, L]."""
+    e = expert_outputs_grouped(z, idx, w13, w2, beta, lin_beta)
+    return (w[..., None] * e.float()).sum(1).to(z.dtype)
+
+
+def experts_gathered(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     beta: float, lin_beta: float) -> torch.Tensor:
+    """experts_grouped through expert_outputs_gathered."""
+    e = expert_outputs_gathered(z, idx, w13, w2, beta, lin_beta)
+    return (w[..., None] * e.float()).sum(1).to(z.dtype)
+
+
+EXPERTS = {"grouped_mm": experts_grouped, "gather_bmm": experts_gathered}
+
+
+def latent_up(r: torch.Tensor, norm: torch.Tensor, up_rows: torch.Tensor, shared: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """RMSNorm of the reduced latent, this rank's row shard of the up-projection, + shared slice."""
+    return F.rms_norm(r, (r.shape[-1],), norm, eps) @ up_rows.t() + shared
