@@ -313,7 +313,7 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
     col = METRICS[metric]
     if min_delta is None:
         min_delta = 0 if metric == "kernels" else DEFAULT_MIN_DELTA_NS
-    notes = [f"base: {n}" for n in base.notes] + [f"candidate: {n}" for n in cand.notes]
+    notes = _side_notes(base.notes, cand.notes)
     mode, reason = "layers", None
     if not (base.has_layers and cand.has_layers):
         which = " and ".join(s for s, x in (("base", base), ("candidate", cand)) if not x.has_layers)
@@ -327,7 +327,7 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
         notes.append(f"kernel-name fallback: {reason}; kernels are aligned by name, not by layer and op")
         bv, bl, bnotes = _kernel_name_values(base.kernels)
         cv, cl, cnotes = _kernel_name_values(cand.kernels)
-    notes += [f"base: {n}" for n in bnotes] + [f"candidate: {n}" for n in cnotes]
+    notes += _side_notes(bnotes, cnotes)
     if mode != "layers" and metric == "bubbles":
         col = METRICS["busy"]
         notes.append("bubbles are not defined per kernel name: kernel time is compared instead")
@@ -351,6 +351,12 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
                  "cand_only": sum(1 for k in cv if k not in bv), "aligned_by": "kernel name" if mode != "layers"
                  else "(layer kind, layer index, op)", "fallback_reason": reason}
     return DiffReport(_side_info(base, bv), _side_info(cand, cv), mode, settings, rows, alignment, increases, notes)
+
+
+def _side_notes(base: list[str], cand: list[str]) -> list[str]:
+    """Each side's notes, labelled; a note both sides share is said once."""
+    return ([f"base and candidate: {n}" for n in base if n in cand] + [f"base: {n}" for n in base if n not in cand]
+            + [f"candidate: {n}" for n in cand if n not in base])
 
 
 def _sort_key(k: Key) -> tuple[int, str, int, str]:

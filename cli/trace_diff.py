@@ -125,9 +125,10 @@ def _explanation_lines(r: dict[str, Any], metric: str) -> list[str]:
             + (f" ({o['base_kernels']:g}→{o['cand_kernels']:g} kernels)" if o["verdict"] not in ("added", "removed")
                else f" ({o['verdict']})") for o in ex["ops"][:5]))
     for k in ex.get("kernels", [])[:6]:
-        bk, ck = _short(k["base_kernel"] or "", 60), _short(k["cand_kernel"] or "", 60)
+        bk, ck = _short(k["base_kernel"] or "", 80), _short(k["cand_kernel"] or "", 80)
         what = {"renamed": f"{bk} → {ck}", "added": f"+ {ck}", "removed": f"- {bk}", "same": bk}[k["change"]]
-        lines.append(f"kernel {k['change']} in {_where({**k, 'kernel': None})}: {what} ({k['delta_ns']:+,.0f} ns)")
+        change = k["change"] if k["change"] != "same" else ("slower" if k["delta_ns"] > 0 else "faster")
+        lines.append(f"kernel {change} in {_where({**k, 'kernel': None})}: {what} ({k['delta_ns']:+,.0f} ns)")
     if ex and r.get("base_kernels") is not None and r.get("cand_kernels") is not None \
             and r["base_kernels"] != r["cand_kernels"]:
         lines.append(f"kernels per step {r['base_kernels']:g} → {r['cand_kernels']:g}")
