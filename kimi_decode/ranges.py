@@ -26,7 +26,7 @@ OPS = (
     "qkv_a", "g_proj", "qkv_norm", "q_b_proj", "uk_bmm", "kv_insert", "mla_decode",  # MLA
     "uv_bmm", "gate_mul",
     "o_proj", "all_reduce", "mlp_res",
-    "router", "latent_down", "shared_expert", "routing", "experts",                 # MoE
+    "router", "latent_down", "shared_expert", "routing", "experts", "prefetch",     # MoE
     "moe_tail", "up_proj", "moe_gather",
     "dense_gate_up", "situ", "dense_down",                                          # layer 0
 )
