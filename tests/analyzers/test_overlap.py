@@ -48,3 +48,38 @@ def test_hand_made_overlap() -> None:
     """comm [5,20) on s8 against compute [0,10) and [15,18) on s7: overlap = 5 + 3 = 8, exposed 7."""
     con = make_store([(0, 7, "compute", 0, 10), (0, 8, "communication", 5, 15), (0, 7, "compute", 15, 3)])
     assert con.execute("SELECT comm_ns, overlap_ns, exposed_comm_ns FROM overlap_per_rank").fetchall() == [(15, 8, 7)]
+
+
+ATTR_DDL = ("CREATE TABLE attr (run_id INTEGER, rank INTEGER, item_kind VARCHAR, item_id BIGINT, step VARCHAR,"
+            " step_index INTEGER, layer VARCHAR, layer_index INTEGER, layer_kind VARCHAR, op VARCHAR, method VARCHAR)")
+# (rank, category, start, length, step or None, layer or None)
+attributed = st.tuples(st.integers(0, 1), st.sampled_from(("compute", "communication", "memory")),
+                       st.integers(0, 60), st.integers(1, 12), st.one_of(st.none(), st.integers(0, 1)),
+                       st.sampled_from((None, "L0.mla", "L1.kda")))
+
+
+@given(st.lists(attributed, max_size=25))
+def test_overlap_by_layer_matches_cells(items: list[tuple]) -> None:
+    """Per (rank, step) and (rank, step, layer): comm cells of that group's comm items against
+    the compute cells of the whole rank."""
+    con = make_store([])
+    con.execute((SQL / "overlap" / "overlap_by_layer.sql").read_text())
+    con.execute(ATTR_DDL)
+    for i, (rank, cat, s, n, step, layer) in enumerate(items):
+        con.execute("INSERT INTO kernels (run_id, kernel_id, rank, stream, name, start_ns, end_ns, category)"
+                    " VALUES (1, ?, ?, 7, 'k', ?, ?, ?)", [i, rank, s, s + n, cat])
+        con.execute("INSERT INTO attr VALUES (1, ?, 'kernel', ?, ?, ?, ?, NULL, NULL, NULL, 'range')",
+                    [rank, i, None if step is None else f"s{step}", step, layer])
+    got = con.execute("SELECT rank, step_index, level, layer, comm_ns, overlap_ns, exposed_comm_ns"
+                      " FROM overlap_by_layer('attr') ORDER BY ALL").fetchall()
+    want = []
+    for rank in (0, 1):
+        comp = {t for r, c, s, n, _, _ in items if r == rank and c == "compute" for t in range(s, s + n)}
+        groups: dict[tuple, set[int]] = {}
+        for r, c, s, n, step, layer in items:
+            if r == rank and c == "communication" and step is not None:
+                groups.setdefault((step, "step", ""), set()).update(range(s, s + n))
+                groups.setdefault((step, "layer", layer or ""), set()).update(range(s, s + n))
+        want += [(rank, step, level, layer, len(p), len(p & comp), len(p - comp))
+                 for (step, level, layer), p in groups.items()]
+    assert got == sorted(want)
