@@ -327,6 +327,9 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
         notes.append(f"kernel-name fallback: {reason}; kernels are aligned by name, not by layer and op")
         bv, bl, bnotes = _kernel_name_values(base.kernels)
         cv, cl, cnotes = _kernel_name_values(cand.kernels)
+        if not (set(bv) & set(cv)) - {(ALL_KERNELS, -1, "")}:
+            raise NotComparable(f"{base.name} vs {cand.name}",
+                                f"cannot be compared: {reason}, and no kernel name in common")
     notes += _side_notes(bnotes, cnotes)
     if mode != "layers" and metric == "bubbles":
         col = METRICS["busy"]

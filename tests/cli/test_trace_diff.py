@@ -123,3 +123,29 @@ def test_decodescope_diff_is_the_same_command() -> None:
 
     res = CliRunner().invoke(main, ["diff", "--help"])
     assert res.exit_code == OK and "--graph-reference" in res.output and "--junit" in res.output
+
+
+def _write(path: Path, kernels: list[tuple[str, int, int]], step: bool = True) -> Path:
+    """A tiny trace: optional `step` range, kernels launched inside it (no layer ranges)."""
+    from tests.kineto_builder import KinetoTraceBuilder
+
+    b = KinetoTraceBuilder()
+    if step:
+        b.annotation("step", 0, 1_000_000)
+    for name, start, dur in kernels:
+        b.launch(name, start - 5_000, 100, start, dur)
+    if not kernels:
+        b.annotation("idle", 10, 100)
+    return b.write(path)
+
+
+def test_runs_that_cannot_be_compared_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _write(tmp_path / "a.json", [("gemm_a", 10_000, 5_000), ("gemm_b", 20_000, 5_000)])
+    b = _write(tmp_path / "b.json", [("other_x", 10_000, 5_000)])
+    code, out, err = run([str(a), str(b)], capsys)
+    assert code == BAD_INPUT and out == "" and len(err.strip().splitlines()) == 1
+    assert "no kernel name in common" in err
+    empty = _write(tmp_path / "empty.json", [])
+    code, out, err = run([str(a), str(empty)], capsys)
+    assert code == BAD_INPUT and out == "" and len(err.strip().splitlines()) == 1
+    assert "empty.json" in err
