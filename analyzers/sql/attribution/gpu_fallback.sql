@@ -7,6 +7,8 @@
 -- instance's step and layer, and its op when exactly one op span of that instance holds it.
 -- Inside no layer span, it takes the step when exactly one step span holds it. Several
 -- candidates mean ambiguous: the item stays unattributed and is counted as such.
+-- The same applies to memcpy/memset nodes replayed from a CUDA graph: the capture map lists
+-- kernels only, so a replayed memop takes the layer whose kernels' GPU span holds it.
 
 -- work: relation shaped like attribution_by_range(...) (after graph attribution). One row per
 -- unlaunched item: its new step, step_index, layer, layer_index, layer_kind, op (NULL when
@@ -14,7 +16,9 @@
 CREATE OR REPLACE MACRO attribution_gpu_fallback(work) AS TABLE
 WITH _w AS (SELECT * FROM query_table(work)),
 _lost AS (
-  SELECT run_id, rank, item_kind, item_id, start_ns, end_ns FROM _w WHERE NOT launched
+  SELECT run_id, rank, item_kind, item_id, start_ns, end_ns
+  FROM _w
+  WHERE NOT launched OR (is_graph AND item_kind = 'memop' AND layer IS NULL)
 ),
 _layer_spans AS (
   SELECT

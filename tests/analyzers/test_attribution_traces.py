@@ -1,0 +1,83 @@
+"""On the real H200 traces in traces/: graph-mode attribution (capture map) equals the eager
+attribution of the same configuration, kernel for kernel.
+
+For every `k3_*_graph.json.gz` with its `..._eager.json.gz`, per step: the sequence of
+(layer, op) taken by the k-th kernel of each name is the same in both runs, and the kernel
+names per step are the same multiset. (Comparing per name, in start order, rather than one
+start-ordered list: kernels on the simulated-collective stream run concurrently, so the start
+order of two different kernels can differ between eager and replay; kernels of one name keep
+their order.) Also every replay verifies against the capture map, and most kernels of a step
+lie in a layer (a few step-level kernels, e.g. the position update, lie outside all layers,
+in both runs alike).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from analyzers.attribution import attribute
+from tracer.errors import BadInput
+from tracer.ingest import ingest_path
+from tracer.store import open_store
+
+TRACES = Path(__file__).resolve().parents[2] / "traces"
+PAIRS = sorted((g, g.with_name(g.name.replace("_graph.", "_eager.")))
+               for g in TRACES.glob("k3_*_graph.json.gz")
+               if g.with_name(g.name.replace("_graph.", "_eager.")).exists())
+
+
+def _ingest(con: duckdb.DuckDBPyConnection, path: Path, tmp: Path) -> int:
+    """Ingest a bundled trace. Workaround, to remove once capture and ingest agree: the
+    capture writes `comm_ops` as one regex string and the ingest wants a list; then ingest a
+    copy whose comm_ops/prefetch_ops are wrapped in a list (attribution never reads them)."""
+    try:
+        return ingest_path(con, path, progress=False)[0].run_id
+    except BadInput as exc:
+        if "_ops must be a list" not in str(exc):
+            raise
+    doc = json.loads(gzip.open(path).read())
+    for key in ("comm_ops", "prefetch_ops"):
+        v = doc["decodescope"].get(key)
+        doc["decodescope"][key] = [] if v is None else ([v] if isinstance(v, str) else v)
+    copy = tmp / path.name
+    with gzip.open(copy, "wt") as fh:
+        json.dump(doc, fh)
+    return ingest_path(con, copy, progress=False)[0].run_id
+
+
+def _per_step(con: duckdb.DuckDBPyConnection, run_id: int) -> dict[int, dict[str, list[tuple]]]:
+    """{step_index: {kernel name: [(layer, op) of each occurrence, in start order]}}."""
+    rows = con.execute(
+        "SELECT a.step_index, k.name, a.layer, a.op FROM kernel_attribution a "
+        "JOIN kernels k ON k.run_id = a.run_id AND k.kernel_id = a.item_id "
+        "WHERE a.run_id = ? AND a.item_kind = 'kernel' AND a.step_index IS NOT NULL "
+        "ORDER BY a.step_index, k.start_ns, k.kernel_id", [run_id]).fetchall()
+    out: dict[int, dict[str, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    for step, name, layer, op in rows:
+        out[step][name].append((layer, op))
+    return out
+
+
+@pytest.mark.skipif(not PAIRS, reason="no k3_*_{graph,eager}.json.gz pair in traces/ yet "
+                                      "(captured on the GPU machine)")
+@pytest.mark.parametrize("graph,eager", PAIRS, ids=[g.name for g, _ in PAIRS])
+def test_graph_attribution_equals_eager(graph: Path, eager: Path, tmp_path: Path) -> None:
+    con = open_store(None)
+    e = _ingest(con, eager, tmp_path)
+    g = _ingest(con, graph, tmp_path)
+    report = attribute(con, [e, g])
+    cap = report.runs[g].capture_map
+    assert cap["replays"] > 0 and cap["replays_mismatched"] == 0, report.runs[g].mismatches
+    eager_steps, graph_steps = _per_step(con, e), _per_step(con, g)
+    assert sorted(eager_steps) == sorted(graph_steps)
+    n = n_layer = 0
+    for step, by_name in eager_steps.items():
+        assert by_name == graph_steps[step], f"step {step}"
+        n += sum(len(v) for v in by_name.values())
+        n_layer += sum(layer is not None for v in by_name.values() for layer, _ in v)
+    assert n > 0 and n_layer >= 0.95 * n
