@@ -5,10 +5,14 @@
 reader by file name, and runs reader + classifier inside one transaction, so any failure
 leaves the store exactly as it was.
 
-Adding a format is one line in `READERS`: a `Reader` with the file suffixes it claims and a
-`read_run(con, files, run_id, progress) -> RunMeta` that writes every per-run table (kernels,
-memops, api_calls, ranges, ...) for `run_id` and returns the facts for its `runs` row; this
-module writes that row (name, path, hash) and runs the classifier.
+Adding a format is one line in `READERS`: a `Reader` with the file suffixes it claims and
+three functions. `stage(con, files, progress)` parses and checks the files OUTSIDE the store
+transaction (TEMP tables or Python objects only; raises BadInput), so a parse error can never
+leave a transaction aborted; `write(con, staged, run_id, progress) -> RunMeta` fills every
+per-run table (kernels, memops, api_calls, ranges, ...) inside the transaction and returns the
+facts for the `runs` row; `discard(con)` drops whatever `stage` left. This module writes the
+runs row (name, path, hash) and runs the classifier. A reader that parses and writes in one
+call, `read_run(con, files, run_id, progress) -> RunMeta`, registers with `Reader.one_phase`.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import duckdb
 
@@ -39,24 +44,36 @@ class RunInfo:
     reused: bool
 
 
+Stage = Callable[[duckdb.DuckDBPyConnection, list[Path], Progress], Any]
+Write = Callable[[duckdb.DuckDBPyConnection, Any, int, Progress], RunMeta]
+Discard = Callable[[duckdb.DuckDBPyConnection], None]
 ReadRun = Callable[[duckdb.DuckDBPyConnection, list[Path], int, Progress], RunMeta]
 
 
 @dataclass(frozen=True)
 class Reader:
-    """A trace format: the file suffixes it claims and the function that writes one run."""
+    """A trace format: the file suffixes it claims, and how it stages and writes one run."""
 
     source: str
     suffixes: tuple[str, ...]
-    read_run: ReadRun
+    stage: Stage
+    write: Write
+    discard: Discard
 
     def claims(self, path: Path) -> bool:
         return path.name.lower().endswith(self.suffixes)
 
+    @classmethod
+    def one_phase(cls, source: str, suffixes: tuple[str, ...], read_run: ReadRun) -> Reader:
+        """A reader that parses and writes in one call, inside the transaction."""
+        return cls(source, suffixes, stage=lambda _con, files, _prog: files,
+                   write=lambda con, files, run_id, prog: read_run(con, files, run_id, prog),
+                   discard=lambda _con: None)
+
 
 READERS: tuple[Reader, ...] = (
-    Reader("kineto", kineto.SUFFIXES, kineto.read_run),
-    Reader("nsys", nsys_sqlite.SUFFIXES, nsys_sqlite.read_run),
+    Reader("kineto", kineto.SUFFIXES, kineto.stage, kineto.write, kineto.discard),
+    Reader.one_phase("nsys", nsys_sqlite.SUFFIXES, nsys_sqlite.read_run),
 )
 
 _RUN_FACTS_SQL = """
@@ -135,11 +152,15 @@ def ingest_path(con: duckdb.DuckDBPyConnection, path: str | Path, name: str | No
         if found:
             return [_facts(con, int(found[0][0]), str(found[0][1]), reused=True)]
         run_name = name or default_name(p)
-        with transaction(con):
-            run_id = int(con.execute("SELECT nextval('run_id_seq')").fetchall()[0][0])
-            meta = reader.read_run(con, files, run_id, prog)
-            insert_run(con, run_id, run_name, reader.source, p, digest, meta)
-            prog.step("classifying")
-            classify.classify_run(con, run_id, user_rules)
-            info = _facts(con, run_id, run_name, reused=False)
+        try:
+            staged = reader.stage(con, files, prog)
+            with transaction(con):
+                run_id = int(con.execute("SELECT nextval('run_id_seq')").fetchall()[0][0])
+                meta = reader.write(con, staged, run_id, prog)
+                insert_run(con, run_id, run_name, reader.source, p, digest, meta)
+                prog.step("classifying")
+                classify.classify_run(con, run_id, user_rules)
+                info = _facts(con, run_id, run_name, reused=False)
+        finally:
+            reader.discard(con)
     return [info]

@@ -1,9 +1,12 @@
 """Kineto / PyTorch-profiler Chrome-trace reader (`.json`, `.json.gz`; one file per rank).
 
-DuckDB parses each file with an explicit schema (ts/dur as DECIMAL(38,3): exact ns at any
-magnitude) into one staging table of every event; SQL then fills kernels, memops, api_calls,
-ranges, gpu_annotations and gpu_syncs. Python touches only metadata, the rare failure
-diagnosis, and the nesting of host ranges (tracer.ingest.nesting).
+Two phases. `stage` (outside the store transaction) parses every file with DuckDB and an
+explicit schema (ts/dur as DECIMAL(38,3): exact ns at any magnitude) into one TEMP table of
+every event, and validates it; pretty-printed files are first cut into event chunks that parse
+in parallel and in less memory (kineto_split), other layouts are read as one document. `write`
+(inside the transaction) fills kernels, memops, api_calls, ranges, gpu_annotations and
+gpu_syncs with SQL. Python touches only metadata, the failure diagnosis, and the nesting of
+host ranges (tracer.ingest.nesting).
 
 Rank: `distributedInfo.rank` of each file when every file has a distinct one, else the file's
 position in name order. Event kinds the store has no table for (flows, instant events,
@@ -12,7 +15,9 @@ metadata, profiler spans) are counted in `runs.metadata.unhandled_events`, never
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import shutil
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,7 @@ import pyarrow as pa
 from tracer.errors import BadInput
 from tracer.ingest import kineto_sql as q
 from tracer.ingest.diagnose import diagnose_json
+from tracer.ingest.kineto_split import split_trace
 from tracer.ingest.nesting import nest
 from tracer.ingest.progress import Progress
 from tracer.ingest.runmeta import RunMeta
@@ -44,8 +50,19 @@ def _loads(text: str | None) -> Any:
     return json.loads(text) if text is not None else None
 
 
+def _facts(path: Path, base: Any, dist: Any, props: Any, ds: Any) -> DocFacts:
+    """Check and keep the top-level metadata of one file."""
+    try:
+        base_ns = int(base) if base not in (None, "") else 0
+    except (TypeError, ValueError):
+        raise BadInput(path, f"baseTimeNanoseconds is not an integer: {base!r}") from None
+    if ds is not None and not isinstance(ds, dict):
+        raise BadInput(path, "the top-level 'decodescope' entry is not an object")
+    return DocFacts(path, base_ns, dist if isinstance(dist, dict) else None, props, ds)
+
+
 def _read_doc(con: duckdb.DuckDBPyConnection, path: Path) -> DocFacts:
-    """Parse one file into `_kineto_doc`; BadInput with a precise reason if it is not a trace."""
+    """Parse one file as a whole document into `_kineto_doc`; BadInput with a precise reason."""
     try:
         con.execute(q.READ_DOC_SQL, [str(path)])
     except duckdb.Error as exc:
@@ -57,15 +74,33 @@ def _read_doc(con: duckdb.DuckDBPyConnection, path: Path) -> DocFacts:
         raise BadInput(path, f"holds {n_rows} top-level JSON values; a Kineto trace is one object")
     if no_events:
         raise BadInput(path, "no traceEvents list (not a Kineto / Chrome trace)")
-    try:
-        base_ns = int(base) if base not in (None, "") else 0
-    except ValueError:
-        raise BadInput(path, f"baseTimeNanoseconds is not an integer: {base!r}") from None
-    dist_obj = _loads(dist)
-    ds_obj = _loads(ds)
-    if ds_obj is not None and not isinstance(ds_obj, dict):
-        raise BadInput(path, "the top-level 'decodescope' entry is not an object")
-    return DocFacts(path, base_ns, dist_obj if isinstance(dist_obj, dict) else None, _loads(props), ds_obj)
+    return _facts(path, base, _loads(dist), _loads(props), _loads(ds))
+
+
+def _stage_file(con: duckdb.DuckDBPyConnection, path: Path, idx: int, workdir: Path) -> DocFacts:
+    """Append one file's events to `_kineto_ev`: chunked when the layout allows, else whole."""
+    split = split_trace(path, workdir)
+    if split is not None:
+        m = split.meta
+        doc = _facts(path, m.get("baseTimeNanoseconds"), m.get("distributedInfo"), m.get("deviceProperties"),
+                     m.get("decodescope"))
+        rank = _declared_rank(doc)
+        if not split.chunks:
+            return doc  # an empty traceEvents list
+        try:
+            con.execute(q.INSERT_CHUNK_EVENTS_SQL, [idx, rank if rank is not None else idx, doc.base_ns,
+                                                    [str(c) for c in split.chunks]])
+            return doc
+        except duckdb.Error:
+            pass  # a chunk did not parse: the whole-document read below decides, and explains
+        finally:
+            for c in split.chunks:
+                c.unlink(missing_ok=True)
+    doc = _read_doc(con, path)
+    rank = _declared_rank(doc)
+    con.execute(q.INSERT_EVENTS_SQL, [idx, rank if rank is not None else idx, doc.base_ns])
+    con.execute("DROP TABLE _kineto_doc")
+    return doc
 
 
 def _declared_rank(doc: DocFacts) -> int | None:
@@ -117,26 +152,47 @@ def _gpu_name(props: Any) -> str | None:
     return None
 
 
-def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, prog: Progress) -> RunMeta:
-    """Write every per-run table for the Kineto files of one run; return its runs-row facts."""
-    # Staging tables are TEMP and created inside the caller's transaction: on any failure the
-    # rollback removes them with everything else, so they are dropped here only on success.
+@dataclass
+class Staged:
+    """Parsed and validated files of one run, waiting in TEMP tables for `write`."""
+
+    files: list[Path]
+    docs: list[DocFacts]
+    ranks: list[int]
+    by_declared: bool
+    counts: list[tuple[str, str, int]] = field(default_factory=list)
+    graph_launches: int = 0
+
+
+def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> Staged:
+    """Parse and check every file of the run into TEMP staging tables; writes nothing to the store."""
     con.execute(q.CREATE_EVENTS_SQL)
     docs: list[DocFacts] = []
-    for idx, path in enumerate(files):
-        prog.step(f"parsing {path.name}")
-        doc = _read_doc(con, path)
-        docs.append(doc)
-        declared = _declared_rank(doc)
-        con.execute(q.INSERT_EVENTS_SQL, [idx, declared if declared is not None else idx, doc.base_ns])
-        con.execute("DROP TABLE _kineto_doc")
+    workdir = Path(tempfile.mkdtemp(prefix="decodescope-kineto-"))
+    try:
+        for idx, path in enumerate(files):
+            prog.step(f"parsing {path.name}")
+            docs.append(_stage_file(con, path, idx, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     declared_ranks = [_declared_rank(d) for d in docs]
     by_declared = None not in declared_ranks and len(set(declared_ranks)) == len(docs)
-    ranks = declared_ranks if by_declared else list(range(len(docs)))
+    ranks = [int(r) for r in declared_ranks] if by_declared else list(range(len(docs)))  # type: ignore[arg-type]
     if not by_declared and len(docs) > 1:
         con.execute("UPDATE _kineto_ev SET rank = file_idx")
     _check_events(con, files)
+    counts = [(str(a), str(b), int(n)) for a, b, n in con.execute(q.EVENT_COUNTS_SQL).fetchall()]
+    graph_launches = int(con.execute(q.GRAPH_LAUNCHES_SQL).fetchall()[0][0])
+    return Staged(files, docs, ranks, by_declared, counts, graph_launches)
 
+
+def discard(con: duckdb.DuckDBPyConnection) -> None:
+    """Drop the staging tables (after write, or after a failure)."""
+    con.execute(q.DROP_STAGING_SQL)
+
+
+def write(con: duckdb.DuckDBPyConnection, staged: Staged, run_id: int, prog: Progress) -> RunMeta:
+    """Fill every per-run table from the staging tables; return the facts for the runs row."""
     prog.step("writing tables")
     for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL,
                 q.INSERT_GPU_ANNOTATIONS_SQL, q.INSERT_GPU_SYNCS_SQL):
@@ -144,10 +200,8 @@ def read_run(con: duckdb.DuckDBPyConnection, files: list[Path], run_id: int, pro
     prog.step("nesting ranges")
     _nest_ranges(con)
     con.execute(q.INSERT_RANGES_SQL, [run_id])
-
-    counts = con.execute(q.EVENT_COUNTS_SQL).fetchall()
-    graph_launches = int(con.execute(q.GRAPH_LAUNCHES_SQL).fetchall()[0][0])
-    con.execute(q.DROP_STAGING_SQL)
+    docs, ranks, by_declared, counts = staged.docs, staged.ranks, staged.by_declared, staged.counts
+    graph_launches = staged.graph_launches
 
     ds = next((d.decodescope for d in docs if d.decodescope is not None), None)
     capture_rows: list[list[Any]] = []

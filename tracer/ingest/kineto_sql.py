@@ -15,6 +15,18 @@ DOC_COLUMNS = (
     "'decodescope': 'JSON'}"
 )
 
+EVENT_STRUCT = ("STRUCT(ph VARCHAR, cat VARCHAR, name VARCHAR, ts DECIMAL(38,3), dur DECIMAL(38,3), "
+                "pid VARCHAR, tid VARCHAR, args JSON)")
+# Chunk files written by kineto_split: JSON arrays of events, read in parallel, file order kept.
+EVENT_COLUMNS = ("{'ph': 'VARCHAR', 'cat': 'VARCHAR', 'name': 'VARCHAR', 'ts': 'DECIMAL(38,3)', "
+                 "'dur': 'DECIMAL(38,3)', 'pid': 'VARCHAR', 'tid': 'VARCHAR', 'args': 'JSON'}")
+INSERT_CHUNK_EVENTS_SQL = f"""
+INSERT INTO _kineto_ev
+SELECT ? AS file_idx, ? AS rank, row_number() OVER () AS seq, ph, lower(cat), coalesce(name, ''),
+       ? + CAST(ts * 1000 AS BIGINT), CAST(dur * 1000 AS BIGINT), pid, tid, args
+FROM read_json(?, format='array', records=true, maximum_object_size=134217728, columns={EVENT_COLUMNS})
+"""
+
 # One file's document: a single row (more rows means the top level was not one object).
 READ_DOC_SQL = f"""
 CREATE OR REPLACE TEMP TABLE _kineto_doc AS
@@ -44,7 +56,7 @@ CREATE OR REPLACE TEMP TABLE _kineto_ev (
 # All events of one file, in file order; `cat` lower-cased (versions differ in case).
 INSERT_EVENTS_SQL = """
 INSERT INTO _kineto_ev
-SELECT ? AS file_idx, ? AS rank, e.seq, e.ev.ph, lower(e.ev.cat), e.ev.name,
+SELECT ? AS file_idx, ? AS rank, e.seq, e.ev.ph, lower(e.ev.cat), coalesce(e.ev.name, ''),
        ? + CAST(e.ev.ts * 1000 AS BIGINT), CAST(e.ev.dur * 1000 AS BIGINT),
        e.ev.pid, e.ev.tid, e.ev.args
 FROM (SELECT unnest(events) AS ev, generate_subscripts(events, 1) AS seq FROM _kineto_doc) AS e
