@@ -38,7 +38,7 @@ from torch import nn
 from kimi_decode import stock
 from kimi_decode.config import KimiConfig
 from kimi_decode.ranges import layer_range, op_range, step_range
-from kimi_decode.stock import Runtime, StockDecoder, rms_norm, situ
+from kimi_decode.stock import Runtime, StockDecoder
 
 # Kernels that passed their device check (bench/fused_correctness.md); others stay stock.
 VERIFIED: frozenset[str] = frozenset()  # none checked on the GPU yet
@@ -85,22 +85,27 @@ def _join(rt: Runtime, *outputs: torch.Tensor) -> None:
 
 
 class AttnRes(stock.AttnRes):
-    """prefix' = prefix (+ delta), optional block write, mix, RMSNorm: one kernel."""
+    """prefix = delta or base + delta, optional block write, mix, RMSNorm: one kernel."""
 
     use_kernel = False
 
-    def forward(self, prefix: torch.Tensor, blocks: torch.Tensor, nb: int,
-                delta: torch.Tensor | None = None,
-                write_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_kernel:
-            from kimi_decode.kernels.attn_res import attn_res_rmsnorm
-            return attn_res_rmsnorm(blocks, nb, prefix, self.w, self.norm, self.eps,
-                                    delta=delta, write_slot=write_slot)
-        if delta is not None:
-            prefix = prefix + delta
-        if write_slot is not None:
-            blocks[:, write_slot].copy_(prefix)
-        return super().forward(prefix, blocks, nb), prefix
+    def update_and_mix(self, base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, nb: int,
+                       reset: bool, write_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new prefix, normalised mix); with `write_slot`, blocks[:, write_slot] = new prefix
+        (the mix reads blocks[:nb] only, so the slot written is never a source)."""
+        if not self.use_kernel:
+            prefix, x = super().update_and_mix(base, delta, blocks, nb, reset)
+            if write_slot is not None:
+                blocks[:, write_slot].copy_(prefix)
+            return prefix, x
+        from kimi_decode.kernels.attn_res import attn_res_rmsnorm
+        if reset:
+            x, prefix = attn_res_rmsnorm(blocks, nb, delta, self.w, self.norm, self.eps,
+                                         write_slot=write_slot)
+        else:
+            x, prefix = attn_res_rmsnorm(blocks, nb, base, self.w, self.norm, self.eps,
+                                         delta=delta, write_slot=write_slot)
+        return prefix, x
 
 
 class KDAAttention(stock.KDAAttention):
@@ -142,41 +147,35 @@ class LatentMoE(stock.LatentMoE):
         if self.use_router_kernel:
             from kimi_decode.kernels.router import route
             return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
-        logits = (y @ self.router.t()).float()
-        s = torch.sigmoid(logits)
-        idx = torch.topk(s + self.bias, cfg.top_k, dim=-1).indices
-        w = s.gather(-1, idx)
-        return idx, w / w.sum(-1, keepdim=True) * cfg.routed_scaling
+        logits = (y @ self.router.t()).float()                                         # stock ops
+        return self.fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, fx = self.cfg, self.fx
         Is, n = cfg.shared_local_inter, cfg.row_shard
         with _on_side(self.rt, y):
             with op_range("latent_down"):
                 z = y @ self.down.t()                                                  # [M, L]
             with op_range("shared_expert"):
-                h = y @ self.shared_gate_up.t()
-                sh = situ(h[:, :Is], h[:, Is:], cfg.situ_beta, cfg.situ_linear_beta).to(y.dtype)
+                sh = fx["situ"](y @ self.shared_gate_up.t(), Is, cfg.situ_beta, cfg.situ_linear_beta)
                 sh = sh @ self.shared_down.t()                                         # [M, D] partial
         with op_range("router"):
             idx, w = self._route(y)                                                    # [M, K]
-        self.last_idx = idx
+            self.last_idx = idx
         _join(self.rt, z, sh)
         with op_range("experts"):
-            e = self._experts(z, idx)
-            r = (w[..., None] * e.float()).sum(1).to(y.dtype)                          # [M, L] partial
+            r = fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         if self.prefetch_target is not None:
             from kimi_decode.kernels.l2_prefetch import prefetch_l2
             with _on_side(self.rt), op_range("prefetch"):
                 prefetch_l2(self.prefetch_target, PREFETCH_BYTES)
             _join(self.rt)
         with op_range("moe_tail"):
-            r = self.rt.comm.all_reduce(r)
+            r = self.rt.comm.all_reduce(r)                                             # [M, L]
             sh = self.rt.comm.reduce_scatter_cols(sh)                                  # [M, D/tp]
         with op_range("up_proj"):
-            r = rms_norm(r, self.latent_norm, cfg.rms_eps)
             rank = self.rt.comm.rank
-            part = r @ self.up[rank * n:(rank + 1) * n].t() + sh                       # row shard
+            part = fx["up"](r, self.latent_norm, self.up[rank * n:(rank + 1) * n], sh, cfg.rms_eps)
         with op_range("moe_gather"):
             return self.rt.comm.all_gather_cols(part)
 
@@ -193,13 +192,10 @@ class DecoderLayer(stock.DecoderLayer):
         with layer_range(self.idx, self.kind):
             with op_range("attn_res"):
                 slot = self.block_slot if self.starts_block else None
-                x, prefix = self.attn_res(prefix, blocks, self.nb_attn, delta=m, write_slot=slot)
+                prefix, x = self.attn_res.update_and_mix(prefix, m, blocks, self.nb_attn, False, write_slot=slot)
             a = self.attn(x, pos) if self.kind == "mla" else self.attn(x)
             with op_range("mlp_res"):
-                if self.starts_block:
-                    y, prefix = self.mlp_res(a, blocks, self.nb_mlp)
-                else:
-                    y, prefix = self.mlp_res(prefix, blocks, self.nb_mlp, delta=a)
+                prefix, y = self.mlp_res.update_and_mix(prefix, a, blocks, self.nb_mlp, self.starts_block)
             return self.mlp(y), prefix
 
 

@@ -208,6 +208,9 @@ def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor
     (w_norm ⊙ w_proj); norm_w [D]. Returns (out [M, D] bf16, prefix' [M, D]); with a delta,
     prefix' is a new tensor (and blocks[:, write_slot] is overwritten by it when asked)."""
     m, slots, d = blocks.shape
+    if write_slot is not None and delta is None:  # nothing to compute: prefix' is prefix
+        blocks[:, write_slot].copy_(prefix)
+        write_slot = None
     cfg = AttnResConfig(d, num_blocks, slots, delta is not None, write_slot is not None,
                         prefix.dtype)
     if not can_implement(d, num_blocks, slots, (prefix.dtype, blocks.dtype, norm_w.dtype)):

@@ -154,6 +154,8 @@ class Router:
                 tot = tot.to(cutlass.BFloat16).to(Float32)
             if lane == 0:
                 mL[r, e] = tot
+        if lane == 0:
+            cute.arch.fence_acq_rel_gpu()   # this warp's logits before the CTA's counter bump
 
     @cute.jit
     def topk_row(self, mL: cute.Tensor, mB: cute.Tensor, mI: cute.Tensor, mO: cute.Tensor,

@@ -1,0 +1,268 @@
+"""The fused path's GPU job, everything in one device call (device time is scarce):
+
+1. each CuTe DSL kernel against the stock op it replaces, and timed against it
+   (kimi_decode/kernels/checks.py); a kernel passes only if every case passes;
+2. the fused step (only passing kernels on) against the stock step from the same weights and
+   state: B ∈ {1, 8, 64}, k ∈ {0, 7}, 3 steps with state carried; and both against the float64
+   reference (tests/kimi_decode/k3_reference.py) on a two-layer slice;
+3. bench/decode.py for the fused variant (same settings as the stock run);
+4. the fused traces `k3_fused_b{B}_k{k}_{eager|graph}.json.gz` (same shapes as the stock ones),
+   with `prefetch_ops` / `prefetch_streams` filled in the metadata.
+Outputs under --out: kernels.json, step.json, bench.json, captures.json, traces*.tar, and
+fused_correctness.md (the report committed as bench/fused_correctness.md).
+
+    source .device-wheels/p2/install.sh && python3 -m bench.fused_device --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEP_SHAPES = [(1, 0), (8, 0), (64, 0), (1, 7), (8, 7), (64, 7)]
+CAPTURE_SHAPES = [(1, 0), (8, 0), (64, 0), (1, 7)]
+STEP_TOL = 2e-2      # fused vs stock, relative L2 (outputs and states) over 3 steps and 4 layers
+
+
+def log(*a: Any) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def kernel_checks(out: Path) -> tuple[frozenset[str], list[dict]]:
+    from kimi_decode.kernels import checks
+    rows: list[dict] = []
+    passed = set()
+    for name, fn in (("attn_res", checks.check_attn_res), ("router", checks.check_router),
+                     ("kda", checks.check_kda), ("prefetch", checks.check_prefetch)):
+        t0 = time.time()
+        try:
+            res = fn()
+            ok = all(r["ok"] for r in res)
+        except Exception:
+            res, ok = [{"kernel": name, "ok": False, "error": traceback.format_exc()}], False
+        if ok:
+            passed.add(name)
+        rows += res
+        log(name, "PASS" if ok else "FAIL", f"{time.time() - t0:.0f} s")
+        for r in res:
+            log("  ", json.dumps(r)[:400])
+        (out / "kernels.json").write_text(json.dumps(rows, indent=1))
+    return frozenset(passed), rows
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
+    """Fused vs stock over 3 steps per shape (outputs, blocks, all state buffers)."""
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.fused import FusedDecoder
+    from kimi_decode.runner import build
+    res = []
+    for b, k in STEP_SHAPES:
+        t0 = time.time()
+        try:
+            cfg = k3_tp16(batch=b, spec_tokens=k, tp_sim=True, **base)
+            stock, _ = build("stock", cfg, "cuda")
+            fused = FusedDecoder.from_stock(stock, kernels)
+            errs: dict[str, float] = {}
+            same_routes, rows = 0, 0
+            for s in range(3):
+                m, prefix, blocks = stock.make_inputs(seed=100 + s)
+                blocks_f = blocks.clone()
+                with torch.no_grad():
+                    o_s = stock(m, prefix, blocks)
+                    o_f = fused(m, prefix, blocks_f)
+                for name, x, y in (("m", o_f[0], o_s[0]), ("prefix", o_f[1], o_s[1]), ("blocks", blocks_f, blocks)):
+                    errs[name] = max(errs.get(name, 0.0), rel(x, y))
+                for ls, lf in zip(stock.layers, fused.layers):
+                    if getattr(ls.mlp, "last_idx", None) is not None:
+                        a, c = ls.mlp.last_idx.sort(-1).values, lf.mlp.last_idx.sort(-1).values
+                        same_routes += int((a == c).all(-1).sum())
+                        rows += a.shape[0]
+            bufs_f = dict(fused.named_buffers())
+            for name, buf in stock.named_buffers():
+                if buf.is_floating_point():
+                    errs[f"state {name}"] = rel(bufs_f[name], buf)
+            worst = max(errs.values())
+            res.append({"B": b, "k": k, "kernels": sorted(fused.kernels), "errors": errs,
+                        "max_rel": worst, "routing_rows_same": f"{same_routes}/{rows}",
+                        "ok": worst <= STEP_TOL, "seconds": round(time.time() - t0, 1)})
+            del stock, fused
+        except Exception:
+            res.append({"B": b, "k": k, "ok": False, "error": traceback.format_exc()})
+        torch.cuda.empty_cache()
+        log("step", json.dumps(res[-1])[:600])
+    return res
+
+
+def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
+    """Stock and fused against the float64 reference: layers 6 (KDA) and 7 (MLA), 2 steps."""
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.fused import FusedDecoder
+    from kimi_decode.runner import build
+    from tests.kimi_decode.k3_reference import Reference
+    res = []
+    for b, k in ((1, 0), (1, 7)):
+        try:
+            cfg = k3_tp16(batch=b, spec_tokens=k, layers=(6, 7), tp_sim=True, **base)
+            stock, _ = build("stock", cfg, "cuda")
+            fused = FusedDecoder.from_stock(stock, kernels)
+            ref = Reference(stock, sim_world=cfg.sim_world, rank=cfg.rank)
+            row: dict[str, Any] = {"B": b, "k": k, "steps": []}
+            for s in range(2):
+                m, prefix, blocks = stock.make_inputs(seed=10 + s)
+                r_m, r_prefix, _ = ref.step(m, prefix, blocks.clone())
+                with torch.no_grad():
+                    o_s = stock(m, prefix, blocks.clone())
+                    o_f = fused(m, prefix, blocks.clone())
+                row["steps"].append({"stock_rel_m": rel(o_s[0], r_m), "fused_rel_m": rel(o_f[0], r_m),
+                                     "stock_rel_prefix": rel(o_s[1], r_prefix),
+                                     "fused_rel_prefix": rel(o_f[1], r_prefix)})
+            row["ok"] = all(st["fused_rel_m"] <= 2 * st["stock_rel_m"] + 1e-3 for st in row["steps"])
+            res.append(row)
+            del stock, fused, ref
+        except Exception:
+            res.append({"B": b, "k": k, "ok": False, "error": traceback.format_exc()})
+        torch.cuda.empty_cache()
+        log("reference", json.dumps(res[-1])[:600])
+    return res
+
+
+def bench(out: Path, kernels: frozenset[str], impl: str, reps: int) -> None:
+    import kimi_decode.fused as fused_mod
+    from bench.decode import main as bench_main
+    fused_mod.VERIFIED = kernels                 # this run's verdict, for the variant registry
+    bench_main(["--variant", "fused", "--batch", "1", "8", "64", "--spec", "0", "7", "--reps", str(reps),
+                "--expert-impl", impl, "--json", str(out / "bench.json")])
+
+
+def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: int) -> list[dict]:
+    import kimi_decode.fused as fused_mod
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.device_job import pack
+    from tracer.capture import capture, kernels_with_ops
+    fused_mod.VERIFIED = kernels
+    tmp = out / "tmp_traces"
+    tmp.mkdir(exist_ok=True)
+    done = []
+    for b, k in CAPTURE_SHAPES:
+        for graph in (False, True):
+            name = f"k3_fused_b{b}_k{k}_{'graph' if graph else 'eager'}.json.gz"
+            t0 = time.time()
+            try:
+                cfg = k3_tp16(batch=b, spec_tokens=k, tp_sim=True, **base)
+                meta = capture("fused", cfg, graph=graph, steps=steps, out=tmp / name)
+                with gzip.open(tmp / name, "rb") as fh:
+                    trace = json.loads(fh.read())
+                ks = kernels_with_ops(trace)
+                pf = sorted({int(x["stream"]) for x in ks if x.get("op") == "prefetch" and x.get("stream") is not None})
+                if not pf and graph:  # replayed kernels carry no op: find the prefetch kernel by name
+                    pf = sorted({int(x["stream"]) for x in ks if "L2Prefetch" in x["name"] and x.get("stream") is not None})
+                trace["decodescope"].update(prefetch_ops="^prefetch$", prefetch_streams=pf,
+                                            fused_kernels=sorted(kernels))
+                with gzip.open(tmp / name, "wb", compresslevel=9) as fh:
+                    fh.write(json.dumps(trace).encode())
+                info = {"file": name, "seconds": round(time.time() - t0, 1), "bytes": (tmp / name).stat().st_size,
+                        "kernels_per_step": len(meta["graph_capture_map"]) or None,
+                        "matched": meta["graph_capture_map_matched"], "comm_streams": meta["comm_streams"],
+                        "prefetch_streams": pf, "notes": meta["notes"]}
+            except Exception:
+                info = {"file": name, "error": traceback.format_exc()}
+            log("capture", json.dumps(info)[:500])
+            done.append(info)
+            torch.cuda.empty_cache()
+    pack(tmp, out)
+    for f in tmp.glob("*"):
+        f.unlink()
+    tmp.rmdir()
+    return done
+
+
+def report(kernel_rows: list[dict], steps: list[dict], refs: list[dict], passed: frozenset[str]) -> str:
+    """bench/fused_correctness.md."""
+    L = ["# Fused vs stock correctness (GPU)", "",
+         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+         f"- kernels that passed every check (used by `fused.py`): {', '.join(sorted(passed)) or 'none'}",
+         "- tolerances: see kimi_decode/kernels/checks.py (kernels) and bench/fused_device.py "
+         f"(step: relative L2 ≤ {STEP_TOL} for outputs, blocks and every state buffer)", "",
+         "## Kernels against the stock ops they replace", "",
+         "| kernel | case | result | errors | stock µs | kernel µs |", "|---|---|---|---|---|---|"]
+    for r in kernel_rows:
+        case = ", ".join(f"{k}={r[k]}" for k in ("M", "nb", "write", "B", "k") if k in r)
+        errs = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                         if k not in ("kernel", "M", "nb", "write", "B", "k", "ok", "stock_us", "kernel_us", "error"))
+        if "error" in r:
+            errs = "error: " + r["error"].strip().splitlines()[-1][:200]
+        su, ku = r.get("stock_us"), r.get("kernel_us")
+        L.append(f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | "
+                 f"{su:.1f} | {ku:.1f} |" if su is not None else
+                 f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | - | - |")
+    L += ["", "## Fused step against the stock step (same weights and state, 3 steps, layers 4-7)", "",
+          "| B | k | result | max rel L2 | m | prefix | blocks | worst state | routing rows same | kernels on |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in steps:
+        if "error" in r:
+            L.append(f"| {r['B']} | {r['k']} | FAIL | error: {r['error'].strip().splitlines()[-1][:200]} |||||||")
+            continue
+        e = r["errors"]
+        st = max((v, n) for n, v in e.items() if n.startswith("state"))
+        L.append(f"| {r['B']} | {r['k']} | {'pass' if r['ok'] else 'FAIL'} | {r['max_rel']:.2e} | {e['m']:.2e} | "
+                 f"{e['prefix']:.2e} | {e['blocks']:.2e} | {st[0]:.2e} ({st[1][6:]}) | {r['routing_rows_same']} | "
+                 f"{', '.join(r['kernels'])} |")
+    L += ["", "## Against the float64 reference (layers 6 KDA + 7 MLA, 2 steps)", "",
+          "| B | k | step | stock rel m | fused rel m | stock rel prefix | fused rel prefix | result |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in refs:
+        if "error" in r:
+            L.append(f"| {r['B']} | {r['k']} | - | error: {r['error'].strip().splitlines()[-1][:200]} |||||")
+            continue
+        for i, s in enumerate(r["steps"]):
+            L.append(f"| {r['B']} | {r['k']} | {i} | {s['stock_rel_m']:.2e} | {s['fused_rel_m']:.2e} | "
+                     f"{s['stock_rel_prefix']:.2e} | {s['fused_rel_prefix']:.2e} | {'pass' if r['ok'] else 'FAIL'} |")
+    return "\n".join(L) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--compile-ops", action="store_true", help="as the stock captures were made")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "step", "ref", "bench", "capture"])
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"torch {torch.__version__} cuda {torch.version.cuda} on {torch.cuda.get_device_name()}")
+    from kimi_decode.device_job import probe_grouped_mm
+    impl = probe_grouped_mm()
+    base = {"expert_impl": impl, "compile_ops": args.compile_ops}
+    from kimi_decode.kernels import KERNELS
+    passed, krows = (kernel_checks(args.out) if "kernels" not in args.skip else (frozenset(KERNELS), []))
+    log("kernels passing:", sorted(passed))
+    steps = step_parity(passed, base) if "step" not in args.skip else []
+    (args.out / "step.json").write_text(json.dumps(steps, indent=1))
+    refs = reference_check(passed, base) if "ref" not in args.skip else []
+    (args.out / "ref.json").write_text(json.dumps(refs, indent=1))
+    (args.out / "fused_correctness.md").write_text(report(krows, steps, refs, passed))
+    if "bench" not in args.skip:
+        try:
+            bench(args.out, passed, impl, args.reps)
+        except Exception:
+            traceback.print_exc()
+        log("bench done")
+    if "capture" not in args.skip:
+        info = captures(args.out, passed, base, args.steps)
+        (args.out / "captures.json").write_text(json.dumps(info, indent=1))
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
