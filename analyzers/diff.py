@@ -47,6 +47,17 @@ ORDER BY a.rank, k.start_ns, k.end_ns
 """
 
 
+# Exposed communication |comm \\ compute| per step and per layer (layer '' is the whole step),
+# the slowest rank's, from analyzers/sql/overlap/overlap_by_layer.sql.
+EXPOSED_COMM_SQL = """
+SELECT step_index, CASE WHEN level = 'step' THEN '' ELSE layer END AS layer,
+       max(exposed_comm_ns) AS exposed_ns
+FROM overlap_by_layer('kernel_attribution')
+WHERE run_id = ? AND (level = 'step' OR layer <> '')
+GROUP BY ALL
+"""
+
+
 class NotComparable(BadInput):
     """The two runs cannot be compared (no kernels, no steps in common...): exit 2."""
 
@@ -59,7 +70,7 @@ class RunSample:
     name: str
     layer_steps: pd.DataFrame  # the analyzers.layers.layer_steps contract
     kernels: pd.DataFrame  # ATTRIBUTED_KERNELS_SQL columns
-    exposed_comm: pd.DataFrame | None = None  # step_index, layer_kind, layer_index, exposed_ns
+    exposed_comm: pd.DataFrame | None = None  # EXPOSED_COMM_SQL columns; None when unavailable
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -95,21 +106,18 @@ def _has_attribution(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
 
 
 def _exposed_comm(con: duckdb.DuckDBPyConnection, run_id: int) -> tuple[pd.DataFrame | None, str | None]:
-    """Exposed communication per (step, layer) from analyzers.overlap, when that module exists."""
+    """Exposed communication per step and layer ('' = whole step), max over ranks, from
+    analyzers.overlap's definitions, over the kernel_attribution rows already computed."""
     try:
-        from analyzers.overlap import overlap
+        from analyzers.overlap import HAS_COMM_SQL, NOT_APPLICABLE
     except ImportError:
         return None, "exposed communication unavailable: analyzers.overlap is not present"
-    result = overlap(con, run_id)
-    rows = result.get("per_layer_step") if isinstance(result, dict) else None
-    if not rows:
-        why = result.get("not_applicable") if isinstance(result, dict) else None
-        return None, f"exposed communication unavailable: {why or 'no per-layer, per-step rows from analyzers.overlap'}"
-    df = pd.DataFrame(rows)
-    need = {"step_index", "layer_kind", "layer_index", "exposed_ns"}
-    if not need <= set(df.columns):
-        return None, "exposed communication unavailable: analyzers.overlap rows lack " + ", ".join(sorted(need - set(df.columns)))
-    return df[sorted(need)], None
+    from analyzers.attribution import load_sql
+
+    load_sql(con, "temporal", "overlap")
+    if not con.execute(HAS_COMM_SQL, [run_id]).fetchall()[0][0]:
+        return None, f"exposed communication not applicable: {NOT_APPLICABLE}"
+    return con.execute(EXPOSED_COMM_SQL, [run_id]).df(), None
 
 
 # -- statistics -------------------------------------------------------------------------------
@@ -340,7 +348,7 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
     rows = [_key_row(k, bv.get(k), cv.get(k), {**cl, **bl}[k], col, metric, threshold_pct, min_delta, resamples, seed)
             for k in sorted(set(bv) | set(cv), key=_sort_key)]
     if mode == "layers":
-        _explain(rows, base, cand, metric, min_delta)
+        _explain(rows, base, cand, metric, min_delta, (bv, cv))
     else:
         for r in rows:
             if r["verdict"] == "regression":
@@ -403,7 +411,8 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
     return row
 
 
-def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: float) -> None:
+def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: float,
+             values: tuple[dict[Key, pd.DataFrame], dict[Key, pd.DataFrame]]) -> None:
     """Attach to each regression its ops, kernel-level changes and time decomposition."""
     bk, ck = _fill_keys(base.kernels), _fill_keys(cand.kernels)
     by_key = {(r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""): r
@@ -432,7 +441,9 @@ def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metri
             "kernel_time_delta_ns": r["busy_delta_ns"],
             "bubble_delta_ns": None if r["base_bubble_ns"] is None or r["cand_bubble_ns"] is None
             else r["cand_bubble_ns"] - r["base_bubble_ns"],
-            "exposed_comm_delta_ns": _exposed_delta(base, cand, kind, index, op),
+            "exposed_comm_delta_ns": None if op else _exposed_delta(
+                base, cand, "" if kind == ALL_LAYERS else r["layer"],
+                (list(values[0][(kind, index, op)].index), list(values[1][(kind, index, op)].index))),
         }
 
 
@@ -445,15 +456,14 @@ def _delta(row: dict[str, Any], metric: str) -> float | None:
     return (c or 0.0) - (b or 0.0)
 
 
-def _exposed_delta(base: RunSample, cand: RunSample, kind: str, index: int, op: str) -> float | None:
-    """Median exposed communication of the layer (all layers summed per step), cand - base."""
-    if base.exposed_comm is None or cand.exposed_comm is None or op:
+def _exposed_delta(base: RunSample, cand: RunSample, layer: str, steps: tuple[list[Any], list[Any]]) -> float | None:
+    """Median over steps of the layer's exposed communication (0 in a step without any), cand - base.
+    `layer` '' is the whole step; steps are the steps each side ran the layer in."""
+    if base.exposed_comm is None or cand.exposed_comm is None:
         return None
 
-    def med(df: pd.DataFrame) -> float:
-        if kind != ALL_LAYERS:
-            df = df[(df["layer_kind"] == kind) & (df["layer_index"] == index)]
-        per_step = df.groupby("step_index")["exposed_ns"].sum()
-        return float(per_step.median()) if len(per_step) else 0.0
+    def med(df: pd.DataFrame, on: list[Any]) -> float:
+        per = dict(zip(df.loc[df["layer"] == layer, "step_index"], df.loc[df["layer"] == layer, "exposed_ns"]))
+        return float(np.median([per.get(st, 0) for st in on])) if on else 0.0
 
-    return med(cand.exposed_comm) - med(base.exposed_comm)
+    return med(cand.exposed_comm, steps[1]) - med(base.exposed_comm, steps[0])

@@ -134,8 +134,9 @@ def _explanation_lines(r: dict[str, Any], metric: str) -> list[str]:
         lines.append(f"kernels per step {r['base_kernels']:g} → {r['cand_kernels']:g}")
     if ex:
         comm = ex.get("exposed_comm_delta_ns")
+        comm_text = _ns(comm) if comm is not None or r.get("op") is None else "per layer only"
         lines.append(f"kernel time {_ns(ex.get('kernel_time_delta_ns'))}, bubbles {_ns(ex.get('bubble_delta_ns'))}, "
-                     f"exposed comm {_ns(comm)}")
+                     f"exposed comm {comm_text}")
     return lines
 
 

@@ -107,7 +107,7 @@ def sample(s: Synth, name: str, run_id: int = 1):
     return RunSample(run_id, name, layer_steps_stub(k, run_id), k)
 
 
-def write_kineto(s: Synth, path: Path, variant: str = "stock") -> Path:
+def write_kineto(s: Synth, path: Path, variant: str = "stock", meta: dict | None = None) -> Path:
     """The same run as a Kineto trace: `step`, `L{i}.{kind}` and op annotations around launches."""
     from tests.kineto_builder import KinetoTraceBuilder
 
@@ -123,7 +123,7 @@ def write_kineto(s: Synth, path: Path, variant: str = "stock") -> Path:
                 for r in go.itertuples():
                     b.launch(r.name, int(r.start_ns) - lead, 50, int(r.start_ns), int(r.end_ns - r.start_ns),
                              stream=9 if r.category == "communication" else 7)
-    return b.write(path, gz=True, decodescope_meta={"variant": variant})
+    return b.write(path, gz=True, decodescope_meta={"variant": variant, **(meta or {})})
 
 
 def write_kineto_graph(s: Synth, path: Path) -> Path:

@@ -87,6 +87,26 @@ def test_graph_replay_attributed_through_an_eager_reference(synth_traces: dict[s
     assert any("--graph-reference not used" in n for n in doc["notes"])  # the eager side ignores it
 
 
+def test_slower_exposed_collective_is_explained_as_exposed_comm(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """L3's all-reduce (its own stream, declared by comm_streams) takes twice as long. Kernels run
+    back to back, so none of it hides under compute: the layer's exposed communication grows by
+    the all-reduce's own growth, its base duration (15 µs in STOCK), up to jitter."""
+    meta = {"comm_streams": [9]}
+    base = write_kineto(Synth(STOCK, steps=8, seed=31), tmp_path / "b.json.gz", meta=meta)
+    cand = write_kineto(Synth(STOCK, steps=8, seed=32, scale={(3, "o_proj+ar"): 2.0}), tmp_path / "c.json.gz", meta=meta)
+    code, out, err = run([str(base), str(cand), "--format", "json"], capsys)
+    assert code == REGRESSION, err
+    doc = json.loads(out)
+    layer = next(r for r in doc["regressions"] if r["layer"] == "L3.mla" and r["op"] is None)
+    ar = dict(dict(STOCK["mla"])["o_proj+ar"])["all_reduce_sim"]
+    ex = layer["explanation"]
+    assert ex["exposed_comm_delta_ns"] == pytest.approx(ar, rel=0.02)
+    assert ex["kernel_time_delta_ns"] == pytest.approx(ar + dict(dict(STOCK["mla"])["o_proj+ar"])["sm90_gemm_bf16_128x64"], rel=0.02)
+    op = next(r for r in doc["regressions"] if r["layer"] == "L3.mla" and r["op"] == "o_proj+ar")
+    assert op["explanation"]["exposed_comm_delta_ns"] is None  # measured per layer, not per op
+
+
 # -- the HTA corpus pair: not our layer convention -----------------------------------------------
 
 def _step_kernel_names(path: Path) -> set[str]:
