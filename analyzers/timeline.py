@@ -14,10 +14,13 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-# Layer names as our capture writes them (`L3.mla`) and as HF/vLLM modules do (`model.layers.3`).
-DEFAULT_LAYER_REGEX = r"^(L\d+\.\w+|.*\blayers\.\d+)$"
-DEFAULT_CAP = 20_000
-DEFAULT_BINS = 1_000
+from analyzers.attribution import DEFAULT_LAYER_PATTERN, DEFAULT_STEP_PATTERN, FALLBACK_STEP_PATTERN
+
+# Layer and step names: the attribution's defaults (`L3.mla`, `model.layers.3`; `step`, else
+# `ProfilerStep#N`), so the timeline's bands and steps are the ones the other pages count.
+DEFAULT_LAYER_REGEX = DEFAULT_LAYER_PATTERN
+DEFAULT_CAP = 3_000     # raw kernels above this come binned (the browser draws ~10k segments smoothly)
+DEFAULT_BINS = 500      # bins per stream in a binned window
 
 # Device-side layer bands from the attribution table (kernel_attribution, TEMP, built by
 # analyzers.attribution.attribute): per step and layer, first start to last end of the
@@ -59,7 +62,9 @@ def extent(con: duckdb.DuckDBPyConnection, run_id: int, rank: int = 0) -> dict[s
 
 def steps(con: duckdb.DuckDBPyConnection, run_id: int, rank: int = 0) -> pd.DataFrame:
     """The decode steps of a rank with their host range and device window (see timeline_steps)."""
-    return con.execute("SELECT * FROM timeline_steps($run, $rank)", {"run": run_id, "rank": rank}).df()
+    return con.execute("SELECT * FROM timeline_steps($run, $rank, $step_re, $fallback_re)",
+                       {"run": run_id, "rank": rank, "step_re": DEFAULT_STEP_PATTERN,
+                        "fallback_re": FALLBACK_STEP_PATTERN}).df()
 
 
 def ranks(con: duckdb.DuckDBPyConnection, run_id: int) -> list[int]:
@@ -103,11 +108,24 @@ def layer_bands(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_ns
                         {**params, "re": layer_regex}).df()
     if len(bands):
         return bands
+    if not _has_layers(con, run_id, layer_regex):
+        return bands
     if not _attributed(con, run_id):
         from analyzers.attribution import attribute
 
-        attribute(con, run_ids=[run_id])
+        attribute(con, run_ids=[run_id], layer_pattern=layer_regex)
     return con.execute(ATTRIBUTION_BANDS_SQL, params).df()[["layer", "start_ns", "end_ns"]]
+
+
+HAS_LAYERS_SQL = """
+SELECT EXISTS (SELECT 1 FROM ranges WHERE run_id = $run AND regexp_matches(name, $re))
+    OR EXISTS (SELECT 1 FROM graph_capture_map WHERE run_id = $run AND layer_name IS NOT NULL)
+"""
+
+
+def _has_layers(con: duckdb.DuckDBPyConnection, run_id: int, layer_regex: str) -> bool:
+    """Whether attribution could find any layer in the run (a layer-named range or a capture map)."""
+    return bool(con.execute(HAS_LAYERS_SQL, {"run": run_id, "re": layer_regex}).fetchall()[0][0])
 
 
 def _attributed(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:

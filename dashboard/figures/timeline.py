@@ -1,93 +1,107 @@
 """The timeline figure: kernels per stream, idle intervals, layer bands, a marked interval.
 
-Built for WebGL: each category is one `Scattergl` trace of horizontal segments (start, end,
-gap) per kernel, so tens of thousands of kernels draw in one call. The x axis is ns since
-`origin_ns` (the rank's first kernel), which keeps values exact in a float64 (absolute epoch
-ns are not). Binned windows (too many kernels to draw) show one segment per stream and bin.
+Built for WebGL and for speed: each category is one `scattergl` trace of horizontal segments
+(start, end, gap) per kernel, so thousands of kernels draw in one call, and the figure is a
+plain dict (plotly's object validation costs more than the query for large windows). Hover
+text sits on one invisible marker per kernel at its midpoint. The y axis is numeric (one row
+per stream, labelled by ticktext). The x axis is ns since `origin_ns` (the rank's first
+kernel), which keeps values exact in a float64 (absolute epoch ns are not). Binned windows
+(too many kernels to draw) show one segment per stream and bin.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import pandas as pd
-import plotly.graph_objects as go
 
 CATEGORY_COLORS = {"compute": "#2f6fb0", "communication": "#d9822b", "memory": "#7b8794",
                    "prefetch": "#2f9e6e"}
 IDLE_ROW = "idle"
 IDLE_COLOR = "#d64545"
 MAX_BAND_LABELS = 40
+MAX_BANDS = 400
 
 
 def stream_label(stream: Any) -> str:
     return f"stream {stream}"
 
 
-def _segment_trace(rows: pd.DataFrame, y: list[str], origin_ns: int, name: str, color: str,
-                   texts: list[str], width: int = 14) -> go.Scattergl:
+def segment_traces(starts: list[int], ends: list[int], row: list[int], origin_ns: int, name: str, color: str,
+                   texts: list[str], width: int = 14) -> list[dict[str, Any]]:
+    """A line trace of (start, end, gap) segments at y = row, and a marker trace carrying the
+    hover text at each segment's midpoint (same legend group, no legend entry of its own)."""
     xs: list[int | None] = []
-    ys: list[str | None] = []
-    hover: list[str | None] = []
-    for s, e, yy, t in zip(rows["start_ns"].tolist(), rows["end_ns"].tolist(), y, texts):
-        xs.extend((s - origin_ns, e - origin_ns, None))
-        ys.extend((yy, yy, None))
-        hover.extend((t, t, None))
-    return go.Scattergl(x=xs, y=ys, mode="lines", name=name, line={"color": color, "width": width},
-                        text=hover, hoverinfo="text", connectgaps=False)
+    ys: list[int | None] = []
+    for s, e, y in zip(starts, ends, row):
+        xs += [s - origin_ns, e - origin_ns, None]
+        ys += [y, y, None]
+    mids = [(s + e) // 2 - origin_ns for s, e in zip(starts, ends)]
+    return [
+        {"type": "scattergl", "mode": "lines", "name": name, "legendgroup": name, "x": xs, "y": ys,
+         "line": {"color": color, "width": width}, "hoverinfo": "skip", "connectgaps": False},
+        {"type": "scattergl", "mode": "markers", "name": name, "legendgroup": name, "showlegend": False,
+         "x": mids, "y": list(row), "text": texts, "hoverinfo": "text",
+         "marker": {"color": color, "size": 4, "opacity": 0}},
+    ]
 
 
 def timeline_figure(rows: pd.DataFrame, mode: str, idle: pd.DataFrame, bands: pd.DataFrame,
                     origin_ns: int, start_ns: int, end_ns: int,
-                    mark: tuple[int, int] | None = None) -> go.Figure:
-    """The figure for one window.
+                    mark: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The figure (a plotly figure dict) for one window.
 
     rows: kernels (stream, name, category, start_ns, end_ns, dur_ns) when mode == 'kernels', or
     bins (stream, bin, kernels, start_ns, end_ns, busy_ns, longest_name) when mode == 'binned'.
     idle: device-idle intervals (start_ns, end_ns, gap_ns). bands: layers (layer, start_ns, end_ns).
     mark: an interval to highlight (e.g. the bubble a link came from), absolute ns.
     """
-    fig = go.Figure()
     streams = sorted(rows["stream"].dropna().unique().tolist()) if len(rows) else []
-    categories: list[str] = []
+    labels = [stream_label(s) for s in streams] + ([IDLE_ROW] if len(idle) else [])
+    # top to bottom: streams in order, idle last
+    y_of = {s: len(labels) - 1 - i for i, s in enumerate(streams)}
+    data: list[dict[str, Any]] = []
     if mode == "kernels" and len(rows):
         for cat, part in rows.groupby("category", sort=True):
-            categories.append(str(cat))
             texts = [f"{n}<br>stream {st} · {d:,} ns<br>start {s - origin_ns:,} ns"
                      for n, st, d, s in zip(part["name"], part["stream"], part["dur_ns"], part["start_ns"])]
-            fig.add_trace(_segment_trace(part, [stream_label(s) for s in part["stream"]], origin_ns,
-                                         str(cat), CATEGORY_COLORS.get(str(cat), "#9446ed"), texts))
+            data += segment_traces(part["start_ns"].tolist(), part["end_ns"].tolist(),
+                                   [y_of[s] for s in part["stream"]], origin_ns, str(cat),
+                                   CATEGORY_COLORS.get(str(cat), "#9446ed"), texts)
     elif mode == "binned" and len(rows):
-        clipped = rows.assign(start_ns=rows["start_ns"].clip(lower=start_ns), end_ns=rows["end_ns"].clip(upper=end_ns))
-        texts = [f"{k:,} kernels, busy {b:,} ns<br>longest: {n}"
-                 for k, b, n in zip(rows["kernels"], rows["busy_ns"], rows["longest_name"])]
-        fig.add_trace(_segment_trace(clipped, [stream_label(s) for s in rows["stream"]], origin_ns,
-                                     "kernels (binned: zoom in for single kernels)", "#52606d", texts))
+        texts = [f"stream {st}: {k:,} kernels, busy {b:,} ns<br>longest: {n}"
+                 for st, k, b, n in zip(rows["stream"], rows["kernels"], rows["busy_ns"], rows["longest_name"])]
+        data += segment_traces(rows["start_ns"].clip(lower=start_ns).tolist(), rows["end_ns"].clip(upper=end_ns).tolist(),
+                               [y_of[s] for s in rows["stream"]], origin_ns,
+                               "kernels (binned: zoom in for single kernels)", "#52606d", texts)
     if len(idle):
         texts = [f"device idle {g:,} ns" for g in idle["gap_ns"]]
-        fig.add_trace(_segment_trace(idle, [IDLE_ROW] * len(idle), origin_ns, "device idle (bubble)",
-                                     IDLE_COLOR, texts, width=10))
-    shapes: list[dict[str, Any]] = []
-    annotations: list[dict[str, Any]] = []
-    for i, (layer, s, e) in enumerate(zip(bands["layer"], bands["start_ns"], bands["end_ns"]) if len(bands) else []):
-        shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": s - origin_ns, "x1": e - origin_ns,
-                       "y0": 0, "y1": 1, "fillcolor": "#9fb3c8" if i % 2 else "#d9e2ec", "opacity": 0.35,
-                       "line": {"width": 0}, "layer": "below"})
-        if len(bands) <= MAX_BAND_LABELS:
-            annotations.append({"x": (s + e) / 2 - origin_ns, "y": 1.0, "xref": "x", "yref": "paper",
-                                "text": str(layer), "showarrow": False, "yanchor": "bottom",
-                                "font": {"size": 10}})
+        data += segment_traces(idle["start_ns"].tolist(), idle["end_ns"].tolist(), [0] * len(idle), origin_ns,
+                               "device idle (bubble)", IDLE_COLOR, texts, width=10)
+    shapes, annotations = _bands(bands, origin_ns) if len(bands) <= MAX_BANDS else ([], [])
     if mark is not None:
         shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": mark[0] - origin_ns,
                        "x1": mark[1] - origin_ns, "y0": 0, "y1": 1, "fillcolor": "rgba(214,69,69,0.15)",
                        "line": {"color": IDLE_COLOR, "width": 2}, "layer": "above"})
-    y_order = [stream_label(s) for s in streams] + ([IDLE_ROW] if len(idle) else [])
-    fig.update_layout(
-        shapes=shapes, annotations=annotations, height=180 + 36 * max(1, len(y_order)),
-        margin={"l": 90, "r": 20, "t": 40, "b": 40}, dragmode="zoom", hovermode="closest",
-        legend={"orientation": "h", "y": -0.25}, uirevision="timeline",
-        xaxis={"title": {"text": f"ns since first kernel (origin {origin_ns} ns)"},
-               "range": [start_ns - origin_ns, end_ns - origin_ns], "tickformat": ",d"},
-        yaxis={"categoryorder": "array", "categoryarray": list(reversed(y_order)), "fixedrange": True},
-        plot_bgcolor="#fff",
-    )
-    return fig
+    layout = {
+        "shapes": shapes, "annotations": annotations, "height": 180 + 36 * max(1, len(labels)),
+        "margin": {"l": 90, "r": 20, "t": 40, "b": 40}, "dragmode": "zoom", "hovermode": "closest",
+        "legend": {"orientation": "h", "y": -0.25}, "uirevision": "timeline", "plot_bgcolor": "#fff",
+        "xaxis": {"title": {"text": f"ns since first kernel (origin {origin_ns} ns)"},
+                  "range": [start_ns - origin_ns, end_ns - origin_ns], "tickformat": ",d"},
+        "yaxis": {"tickvals": list(range(len(labels))), "ticktext": list(reversed(labels)),
+                  "range": [-0.6, len(labels) - 0.4], "fixedrange": True, "zeroline": False},
+    }
+    return {"data": data, "layout": layout}
+
+
+def _bands(bands: pd.DataFrame, origin_ns: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    shapes: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    for i, (layer, s, e) in enumerate(zip(bands["layer"], bands["start_ns"], bands["end_ns"])):
+        shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": s - origin_ns, "x1": e - origin_ns,
+                       "y0": 0, "y1": 1, "fillcolor": "#9fb3c8" if i % 2 else "#d9e2ec", "opacity": 0.35,
+                       "line": {"width": 0}, "layer": "below"})
+        if len(bands) <= MAX_BAND_LABELS:
+            annotations.append({"x": (s + e) // 2 - origin_ns, "y": 1.0, "xref": "x", "yref": "paper",
+                                "text": str(layer), "showarrow": False, "yanchor": "bottom", "font": {"size": 10}})
+    return shapes, annotations

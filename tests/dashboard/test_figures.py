@@ -25,21 +25,30 @@ def _empty(cols: list[str]) -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype="int64") for c in cols})
 
 
+def _lines(fig: dict) -> dict:
+    """name -> the line trace (the marker twin carries only hover text)."""
+    return {t["name"]: t for t in fig["data"] if t["mode"] == "lines"}
+
+
 def test_kernel_segments_are_exact_and_relative_to_origin() -> None:
     k = _kernels()
     idle = pd.DataFrame({"start_ns": [ORIGIN + 350], "end_ns": [ORIGIN + 400], "gap_ns": [50]})
     fig = timeline_figure(k, "kernels", idle, _empty(["layer", "start_ns", "end_ns"]), ORIGIN, ORIGIN + 50, ORIGIN + 600,
                           mark=(ORIGIN + 350, ORIGIN + 400))
-    by_name = {t.name: t for t in fig.data}
-    assert list(by_name["compute"].x) == [100, 350, None, 400, 420, None]
-    assert list(by_name["compute"].y) == ["stream 7", "stream 7", None, "stream 7", "stream 7", None]
-    assert list(by_name["communication"].x) == [300, 500, None]
-    assert list(by_name["device idle (bubble)"].x) == [350, 400, None]
-    assert by_name["device idle (bubble)"].y[0] == IDLE_ROW
-    assert all(t.type == "scattergl" for t in fig.data)
-    assert list(fig.layout.xaxis.range) == [50, 600]
-    marks = [s for s in fig.layout.shapes if s.layer == "above"]
-    assert [(s.x0, s.x1) for s in marks] == [(350, 400)]
+    lines = _lines(fig)
+    ticks = dict(zip(fig["layout"]["yaxis"]["tickvals"], fig["layout"]["yaxis"]["ticktext"]))
+    assert lines["compute"]["x"] == [100, 350, None, 400, 420, None]
+    assert [ticks.get(y) for y in lines["compute"]["y"]] == ["stream 7", "stream 7", None] * 2
+    assert lines["communication"]["x"] == [300, 500, None]
+    assert [ticks.get(y) for y in lines["communication"]["y"]] == ["stream 20", "stream 20", None]
+    assert lines["device idle (bubble)"]["x"] == [350, 400, None]
+    assert ticks[lines["device idle (bubble)"]["y"][0]] == IDLE_ROW
+    assert all(t["type"] == "scattergl" for t in fig["data"])
+    hover = {t["name"]: t for t in fig["data"] if t["mode"] == "markers"}
+    assert hover["compute"]["x"] == [225, 410] and "gemm" in hover["compute"]["text"][0]
+    assert fig["layout"]["xaxis"]["range"] == [50, 600]
+    marks = [s for s in fig["layout"]["shapes"] if s["layer"] == "above"]
+    assert [(s["x0"], s["x1"]) for s in marks] == [(350, 400)]
 
 
 def test_binned_segments_are_clipped_to_the_window() -> None:
@@ -47,8 +56,8 @@ def test_binned_segments_are_clipped_to_the_window() -> None:
                          "end_ns": [ORIGIN + 90, ORIGIN + 2_000], "busy_ns": [80, 400], "longest_name": ["a", "b"]})
     fig = timeline_figure(bins, "binned", _empty(["start_ns", "end_ns", "gap_ns"]), _empty(["layer", "start_ns", "end_ns"]),
                           ORIGIN, ORIGIN, ORIGIN + 1_000)
-    assert list(fig.data[0].x) == [0, 90, None, 500, 1_000, None]
-    assert "10 kernels" in fig.data[0].text[0]
+    assert fig["data"][0]["x"] == [0, 90, None, 500, 1_000, None]
+    assert "10 kernels" in fig["data"][1]["text"][0]
 
 
 def test_layer_bands_become_shapes_with_labels() -> None:
@@ -56,9 +65,9 @@ def test_layer_bands_become_shapes_with_labels() -> None:
                           "end_ns": [ORIGIN + 300, ORIGIN + 700]})
     fig = timeline_figure(_kernels(), "kernels", _empty(["start_ns", "end_ns", "gap_ns"]), bands, ORIGIN, ORIGIN,
                           ORIGIN + 700)
-    below = [(s.x0, s.x1) for s in fig.layout.shapes if s.layer == "below"]
+    below = [(s["x0"], s["x1"]) for s in fig["layout"]["shapes"] if s["layer"] == "below"]
     assert below == [(0, 300), (300, 700)]
-    assert [a.text for a in fig.layout.annotations] == ["L0.kda", "L1.mla"]
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["L0.kda", "L1.mla"]
 
 
 def test_relayout_to_window_round_trips_epoch_ns() -> None:

@@ -4,19 +4,19 @@
 -- stream (server-side windowing: the browser only ever receives what the visible window needs).
 -- All times are BIGINT ns on the rank's clock; a window is the half-open [t0_ns, t1_ns).
 
--- Decode steps of one rank, in time order: the host ranges named `step` (our convention), or
--- `ProfilerStep#N` when a run has no `step` range. step_index is 0-based. The device window of
--- a step (dev_start_ns, dev_end_ns) is the first start and last end of the kernels whose
--- launching API call (same rank, same correlation) starts inside the host range; a step with
--- no such kernel keeps its host range as device window.
-CREATE OR REPLACE MACRO timeline_steps(p_run, p_rank) AS TABLE
+-- Decode steps of one rank, in time order: the host ranges whose name matches p_step_re (our
+-- `step`), or p_fallback_re (`ProfilerStep#N`) when a rank has none (the attribution's step
+-- patterns). step_index is 0-based. The device window of a step (dev_start_ns, dev_end_ns) is
+-- the first start and last end of the kernels whose launching API call (same rank, same
+-- correlation) starts inside the host range; a step with no such kernel keeps its host range.
+CREATE OR REPLACE MACRO timeline_steps(p_run, p_rank, p_step_re, p_fallback_re) AS TABLE
 WITH _named AS (
   SELECT
     range_id, name, start_ns, end_ns,
-    CASE WHEN name = 'step' THEN 0 ELSE 1 END AS _family
+    CASE WHEN regexp_matches(name, p_step_re) THEN 0 ELSE 1 END AS _family
   FROM ranges
   WHERE run_id = p_run AND rank = p_rank
-    AND (name = 'step' OR name LIKE 'ProfilerStep#%')
+    AND (regexp_matches(name, p_step_re) OR regexp_matches(name, p_fallback_re))
 ),
 _steps AS (
   SELECT
