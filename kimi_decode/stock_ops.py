@@ -25,6 +25,8 @@ def maybe_compiled(fn: Callable, enabled: bool) -> Callable:
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
+    # Static shapes recompile once per (B, k) and per constant argument set: allow plenty.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     return torch.compile(fn, dynamic=False)
 
 

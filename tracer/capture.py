@@ -161,11 +161,13 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
         else:  # attribute the replay's kernels by position to find the comm streams
             for k, m in zip(replays[0], cmap):
                 k["op"] = m["op"]
-        streams = comm_streams(replays[0] if replays else []) if matched else []
-        if not streams:
-            notes.append("graph replay: comm kernels share a stream with compute kernels in the "
-                         "trace, or the map did not match; comm_streams from the eager map step: "
-                         f"{comm_streams(eager_kernels)}")
+        streams = comm_streams(replays[0]) if matched else []
+        if matched and not streams:
+            seen = sorted({k["stream"] for k in replays[0]})
+            notes.append(f"graph replay: CUPTI reports the replayed kernels on streams {seen}, and no "
+                         "stream carries only collective kernels, so comm_streams is empty; classify "
+                         "replayed kernels through graph_capture_map (op matches comm_ops). In the "
+                         f"eager map step the collectives ran on stream(s) {comm_streams(eager_kernels)}.")
     else:
         streams = comm_streams(kernels)
     comm = rt.comm

@@ -40,7 +40,10 @@ class Reference:
             st = {k: v.detach().to(F64).clone() for k, v in layer.named_buffers()}
             self.layers.append((layer.idx, layer.kind, p, st))
         self.pos = int(model.pos.item())
-        self.routes: list[torch.Tensor] = []  # chosen experts per MoE row, in call order
+        self.routes: list[torch.Tensor] = []  # own choice of experts per MoE row, in call order
+        # Expert sets to use instead of the own choice (one per MoE row, in call order): lets a
+        # bf16 run be compared on its own routing, where a near-tie can flip one expert.
+        self.forced: list[torch.Tensor] = []
 
     # --- pieces -------------------------------------------------------------------------
     def attn_res(self, sources: list[torch.Tensor], w_fused: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -124,6 +127,8 @@ class Reference:
             s = torch.sigmoid(p["mlp.router"] @ yr)
             chosen = torch.argsort(s + p["mlp.bias"], descending=True)[:K]
             self.routes.append(chosen)
+            if self.forced:
+                chosen = self.forced.pop(0).to(chosen.device)
             wts = s[chosen] / s[chosen].sum() * cfg.routed_scaling
             z = p["mlp.down"] @ yr
             for e, wt in zip(chosen.tolist(), wts):
