@@ -20,6 +20,8 @@ from cli.common import fail, open_input, verbose_option, with_boundary
 from cli.exit_codes import BAD_INPUT, OK, REGRESSION
 from tracer.errors import BadInput
 
+MAX_MD_DETAILS = 20  # folded explanations in a markdown comment
+MAX_MD_CHARS = 60_000
 FALLBACK_BANNER = "kernel-name fallback: these runs do not share our layer convention; kernels are aligned by name"
 
 
@@ -198,10 +200,12 @@ def render_markdown(rep: DiffReport) -> str:
                 f"{_pct(r['median']['change_pct'])} | {_ci(r['median'])} | {_pct(r['p90']['change_pct'])} |" for r in rows]
         out.append("")
         if title == "Regressions":
-            for r in rows:
+            for r in rows[:MAX_MD_DETAILS]:
                 lines = _explanation_lines(r, m)
                 if lines:
                     out += [f"<details><summary>{_where(r)}: why</summary>", ""] + [f"- {x}" for x in lines] + ["", "</details>", ""]
+            if len(rows) > MAX_MD_DETAILS:
+                out += [f"_Explanations of {len(rows) - MAX_MD_DETAILS} more regressions: `--format json`._", ""]
     if rep.kernel_count_increases:
         out += ["#### Kernel count increases", "", "| where | base | cand |", "|---|---:|---:|"]
         out += [f"| `{_where(x)}` | {x['base_kernels']:g} | {x['cand_kernels']:g} |"
@@ -213,7 +217,11 @@ def render_markdown(rep: DiffReport) -> str:
                 for v, r, t in one_side] + [""]
     if rep.notes:
         out += ["#### Notes", ""] + [f"- {n}" for n in rep.notes]
-    return "\n".join(out).rstrip() + "\n"
+    body = "\n".join(out).rstrip() + "\n"
+    if len(body) > MAX_MD_CHARS:  # GitHub rejects comments over 65,536 characters
+        cut = body.rfind("\n", 0, MAX_MD_CHARS - 200)
+        body = body[:cut] + "\n\n_Report truncated to fit a comment; `--format json` has everything._\n"
+    return body
 
 
 def render_json(rep: DiffReport) -> str:

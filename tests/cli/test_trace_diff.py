@@ -149,3 +149,16 @@ def test_runs_that_cannot_be_compared_exit_2(tmp_path: Path, capsys: pytest.Capt
     code, out, err = run([str(a), str(empty)], capsys)
     assert code == BAD_INPUT and out == "" and len(err.strip().splitlines()) == 1
     assert "empty.json" in err
+
+
+def test_markdown_fits_a_pull_request_comment(synthetic: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the caps, explanations and then the whole body are cut, and the cut is said."""
+    base, cand = str(synthetic / "fused"), str(synthetic / "stock")
+    monkeypatch.setattr(td, "MAX_MD_DETAILS", 2)
+    _, md, _ = run([base, cand, "--format", "markdown"], capsys)
+    n = json.loads(run([base, cand, "--format", "json"], capsys)[1])["regressions"]
+    assert md.count("<details>") == 2 and f"Explanations of {len(n) - 2} more regressions" in md
+    monkeypatch.setattr(td, "MAX_MD_CHARS", 1500)
+    _, md, _ = run([base, cand, "--format", "markdown"], capsys)
+    assert len(md) <= 1500 and md.rstrip().endswith("has everything._")
