@@ -59,7 +59,7 @@ def bubbles(con: duckdb.DuckDBPyConnection, run_id: int, step_pattern: str | Non
     per-stream gap summary of one run. `min_ns` drops shorter bubbles from the layer totals,
     the ranked list and the stream gaps; step totals always hold every bubble, so that
     span_ns = busy_ns + bubble_ns exactly."""
-    load_sql(con, "temporal", "bubbles")
+    load_sql(con, "temporal", "launch", "bubbles")
     if not con.execute(HAS_ITEMS_SQL, [run_id]).fetchall()[0][0]:
         return {"run_id": run_id, "not_applicable": "no kernels or memops in this run"}
     attribute(con, [run_id], step_pattern=step_pattern)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracer.store import open_store
@@ -58,6 +58,7 @@ attributed = st.tuples(st.integers(0, 1), st.sampled_from(("compute", "communica
                        st.sampled_from((None, "L0.mla", "L1.kda")))
 
 
+@settings(max_examples=40)  # each example builds a store: keep the shared 2 cores free
 @given(st.lists(attributed, max_size=25))
 def test_overlap_by_layer_matches_cells(items: list[tuple]) -> None:
     """Per (rank, step) and (rank, step, layer): comm cells of that group's comm items against

@@ -1,4 +1,4 @@
--- requires: intervals/intervals.sql, temporal/device_items.sql
+-- requires: intervals/intervals.sql, temporal/device_items.sql, launch/launch_delays.sql
 -- Private: device items keyed by (run, rank): the union across all streams of kernels and memops.
 CREATE OR REPLACE VIEW _bubble_items AS
 SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns FROM device_items;
@@ -7,17 +7,6 @@ SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns FROM device_ite
 CREATE OR REPLACE VIEW _bubble_gaps AS
 SELECT key.run_id AS run_id, key.rank AS rank, start_ns, end_ns, gap_ns
 FROM intervals_gaps('_bubble_items');
-
--- Private: the host call that launched each correlation id, one row per (run, rank,
--- correlation): the runtime call when there is one (cudaLaunchKernel over cuLaunchKernel).
-CREATE OR REPLACE VIEW _bubble_launches AS
-SELECT run_id, rank, correlation,
-       arg_min(name, (kind <> 'runtime', start_ns)) AS name,
-       arg_min(start_ns, (kind <> 'runtime', start_ns)) AS start_ns,
-       arg_min(end_ns, (kind <> 'runtime', start_ns)) AS end_ns
-FROM api_calls
-WHERE correlation IS NOT NULL
-GROUP BY run_id, rank, correlation;
 
 -- Private: host calls that block the host until the device (or a stream, or an event) is done:
 -- cuda/hip Device/Stream/Event/Ctx Synchronize, and synchronous memcpy calls.
@@ -104,7 +93,7 @@ _facts AS (
               AND w.start_ns >= coalesce(b.prev_on_stream_end_ns, b.start_ns)
               AND w.start_ns <= b.next_start_ns) AS event_wait
   FROM _with_next b
-  LEFT JOIN _bubble_launches l
+  LEFT JOIN launch_calls l
     ON l.run_id = b.run_id AND l.rank = b.rank AND l.correlation = b.next_correlation
 )
 SELECT
