@@ -37,7 +37,7 @@ DEFAULT_LAYER_PATTERN = (
     r"(?:^|\W)(?P<layer>L\d+\.(?P<kind>[A-Za-z]\w*)|(?:\w+\.)*layers\.\d+)(?:\.|$)"
 )
 # Our `step` ranges win; the profiler's ProfilerStep#N is used on ranks that have none.
-DEFAULT_STEP_PATTERN = r"^step(?:[\s_#:=-]*\d+)?$"
+DEFAULT_STEP_PATTERN = r"^step(?:[^A-Za-z0-9].*|\d+)?$"
 FALLBACK_STEP_PATTERN = r"^ProfilerStep#\d+$"
 GRAPH_LAUNCH_PATTERN = r"(?i)graph_?launch"
 METHODS = ("range", "capture_map", "reference", "gpu_range", "none")

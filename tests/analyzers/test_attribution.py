@@ -141,6 +141,21 @@ def test_profiler_step_fallback_and_user_step_pattern(con: duckdb.DuckDBPyConnec
         == [("iter_b", 1)]
 
 
+def test_default_step_names(con: duckdb.DuckDBPyConnection) -> None:
+    """SGLang's `step[DECODE bs=32]` and `step 2` are steps; `stepper` is not (a launch in it
+    is in no step, and `stepper` is its op)."""
+    r = RunRows(1)
+    r.range("step[DECODE bs=32]", 0, 10)
+    r.range("step 2", 10, 20)
+    r.range("stepper", 20, 30)
+    for t in (5, 15, 25):
+        r.kernel(f"k{t}", 100 + t, 101 + t, r.launch(t))
+    r.insert(con)
+    attribute(con)
+    got = _by_name(con, 1)
+    assert (got["k5"][0], got["k15"][0], got["k25"]) == (0, 1, (None, None, None, "stepper", "range"))
+
+
 def test_foreign_module_names(con: duckdb.DuckDBPyConnection) -> None:
     """HF/vLLM names: `model.layers.3` > `model.layers.3.self_attn` > `...self_attn.q_proj`.
     Launch at 150 (inside q_proj) -> layer model.layers.3, op `self_attn.q_proj`, index 3,
