@@ -184,6 +184,8 @@ def metadata_rules(where: str | Path, config: dict[str, Any] | None) -> list[Rul
             ("comm_ops", "communication", "op_regex"), ("prefetch_ops", "prefetch", "op_regex"))
     for key, category, field in spec:
         values = config.get(key) or []
+        if isinstance(values, str) and field == "op_regex":
+            values = [values]  # one regex is as good as a list of one
         if not isinstance(values, list):
             raise BadInput(where, f"decodescope.{key} must be a list")
         for i, v in enumerate(values):
