@@ -99,6 +99,25 @@ def collect(con: duckdb.DuckDBPyConnection, run_id: int, name: str | None = None
     return sample
 
 
+# A run is a graph replay when its capture says so or when any kernel carries a graph id.
+GRAPH_REPLAY_SQL = """
+SELECT coalesce((SELECT graph_mode FROM runs WHERE run_id = $run), false)
+    OR EXISTS (SELECT 1 FROM kernels WHERE run_id = $run AND graph_id IS NOT NULL)
+"""
+
+
+def is_graph_replay(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
+    """Whether --graph-reference applies to this run."""
+    return bool(con.execute(GRAPH_REPLAY_SQL, {"run": run_id}).fetchall()[0][0])
+
+
+def is_read_only(con: duckdb.DuckDBPyConnection) -> bool:
+    """A store opened read-only cannot take a --graph-reference trace next to its run."""
+    from analyzers.views import _is_read_only
+
+    return _is_read_only(con)
+
+
 def _has_attribution(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
     exists = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'kernel_attribution'").fetchall()
     return bool(exists[0][0]) and bool(

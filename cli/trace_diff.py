@@ -15,7 +15,7 @@ from typing import Any
 import click
 import duckdb
 
-from analyzers.diff import METRICS, DiffReport, RunSample, collect, compare
+from analyzers.diff import METRICS, DiffReport, RunSample, collect, compare, is_graph_replay, is_read_only
 from cli.common import fail, open_input, verbose_option, with_boundary
 from cli.exit_codes import BAD_INPUT, OK, REGRESSION
 from tracer.errors import BadInput
@@ -42,7 +42,7 @@ def open_side(spec: str, role: str, graph_reference: str | None, **attribution_k
     if len(ids) != 1:
         raise BadInput(spec, f"{role}: holds {len(ids)} runs {ids}; name one as {spec}:RUN")
     kwargs = dict(attribution_kwargs)
-    replay = graph_reference is not None and _graph_replay(con, ids[0])
+    replay = graph_reference is not None and is_graph_replay(con, ids[0])
     if replay:
         kwargs["graph_reference"] = _reference_run(con, graph_reference, spec)
     sample = collect(con, ids[0], name=f"{Path(spec).name}", **kwargs)
@@ -51,27 +51,21 @@ def open_side(spec: str, role: str, graph_reference: str | None, **attribution_k
     return sample
 
 
-# A side is a graph replay when its capture says so or when any kernel carries a graph id.
-GRAPH_REPLAY_SQL = """
-SELECT coalesce((SELECT graph_mode FROM runs WHERE run_id = $run), false)
-    OR EXISTS (SELECT 1 FROM kernels WHERE run_id = $run AND graph_id IS NOT NULL)
-"""
-
-
-def _graph_replay(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
-    return bool(con.execute(GRAPH_REPLAY_SQL, {"run": run_id}).fetchall()[0][0])
-
-
 def _reference_run(con: duckdb.DuckDBPyConnection, reference: str, spec: str) -> int:
-    """Ingest the eager reference trace next to a graph-replay side, and return its run id."""
+    """The eager reference's run id next to a graph-replay side: the same store's `STORE:RUN`,
+    or a trace file ingested into the side's in-memory store."""
     from tracer.ingest import ingest_path
 
+    side_db, ref_db, ref_run = spec.rpartition(":")[0], *reference.rpartition(":")[::2]
+    if side_db and ref_db and Path(ref_db).resolve() == Path(side_db).resolve():
+        if not ref_run.isdigit():
+            raise BadInput(reference, "--graph-reference: name a run as STORE:RUN")
+        return int(ref_run)
     if not Path(reference).exists():
         raise BadInput(reference, "--graph-reference: no such trace")
-    try:
-        infos = ingest_path(con, Path(reference), progress=False)
-    except duckdb.Error as exc:
-        raise BadInput(spec, f"--graph-reference needs this side as a trace file, not a read-only store ({exc})") from None
+    if is_read_only(con):
+        raise BadInput(reference, f"--graph-reference for a store side must be a run of that store ({side_db or spec}:RUN)")
+    infos = ingest_path(con, Path(reference), progress=False)
     if len(infos) != 1:
         raise BadInput(reference, f"--graph-reference must be one run, found {len(infos)}")
     return infos[0].run_id
@@ -147,8 +141,9 @@ def _header(rep: DiffReport) -> list[str]:
     verdict = f"REGRESSION ({len(rep.regressions)})" if rep.regressions else "PASS"
     lines = [f"trace-diff: {verdict}"]
     for role, side in (("base", rep.base), ("cand", rep.cand)):
+        pct = "-" if side["kernels_in_layers_pct"] is None else f"{side['kernels_in_layers_pct']}%"
         lines.append(f"{role}: {side['name']} (run {side['run_id']}, {side['steps']} steps, {side['kernels']} kernels, "
-                     f"{side['kernels_in_layers_pct']}% in layers)")
+                     f"{pct} in layers)")
     lines.append(f"metric {s['metric']}, threshold {s['threshold_pct']}%, min delta {s['min_delta']:g}, "
                  f"{int(s['confidence'] * 100)}% bootstrap CI of the median over steps ({s['resamples']} resamples, seed {s['seed']})")
     lines.append(f"aligned by {rep.alignment['aligned_by']}: {rep.alignment['matched']} matched, "

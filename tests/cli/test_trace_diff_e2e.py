@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import cli.trace_diff as td
-from cli.exit_codes import OK, REGRESSION
+from cli.exit_codes import BAD_INPUT, OK, REGRESSION
 from tests.analyzers.test_diff_synth import FUSED, GAP_NS, LAYERS, STOCK, Synth, write_kineto
 from tests.cli.test_trace_diff import run
 
@@ -105,6 +105,24 @@ def test_slower_exposed_collective_is_explained_as_exposed_comm(tmp_path: Path,
     assert ex["kernel_time_delta_ns"] == pytest.approx(ar + dict(dict(STOCK["mla"])["o_proj+ar"])["sm90_gemm_bf16_128x64"], rel=0.02)
     op = next(r for r in doc["regressions"] if r["layer"] == "L3.mla" and r["op"] == "o_proj+ar")
     assert op["explanation"]["exposed_comm_delta_ns"] is None  # measured per layer, not per op
+
+
+def test_graph_reference_for_a_store_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A read-only store side takes its reference as STORE:RUN; a trace file there is refused."""
+    from tests.analyzers.test_diff_synth import write_kineto_graph
+    from tracer.ingest import ingest_path
+    from tracer.store import open_store
+
+    graph = write_kineto_graph(Synth(STOCK, steps=4, seed=41), tmp_path / "g.json.gz")
+    eager = write_kineto(Synth(STOCK, steps=4, seed=42), tmp_path / "e.json.gz")
+    db = tmp_path / "runs.duckdb"
+    con = open_store(db)
+    g_run, e_run = (ingest_path(con, p, progress=False)[0].run_id for p in (graph, eager))
+    con.close()
+    code, out, err = run([str(eager), f"{db}:{g_run}", "--graph-reference", f"{db}:{e_run}", "--format", "json"], capsys)
+    assert code == OK and json.loads(out)["mode"] == "layers", err
+    code, out, err = run([str(eager), f"{db}:{g_run}", "--graph-reference", str(eager)], capsys)
+    assert code == BAD_INPUT and out == "" and len(err.strip().splitlines()) == 1 and f"{db}:RUN" in err
 
 
 # -- the HTA corpus pair: not our layer convention -----------------------------------------------
