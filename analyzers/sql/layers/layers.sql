@@ -11,6 +11,8 @@
 --   busy_ns    length of the union of the kernels' intervals, all streams (DURATION, ns);
 --   bubble_ns  span_ns - busy_ns: time inside the span with none of these kernels running;
 --   first_start_ns  start of the first kernel (TIMESTAMP, ns), to order ops within a layer.
+-- Groups are keyed by hash(rank, step_index, layer, op): the interval macros run about 3x
+-- faster on a BIGINT key than on a STRUCT (a 64-bit collision is negligible).
 CREATE OR REPLACE MACRO layers_steps(attr, run) AS TABLE
 WITH _k AS (
   SELECT a.rank, a.step_index, a.layer, a.layer_index, a.layer_kind, a.op, k.start_ns, k.end_ns
@@ -19,23 +21,24 @@ WITH _k AS (
   WHERE a.run_id = run AND a.item_kind = 'kernel' AND a.layer IS NOT NULL
 ),
 _iv AS (
-  SELECT {'rank': rank, 'step_index': step_index, 'layer': layer, 'op': NULL::VARCHAR} AS key,
-         layer_index, layer_kind, start_ns, end_ns
+  SELECT rank, step_index, layer, layer_index, layer_kind, NULL::VARCHAR AS op, start_ns, end_ns,
+         hash(rank, step_index, layer, NULL::VARCHAR) AS key
   FROM _k
   UNION ALL
-  SELECT {'rank': rank, 'step_index': step_index, 'layer': layer, 'op': op} AS key,
-         layer_index, layer_kind, start_ns, end_ns
+  SELECT rank, step_index, layer, layer_index, layer_kind, op, start_ns, end_ns,
+         hash(rank, step_index, layer, op) AS key
   FROM _k WHERE op IS NOT NULL
 ),
 _n AS (
-  SELECT key, any_value(layer_index) AS layer_index, any_value(layer_kind) AS layer_kind,
+  SELECT key, any_value(rank) AS rank, any_value(step_index) AS step_index,
+         any_value(layer) AS layer, any_value(op) AS op,
+         any_value(layer_index) AS layer_index, any_value(layer_kind) AS layer_kind,
          count(*) AS kernels, min(start_ns) AS first_start_ns, max(end_ns) - min(start_ns) AS span_ns
   FROM _iv GROUP BY key
 ),
 _t AS (SELECT key, busy_ns FROM intervals_totals('_iv'))
 SELECT
-  run AS run_id, _n.key.rank AS rank, _n.key.step_index AS step_index, _n.key.layer AS layer,
-  _n.layer_index, _n.layer_kind, _n.key.op AS op,
+  run AS run_id, _n.rank, _n.step_index, _n.layer, _n.layer_index, _n.layer_kind, _n.op,
   CAST(_n.kernels AS BIGINT) AS kernels,
   CAST(_n.span_ns AS BIGINT) AS span_ns,
   CAST(coalesce(_t.busy_ns, 0) AS BIGINT) AS busy_ns,
