@@ -73,7 +73,7 @@ class Reader:
 
 READERS: tuple[Reader, ...] = (
     Reader("kineto", kineto.SUFFIXES, kineto.stage, kineto.write, kineto.discard),
-    Reader.one_phase("nsys", nsys_sqlite.SUFFIXES, nsys_sqlite.read_run),
+    Reader("nsys", nsys_sqlite.SUFFIXES, nsys_sqlite.stage, nsys_sqlite.write, nsys_sqlite.discard),
 )
 
 _RUN_FACTS_SQL = """
