@@ -72,3 +72,18 @@ def test_compare_eager_vs_graph(tmp_path: Path) -> None:
     assert kinds["mla"]["base"]["kernels"] == 2.0 and kinds["mla"]["ratio_time"] == 1.0
     text = _run("compare", str(eager), str(graph))
     assert "4.900" in text and "(4900 ns)" in text
+
+
+def test_layers_and_compare_on_read_only_store(tmp_path: Path) -> None:
+    """A store is opened read-only: attribution's macros and tables are TEMP, so both commands
+    work on it; the reference may be a run id of the store, not a new trace file."""
+    eager = write_eager(tmp_path / "eager.json.gz")
+    graph = write_graph(tmp_path / "graph.json.gz", with_map=False)
+    db = tmp_path / "runs.duckdb"
+    _run("ingest", str(eager), str(graph), "--db", str(db))
+    doc = json.loads(_run("layers", f"{db}:2", "--graph-reference", "1", "--format", "json"))
+    assert doc["layers"] == EXPECTED_LAYERS
+    doc = json.loads(_run("compare", f"{db}:1", f"{db}:2", "--graph-reference", "1", "--format", "json"))
+    assert {k["kind"]: k["ratio_time"] for k in doc["kinds"]} == {"kda": 1.0, "mla": 1.0}
+    res = CliRunner().invoke(main, ["layers", f"{db}:2", "--graph-reference", str(eager)])
+    assert res.exit_code == BAD_INPUT and "read-only" in res.stderr
