@@ -301,3 +301,28 @@ def test_stage_write_discard(tmp_path: Path) -> None:
     assert _rows(con, "SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE '\\_nsys%' ESCAPE '\\'") == [(0,)]
     with pytest.raises(BadInput):
         nsys_sqlite.stage(con, [_not_nsys(tmp_path)], Progress(False))
+
+
+def test_one_process_two_gpus_and_a_launcher(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """pid 30 drives devices 0 and 1 from one thread: two ranks. Its launch calls follow their
+    kernels (corr 1 -> device 1 -> rank 1, corr 2 -> device 0 -> rank 0), a cudaMalloc with no GPU
+    work goes to the process's first rank, and its NVTX range is stored once per rank. pid 40 (a
+    launcher) has a range and a call but no GPU work: counted, warned about, not stored."""
+    b = NsysExportBuilder(gpus={0: "NVIDIA H200", 1: "NVIDIA H200"})
+    b.push_pop("fwd", 0, 10_000, pid=30, tid=31)
+    c1 = b.runtime("cudaLaunchKernel_v7000", 100, 200, pid=30, tid=31)
+    b.kernel("on_dev1", 1_000, 2_000, pid=30, device=1, correlation=c1)
+    c2 = b.runtime("cudaLaunchKernel_v7000", 300, 400, pid=30, tid=31)
+    b.kernel("on_dev0", 1_500, 2_500, pid=30, device=0, correlation=c2)
+    b.runtime("cudaMalloc_v3020", 500, 600, pid=30, tid=31)
+    b.push_pop("launcher", 0, 20_000, pid=40, tid=41)
+    b.runtime("cudaGetDeviceCount_v3020", 10, 20, pid=40, tid=41)
+    con, info = _ingest(b.write(tmp_path / "one_proc.sqlite"))
+    assert info.ranks == 2
+    assert _rows(con, "SELECT rank, device, name FROM kernels ORDER BY rank") == [(0, 0, "on_dev0"), (1, 1, "on_dev1")]
+    assert _rows(con, "SELECT rank, name, correlation FROM api_calls ORDER BY start_ns") == [
+        (1, "cudaLaunchKernel", c1), (0, "cudaLaunchKernel", c2), (0, "cudaMalloc", c2 + 1)]
+    assert _rows(con, "SELECT rank, pid, name FROM ranges ORDER BY rank") == [(0, 30, "fwd"), (1, 30, "fwd")]
+    meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
+    assert meta["host_rows_without_gpu_process"] == {"api_calls": 1, "nvtx_ranges": 1}
+    assert "1 API calls and 1 NVTX ranges belong to processes with no GPU activity" in capfd.readouterr().err
