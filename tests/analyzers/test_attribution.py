@@ -344,3 +344,28 @@ def test_innermost_matches_brute_force(ranges: list[tuple[int, int, int]]) -> No
     con.execute("CREATE TABLE p AS SELECT 1 AS key, t AS point_id, t AS t_ns FROM range(-1, 63) x(t)")
     got = dict(con.execute("SELECT point_id, range_id FROM attribution_innermost('r', 'p')").fetchall())
     assert got == {t: _brute_innermost(ranges, t) for t in range(-1, 63)}
+
+
+def test_ranks_do_not_mix(con: duckdb.DuckDBPyConnection) -> None:
+    """Two ranks with the same pid/tid numbers. Rank 0: step [0,100) > L0.mla [0,100);
+    rank 1: step [50,150), step [150,250) > L1.kda [150,250). A launch at 60 on rank 1 is in
+    rank 1's step 0 and no layer (rank 0's L0.mla, open at 60, is another process);
+    a launch at 160 on rank 1 is step 1, L1.kda; a launch at 60 on rank 0 is step 0, L0.mla.
+    Correlation ids repeat across ranks (each rank numbers its own) and must not cross."""
+    r = RunRows(1)
+    r.range("step", 0, 100, rank=0)
+    r.range("L0.mla", 0, 100, rank=0, depth=1)
+    r.range("step", 50, 150, rank=1)
+    r.range("step", 150, 250, rank=1)
+    r.range("L1.kda", 150, 250, rank=1, depth=1)
+    c0 = r.launch(60, rank=0)
+    r.kernel("r0", 1000, 1010, c0, rank=0)
+    r._corr = c0 - 1  # rank 1 reuses the same correlation numbers
+    r.kernel("r1a", 1000, 1010, r.launch(60, rank=1), rank=1)
+    r.kernel("r1b", 1020, 1030, r.launch(160, rank=1), rank=1)
+    r.insert(con)
+    attribute(con)
+    got = _by_name(con, 1)
+    assert got["r0"] == (0, "L0.mla", "mla", None, "range")
+    assert got["r1a"] == (0, None, None, None, "range")
+    assert got["r1b"] == (1, "L1.kda", "kda", None, "range")
