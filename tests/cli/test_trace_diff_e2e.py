@@ -249,3 +249,24 @@ def test_k3_batch_8_against_batch_1(k3: dict) -> None:
     removed = {(r["layer"], r["op"]) for r in up["rows"] if r["verdict"] == "removed"}
     assert added == ops8 - ops1 and removed == ops1 - ops8
     assert compare(b8, b1).to_dict()["verdict"] == "pass"
+
+
+def test_k3_trace_against_itself_passes(k3: dict) -> None:
+    from analyzers.diff import compare
+
+    g = k3["get"]("k3_stock_b1_k0_graph.json.gz")
+    doc = compare(g, g).to_dict()
+    assert doc["verdict"] == "pass" and not doc["improvements"] and not doc["kernel_count_increases"]
+    assert all(r["median"]["change_pct"] == 0.0 for r in doc["rows"])
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_k3_stock_to_fused_when_captured(k3: dict, mode: str) -> None:
+    """Fused replaces stock kernels by fewer ones under the same ops: it aligns by layer and op
+    and never adds kernels to a layer (fused traces come from the GPU machine, when they exist)."""
+    from analyzers.diff import compare
+
+    stock, fused = (k3["get"](f"k3_{v}_b1_k0_{mode}.json.gz") for v in ("stock", "fused"))
+    doc = compare(stock, fused).to_dict()
+    assert doc["mode"] == "layers" and doc["alignment"]["matched"] > 0
+    assert not [x for x in doc["kernel_count_increases"] if x["op"] is None]
