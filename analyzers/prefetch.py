@@ -18,7 +18,7 @@ import duckdb
 
 from analyzers.attribution import attribute, load_sql
 
-NOT_APPLICABLE = "not applicable: no prefetch kernels or copies"
+NOT_APPLICABLE = "no prefetch kernels or copies"
 ITEMS_SQL = """
 SELECT rank, item_kind, item_id, name, stream, step_index, layer, op, start_ns, end_ns, dur_ns,
        hidden_ns, hidden_pct, consumer_id, consumer_name, consumer_layer, consumer_op,
