@@ -141,6 +141,14 @@ def _export_meta(db: sqlite3.Connection, tables: dict[str, set[str]]) -> dict[st
     return {}
 
 
+def _session_start(db: sqlite3.Connection, tables: dict[str, set[str]]) -> int | None:
+    """Wall-clock (UTC epoch ns) of the session start: nsys times are ns on the session clock."""
+    if "utcEpochNs" not in tables.get("TARGET_INFO_SESSION_START_TIME", set()):
+        return None
+    row = db.execute(q.SESSION_START_SQL).fetchall()
+    return int(row[0][0]) if row and row[0][0] is not None else None
+
+
 def _gpus(db: sqlite3.Connection, tables: dict[str, set[str]]) -> dict[int, dict[str, Any]]:
     """TARGET_INFO_GPU rows by id (the deviceId of the CUPTI tables)."""
     cols = tables.get("TARGET_INFO_GPU")
@@ -224,6 +232,7 @@ class Staged:
     event_classes: dict[int, str]
     event_types: dict[int, str]
     syncs_moved: int
+    session_start_utc_ns: int | None
 
 
 def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> Staged:
@@ -251,7 +260,7 @@ def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> 
             event_classes=_enum(db, tables, "ENUM_NSYS_EVENT_CLASS",
                                 {0: "CUDA runtime", 1: "CUDA driver", 67: "CUDA backtrace"}),
             event_types=_enum(db, tables, "ENUM_NSYS_EVENT_TYPE", q.NVTX_EVENT_TYPES),
-            syncs_moved=0)
+            syncs_moved=0, session_start_utc_ns=_session_start(db, tables))
     finally:
         db.close()
     prog.step("placing rows on ranks")
@@ -296,6 +305,7 @@ def write(con: duckdb.DuckDBPyConnection, staged: Staged, run_id: int, prog: Pro
     metadata: dict[str, Any] = {
         "nsys_version": staged.export.get("EXPORT_PRODUCT_VERSION"),
         "export_schema_version": staged.export.get("EXPORT_SCHEMA_VERSION"),
+        "session_start_utc_epoch_ns": staged.session_start_utc_ns,
         "rank_source": "one rank per (process, device) with GPU activity, in device-id then pid order",
         "ranks": rank_info,
         "rows_read": staged.rows_read,
