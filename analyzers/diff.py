@@ -433,7 +433,9 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
 def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: float,
              values: tuple[dict[Key, pd.DataFrame], dict[Key, pd.DataFrame]]) -> None:
     """Attach to each regression its ops, kernel-level changes and time decomposition."""
-    bk, ck = _fill_keys(base.kernels), _fill_keys(cand.kernels)
+    # one representative kernel sequence per (layer kind, layer index, op) and side, computed once
+    seqs = [{k: representative_sequence(g) for k, g in _fill_keys(side.kernels).groupby(["k_kind", "k_index", "k_op"])}
+            for side in (base, cand)]
     by_key = {(r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""): r
               for r in rows}
     for r in rows:
@@ -447,9 +449,7 @@ def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metri
         kernels: list[dict[str, Any]] = []
         for leaf in ops:
             lk = (leaf["layer_kind"] or "", leaf["layer_index"] if leaf["layer_index"] is not None else -1, leaf["op"])
-            sel_b = bk[(bk["k_kind"] == lk[0]) & (bk["k_index"] == lk[1]) & (bk["k_op"] == lk[2])]
-            sel_c = ck[(ck["k_kind"] == lk[0]) & (ck["k_index"] == lk[1]) & (ck["k_op"] == lk[2])]
-            for ch in kernel_changes(representative_sequence(sel_b), representative_sequence(sel_c)):
+            for ch in kernel_changes(seqs[0].get(lk, ([], [])), seqs[1].get(lk, ([], []))):
                 if ch["change"] != "same" or abs(ch["delta_ns"]) >= min_delta:
                     kernels.append({"layer": leaf["layer"], "op": leaf["op"], **ch})
         kernels.sort(key=lambda x: -abs(x["delta_ns"]))
