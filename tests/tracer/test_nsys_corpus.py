@@ -166,10 +166,12 @@ def test_window_cut_counts(store, corpus: Path, rel: str) -> None:
         if columns(db, "META_DATA_EXPORT") else None
     assert meta[1] == window
     assert meta[2] == sum(len(d) for d in gpu_devices_by_pid(db).values())
-    start = db.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME").fetchone()[0] \
-        if columns(db, "TARGET_INFO_SESSION_START_TIME") else None
-    got = con.execute("SELECT metadata->>'$.session_start_utc_epoch_ns' FROM runs WHERE run_id = ?", [ids[rel]]).fetchone()[0]
-    assert (int(got) if got is not None else None) == start
+    start_cols = columns(db, "TARGET_INFO_SESSION_START_TIME")
+    for col, key in (("utcEpochNs", "session_start_utc_epoch_ns"), ("systemClockNs", "session_start_clock_ns")):
+        want_ns = db.execute(f"SELECT {col} FROM TARGET_INFO_SESSION_START_TIME").fetchone()[0] \
+            if col in start_cols else None
+        got = con.execute(f"SELECT metadata->>'$.{key}' FROM runs WHERE run_id = ?", [ids[rel]]).fetchone()[0]
+        assert (int(got) if got is not None else None) == want_ns
 
 
 def test_readme_figures_of_the_cut_windows(store) -> None:

@@ -116,7 +116,7 @@ def _resolved(src: str, has_string_ids: bool) -> str:
 
 # ---- Lookups (SQLite side) ---------------------------------------------------------------
 
-SESSION_START_SQL = "SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME LIMIT 1"
+SESSION_START_SQL = 'SELECT "{col}" FROM TARGET_INFO_SESSION_START_TIME LIMIT 1'   # col from a fixed list
 EXPORT_META_SQL = 'SELECT name, value FROM "{table}"'   # META_DATA_EXPORT or EXPORT_META_DATA
 GPU_INFO_COLUMNS = ("id", "name", "busLocation", "smCount", "totalMemory", "memoryBandwidth",
                     "clockRate", "computeMajor", "computeMinor", "cuDevice", "uuid")

@@ -141,12 +141,17 @@ def _export_meta(db: sqlite3.Connection, tables: dict[str, set[str]]) -> dict[st
     return {}
 
 
-def _session_start(db: sqlite3.Connection, tables: dict[str, set[str]]) -> int | None:
-    """Wall-clock (UTC epoch ns) of the session start: nsys times are ns on the session clock."""
-    if "utcEpochNs" not in tables.get("TARGET_INFO_SESSION_START_TIME", set()):
-        return None
-    row = db.execute(q.SESSION_START_SQL).fetchall()
-    return int(row[0][0]) if row and row[0][0] is not None else None
+def _session_start(db: sqlite3.Connection, tables: dict[str, set[str]]) -> dict[str, int]:
+    """When the session started: UTC epoch ns, and (nsys >= 2025) the same instant on the
+    trace clock, so an event at t happened at utc + (t - clock) wall time."""
+    cols = tables.get("TARGET_INFO_SESSION_START_TIME", set())
+    out: dict[str, int] = {}
+    for col, key in (("utcEpochNs", "session_start_utc_epoch_ns"), ("systemClockNs", "session_start_clock_ns")):
+        if col in cols:
+            row = db.execute(q.SESSION_START_SQL.format(col=col)).fetchall()
+            if row and row[0][0] is not None:
+                out[key] = int(row[0][0])
+    return out
 
 
 def _gpus(db: sqlite3.Connection, tables: dict[str, set[str]]) -> dict[int, dict[str, Any]]:
@@ -232,7 +237,7 @@ class Staged:
     event_classes: dict[int, str]
     event_types: dict[int, str]
     syncs_moved: int
-    session_start_utc_ns: int | None
+    session_start: dict[str, int]
 
 
 def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> Staged:
@@ -260,7 +265,7 @@ def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> 
             event_classes=_enum(db, tables, "ENUM_NSYS_EVENT_CLASS",
                                 {0: "CUDA runtime", 1: "CUDA driver", 67: "CUDA backtrace"}),
             event_types=_enum(db, tables, "ENUM_NSYS_EVENT_TYPE", q.NVTX_EVENT_TYPES),
-            syncs_moved=0, session_start_utc_ns=_session_start(db, tables))
+            syncs_moved=0, session_start=_session_start(db, tables))
     finally:
         db.close()
     prog.step("placing rows on ranks")
@@ -305,7 +310,7 @@ def write(con: duckdb.DuckDBPyConnection, staged: Staged, run_id: int, prog: Pro
     metadata: dict[str, Any] = {
         "nsys_version": staged.export.get("EXPORT_PRODUCT_VERSION"),
         "export_schema_version": staged.export.get("EXPORT_SCHEMA_VERSION"),
-        "session_start_utc_epoch_ns": staged.session_start_utc_ns,
+        **staged.session_start,
         "rank_source": "one rank per (process, device) with GPU activity, in device-id then pid order",
         "ranks": rank_info,
         "rows_read": staged.rows_read,
