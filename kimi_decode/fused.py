@@ -252,5 +252,6 @@ class FusedDecoder(StockDecoder):
                 target = None
                 if "prefetch" in on and nxt is not None:
                     target = nxt.in_proj if isinstance(nxt, stock.KDAAttention) else nxt.qkv_a
-                layer.mlp.prefetch_target = target
+                # a plain tensor view (a Parameter here would be registered as a second weight)
+                layer.mlp.prefetch_target = None if target is None else target.detach()
         return on

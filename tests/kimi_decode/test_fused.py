@@ -96,3 +96,77 @@ def test_router_kernel_formula_against_brute_force() -> None:
         tot = sum(float(s[m, e]) for e in order)
         for j, e in enumerate(ids[m].tolist()):
             assert abs(float(weights[m, j]) - 2.5 * float(s[m, e]) / tot) < 1e-12
+
+
+# --- the kernel call sites, with each kernel replaced by a torch emulation of its contract ---
+
+def _emulate_attn_res(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta=None, write_slot=None, out=None):
+    """attn_res_rmsnorm's contract: (out, prefix'), blocks[:, write_slot] = prefix'."""
+    from kimi_decode.kernels.attn_res import reference
+    new_prefix = prefix if delta is None else prefix + delta
+    if write_slot is not None:
+        blocks[:, write_slot].copy_(new_prefix)
+    return reference(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta).to(prefix.dtype), new_prefix
+
+
+def _emulate_kda(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, cfg):
+    """kda_decode's contract: out [M, P]; conv and recurrent state advanced in place."""
+    from kimi_decode import stock_ops as ops
+    H, d, P = cfg.heads, cfg.head_dim, cfg.heads * cfg.head_dim
+    batch = conv_state.shape[0]
+    act, cs = ops.conv_update(conv_state, z[:, :3 * P], conv_w, batch)
+    f_b_out = z[:, 4 * P:4 * P + d] @ f_b.t()
+    o, S = ops.kda_recurrence(act, f_b_out, z[:, 4 * P + d:4 * P + d + H], dt_bias, a_log, rec_state,
+                              cfg.gate_lower_bound, H)
+    conv_state.copy_(cs)
+    rec_state.copy_(S)
+    return ops.gated_rms_norm(o, o_norm, z[:, 3 * P:4 * P], cfg.norm_eps, z.dtype)
+
+
+def _emulate_route(y, w_gate, bias, top_k, scaling, counter, logits_bf16=True):
+    from kimi_decode.kernels.router import reference
+    ids, w, _ = reference(y, w_gate, bias, top_k, scaling, logits_bf16=False)
+    return ids, w.to(torch.float32)
+
+
+def test_kernel_call_sites_on_cpu(monkeypatch) -> None:
+    """Every kernel path of fused.py switched on, each kernel emulated in torch: the step must
+    still match stock (float64 emulations, so up to float32 rounding, 1e-5), state included.
+    This checks the wiring the GPU run relies on (argument order, prefix reset vs add, block
+    writes, the side-stream MoE order, prefetch targets), not the kernels."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.kernels.attn_res as k_ar
+    import kimi_decode.kernels.kda_decode as k_kda
+    import kimi_decode.kernels.l2_prefetch as k_pf
+    import kimi_decode.kernels.router as k_router
+    monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res)
+    monkeypatch.setattr(k_kda, "kda_decode", _emulate_kda)
+    monkeypatch.setattr(k_router, "route", _emulate_route)
+    prefetched = []
+    monkeypatch.setattr(k_pf, "prefetch_l2", lambda t, n=None: prefetched.append(t))
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    for i, layer in enumerate(fused.layers):
+        layer.attn_res.use_kernel = layer.mlp_res.use_kernel = True
+        if hasattr(layer.attn, "use_kernel"):
+            layer.attn.use_kernel = True
+        layer.mlp.use_router_kernel = True
+        layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
+        nxt = fused.layers[i + 1].attn if i + 1 < len(fused.layers) else None
+        target = None if nxt is None else getattr(nxt, "in_proj", getattr(nxt, "qkv_a", None))
+        layer.mlp.prefetch_target = None if target is None else target.detach()
+    for s in range(2):
+        m, prefix, blocks = stock.make_inputs(seed=60 + s)
+        blocks_f = blocks.clone()
+        with torch.no_grad():
+            out_s, out_f = stock(m, prefix, blocks), fused(m, prefix, blocks_f)
+        for a, b in zip(out_s, out_f):
+            assert float((a - b).norm() / a.norm()) < 1e-5
+        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    bufs_f = dict(fused.named_buffers())
+    for name, buf in stock.named_buffers():
+        if buf.is_floating_point():
+            assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
+    assert len(prefetched) == 2 * 5          # every MoE layer but the last, each step
+    assert prefetched[0].data_ptr() == fused.layers[1].attn.in_proj.data_ptr()   # layer 4: KDA
