@@ -17,6 +17,7 @@ call, `read_run(con, files, run_id, progress) -> RunMeta`, registers with `Reade
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import duckdb
 
 from tracer import classify
 from tracer.errors import BadInput
-from tracer.ingest import kineto, nsys_sqlite
+from tracer.ingest import kineto
 from tracer.ingest.progress import Progress
 from tracer.ingest.runmeta import RunMeta, insert_run
 from tracer.store import transaction
@@ -71,9 +72,20 @@ class Reader:
                    discard=lambda _con: None)
 
 
+def _lazy(module: str, attr: str) -> Any:
+    """A function of `module` that is imported only when first called."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
+
+    return call
+
+
 READERS: tuple[Reader, ...] = (
     Reader("kineto", kineto.SUFFIXES, kineto.stage, kineto.write, kineto.discard),
-    Reader("nsys", nsys_sqlite.SUFFIXES, nsys_sqlite.stage, nsys_sqlite.write, nsys_sqlite.discard),
+    # Imported on first use, so `decodescope ingest x.json.gz` does not load the nsys reader.
+    Reader("nsys", (".sqlite",), _lazy("tracer.ingest.nsys_sqlite", "stage"),
+           _lazy("tracer.ingest.nsys_sqlite", "write"), _lazy("tracer.ingest.nsys_sqlite", "discard")),
 )
 
 _RUN_FACTS_SQL = """

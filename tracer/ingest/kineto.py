@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import pyarrow as pa
+import numpy as np
 
 from tracer.errors import BadInput
 from tracer.ingest import kineto_sql as q
@@ -117,19 +117,23 @@ def _check_events(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
 
 
 def _nest_ranges(con: duckdb.DuckDBPyConnection) -> None:
+    """Depth and parent of every staged range (Python stack over plain lists, ~0.1 s per 200k).
+
+    The result goes back as a dict of numpy arrays (no pyarrow: converting Python lists with
+    pyarrow imports pandas, ~0.7 s); parent -1 stands for NULL.
+    """
     con.execute(q.STAGE_RANGES_SQL)
-    cols = con.execute(
-        "SELECT dense_rank() OVER (ORDER BY rank, pid, tid) AS thread, start_ns, end_ns, range_id "
-        "FROM _kineto_ranges ORDER BY range_id").fetchnumpy()
-    ids = cols["range_id"].tolist()
-    depth, parent = nest(cols["thread"].tolist(), cols["start_ns"].tolist(), cols["end_ns"].tolist(), ids)
-    nesting = pa.table({"range_id": pa.array(ids, pa.int64()), "depth": pa.array(depth, pa.int32()),
-                        "parent_id": pa.array(parent, pa.int64())})
-    con.register("_kineto_nesting_arrow", nesting)
+    cols = con.execute(q.RANGES_FOR_NESTING_SQL).fetchnumpy()  # in range_id order (0..n-1)
+    n = len(cols["thread"])
+    depth, parent = nest(cols["thread"].tolist(), cols["start_ns"].tolist(), cols["end_ns"].tolist(), range(n))
+    nesting = {"range_id": np.arange(n, dtype=np.int64), "depth": np.asarray(depth, dtype=np.int32),
+               "parent_id": np.fromiter((-1 if x is None else x for x in parent), dtype=np.int64, count=len(parent))}
+    con.register("_kineto_nesting_np", nesting)
     try:
-        con.execute("CREATE OR REPLACE TEMP TABLE _kineto_nesting AS SELECT * FROM _kineto_nesting_arrow")
+        con.execute("CREATE OR REPLACE TEMP TABLE _kineto_nesting AS "
+                    "SELECT range_id, depth, NULLIF(parent_id, -1) AS parent_id FROM _kineto_nesting_np")
     finally:
-        con.unregister("_kineto_nesting_arrow")
+        con.unregister("_kineto_nesting_np")
 
 
 def _capture_map_rows(run_id: int, ds: dict[str, Any], rank: int, path: Path) -> list[list[Any]]:

@@ -3,7 +3,7 @@
 Times: Kineto writes `ts`/`dur` in µs with up to three decimals, relative to
 `baseTimeNanoseconds` when the trace has one. They are read as DECIMAL(38,3) (exact at any
 size; DOUBLE is not exact above ~4.4e12 µs) and turned into BIGINT ns once, here.
-Values are bound parameters; the only text spliced in is the fixed args-key lists below.
+Values are bound parameters; the only text spliced in is built from the fixed lists below.
 """
 from __future__ import annotations
 
@@ -104,80 +104,100 @@ ARG_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def arg_text(field: str) -> str:
-    """SQL for the text of one args field under any of its spellings (fixed list, no input)."""
-    keys = ARG_KEYS[field]
-    return "coalesce(" + ", ".join(f"args->>'{k}'" for k in keys) + ")"
+class ArgsPlan:
+    """Extract many args fields with ONE JSON parse per event.
 
+    `json_extract_string(args, [paths])` parses the args text once and returns every path's
+    value; each field is then `coalesce` over the positions of its spellings. (One `->>` per
+    field and spelling would parse the same text dozens of times.) Paths come only from the
+    fixed ARG_KEYS; `[i]` fields (grid, block) are requested per dimension.
+    """
 
-def arg_int(field: str, sql_type: str = "BIGINT") -> str:
-    """SQL for one args field as an integer; NULL when absent or not a number."""
-    return f"TRY_CAST({arg_text(field)} AS {sql_type})"
+    def __init__(self, fields: tuple[str, ...]) -> None:
+        self.paths: list[str] = []
+        self.slots: dict[str, list[int]] = {}
+        for f in fields:
+            if f in ("grid", "block"):
+                for d in range(3):
+                    self.slots[f"{f}{d}"] = [self._add(f'$."{k}"[{d}]') for k in ARG_KEYS[f]]
+            else:
+                self.slots[f] = [self._add(f'$."{k}"') for k in ARG_KEYS[f]]
 
+    def _add(self, path: str) -> int:
+        self.paths.append(path)
+        return len(self.paths)  # DuckDB lists are 1-based
 
-def arg_dim(field: str, i: int) -> str:
-    """SQL for element i of a [x, y, z] args field (grid, block)."""
-    keys = ARG_KEYS[field]
-    return "TRY_CAST(coalesce(" + ", ".join(f"args->'{k}'->>{i}" for k in keys) + ") AS INTEGER)"
+    def select(self) -> str:
+        """The list expression to compute once per row, as `_a`."""
+        return "json_extract_string(args, [" + ", ".join(f"'{p}'" for p in self.paths) + "]) AS _a"
+
+    def text(self, field: str) -> str:
+        return "coalesce(" + ", ".join(f"_a[{i}]" for i in self.slots[field]) + ")"
+
+    def int(self, field: str, sql_type: str = "BIGINT") -> str:
+        return f"TRY_CAST({self.text(field)} AS {sql_type})"
 
 
 def _in(cats: tuple[str, ...]) -> str:
     return "(" + ", ".join(f"'{c}'" for c in cats) + ")"
 
 
+_K = ArgsPlan(("device", "stream", "correlation", "grid", "block", "registers", "shared_mem", "graph_id",
+               "graph_node_id"))
 INSERT_KERNELS_SQL = f"""
 INSERT INTO kernels
 SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
-       {arg_int('device', 'INTEGER')}, {arg_int('stream')}, {arg_int('correlation')}, name,
+       {_K.int('device', 'INTEGER')}, {_K.int('stream')}, {_K.int('correlation')}, name,
        start_ns, start_ns + coalesce(dur_ns, 0),
-       {arg_dim('grid', 0)}, {arg_dim('grid', 1)}, {arg_dim('grid', 2)},
-       {arg_dim('block', 0)}, {arg_dim('block', 1)}, {arg_dim('block', 2)},
-       {arg_int('registers', 'INTEGER')}, {arg_int('shared_mem')},
-       {arg_int('graph_id')}, {arg_int('graph_node_id')}, 'compute'
-FROM _kineto_ev
-WHERE ph = 'X' AND cat IN {_in(KERNEL_CATS)}
+       {_K.int('grid0', 'INTEGER')}, {_K.int('grid1', 'INTEGER')}, {_K.int('grid2', 'INTEGER')},
+       {_K.int('block0', 'INTEGER')}, {_K.int('block1', 'INTEGER')}, {_K.int('block2', 'INTEGER')},
+       {_K.int('registers', 'INTEGER')}, {_K.int('shared_mem')},
+       {_K.int('graph_id')}, {_K.int('graph_node_id')}, 'compute'
+FROM (SELECT *, {_K.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(KERNEL_CATS)})
 """
 
+_M = ArgsPlan(("device", "stream", "correlation", "bytes", "graph_id", "graph_node_id"))
 INSERT_MEMOPS_SQL = f"""
 INSERT INTO memops
 SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
-       {arg_int('device', 'INTEGER')}, {arg_int('stream')}, {arg_int('correlation')},
+       {_M.int('device', 'INTEGER')}, {_M.int('stream')}, {_M.int('correlation')},
        CASE WHEN cat IN {_in(MEMSET_CATS)} THEN 'memset' ELSE 'memcpy' END, name,
-       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('bytes')},
-       {arg_int('graph_id')}, {arg_int('graph_node_id')}, 'memory'
-FROM _kineto_ev
-WHERE ph = 'X' AND cat IN {_in(MEMCPY_CATS + MEMSET_CATS)}
+       start_ns, start_ns + coalesce(dur_ns, 0), {_M.int('bytes')},
+       {_M.int('graph_id')}, {_M.int('graph_node_id')}, 'memory'
+FROM (SELECT *, {_M.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(MEMCPY_CATS + MEMSET_CATS)})
 """
 
+_C = ArgsPlan(("correlation",))
 INSERT_API_CALLS_SQL = f"""
 INSERT INTO api_calls
 SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
        TRY_CAST(pid AS BIGINT), TRY_CAST(tid AS BIGINT),
        CASE WHEN cat IN {_in(DRIVER_CATS)} THEN 'driver' ELSE 'runtime' END, name,
-       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('correlation')}
-FROM _kineto_ev
-WHERE ph = 'X' AND cat IN {_in(RUNTIME_CATS + DRIVER_CATS)}
+       start_ns, start_ns + coalesce(dur_ns, 0), {_C.int('correlation')}
+FROM (SELECT *, {_C.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(RUNTIME_CATS + DRIVER_CATS)})
 """
 
 _RANGE_KIND = "CASE cat " + " ".join(f"WHEN '{c}' THEN '{k}'" for c, k in RANGE_CATS.items()) + " END"
 
+_R = ArgsPlan(("external_id",))
 # Ranges sorted the way nesting needs them: per thread, start ascending, end descending.
+# range_id is the position in that order, `thread` a dense id of (rank, pid, tid); the table is
+# written in range_id order so nesting can scan it without sorting again.
 STAGE_RANGES_SQL = f"""
 CREATE OR REPLACE TEMP TABLE _kineto_ranges AS
-SELECT row_number() OVER (ORDER BY rank, pid_i, tid_i, start_ns, end_ns DESC, file_idx, seq) - 1 AS range_id,
+SELECT row_number() OVER w - 1 AS range_id, dense_rank() OVER (ORDER BY rank, pid_i, tid_i) AS thread,
        rank, pid_i AS pid, tid_i AS tid, kind, name, start_ns, end_ns, external_id
 FROM (
   SELECT rank, TRY_CAST(pid AS BIGINT) AS pid_i, TRY_CAST(tid AS BIGINT) AS tid_i, {_RANGE_KIND} AS kind,
-         name, start_ns, start_ns + coalesce(dur_ns, 0) AS end_ns, {arg_int('external_id')} AS external_id,
+         name, start_ns, start_ns + coalesce(dur_ns, 0) AS end_ns, {_R.int('external_id')} AS external_id,
          file_idx, seq
-  FROM _kineto_ev
-  WHERE ph = 'X' AND cat IN {_in(tuple(RANGE_CATS))}
+  FROM (SELECT *, {_R.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(tuple(RANGE_CATS))})
 )
+WINDOW w AS (ORDER BY rank, pid_i, tid_i, start_ns, end_ns DESC, file_idx, seq)
+ORDER BY range_id
 """
 
-RANGES_FOR_NESTING_SQL = """
-SELECT rank, pid, tid, start_ns, end_ns, range_id FROM _kineto_ranges ORDER BY range_id
-"""
+RANGES_FOR_NESTING_SQL = "SELECT thread, start_ns, end_ns FROM _kineto_ranges"
 
 INSERT_RANGES_SQL = """
 INSERT INTO ranges
@@ -186,21 +206,21 @@ SELECT ?, r.range_id, r.rank, r.pid, r.tid, r.kind, r.name, r.start_ns, r.end_ns
 FROM _kineto_ranges AS r JOIN _kineto_nesting AS n USING (range_id)
 """
 
+_A = ArgsPlan(("device", "stream", "external_id"))
 INSERT_GPU_ANNOTATIONS_SQL = f"""
 INSERT INTO gpu_annotations
-SELECT ?, rank, {arg_int('device', 'INTEGER')}, {arg_int('stream')}, name,
-       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('external_id')}
-FROM _kineto_ev
-WHERE ph = 'X' AND cat IN {_in(GPU_ANNOTATION_CATS)}
+SELECT ?, rank, {_A.int('device', 'INTEGER')}, {_A.int('stream')}, name,
+       start_ns, start_ns + coalesce(dur_ns, 0), {_A.int('external_id')}
+FROM (SELECT *, {_A.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(GPU_ANNOTATION_CATS)})
 ORDER BY rank, start_ns
 """
 
+_S = ArgsPlan(("device", "stream", "correlation", "wait_on_stream"))
 INSERT_GPU_SYNCS_SQL = f"""
 INSERT INTO gpu_syncs
-SELECT ?, rank, {arg_int('device', 'INTEGER')}, {arg_int('stream')}, name,
-       start_ns, start_ns + coalesce(dur_ns, 0), {arg_int('correlation')}, {arg_int('wait_on_stream')}
-FROM _kineto_ev
-WHERE ph = 'X' AND cat IN {_in(SYNC_CATS)}
+SELECT ?, rank, {_S.int('device', 'INTEGER')}, {_S.int('stream')}, name,
+       start_ns, start_ns + coalesce(dur_ns, 0), {_S.int('correlation')}, {_S.int('wait_on_stream')}
+FROM (SELECT *, {_S.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(SYNC_CATS)})
 ORDER BY rank, start_ns
 """
 

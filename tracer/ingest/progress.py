@@ -5,25 +5,23 @@ piped or captured stderr never receives control codes.
 """
 from __future__ import annotations
 
+import sys
 import time
 from types import TracebackType
-
-from rich.console import Console
-from rich.progress import Progress as RichProgress
-from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+from typing import Any
 
 
 class Progress:
     """Named steps of one ingest, shown as a transient spinner line after `delay_s`."""
 
     def __init__(self, enabled: bool = True, label: str = "", delay_s: float = 1.0) -> None:
-        self.console = Console(stderr=True)
-        self.enabled = enabled and self.console.is_terminal
+        # rich is imported only for a terminal: piped and test runs skip its import cost.
+        self.enabled = enabled and sys.stderr.isatty()
         self.label = label
         self.delay_s = delay_s
         self._t0 = time.monotonic()
-        self._bar: RichProgress | None = None
-        self._task: int | None = None
+        self._bar: Any = None
+        self._task: Any = None
 
     def __enter__(self) -> Progress:
         self._t0 = time.monotonic()
@@ -34,8 +32,12 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is None and time.monotonic() - self._t0 >= self.delay_s:
+            from rich.console import Console
+            from rich.progress import Progress as RichProgress
+            from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
+
             self._bar = RichProgress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                     console=self.console, transient=True)
+                                     console=Console(stderr=True), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(f"{self.label}: {what}")
         elif self._bar is not None and self._task is not None:
