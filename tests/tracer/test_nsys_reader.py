@@ -212,8 +212,16 @@ def _text(tmp_path: Path) -> Path:
     return p
 
 
+def _nvtx_only(tmp_path: Path) -> Path:
+    b = NsysExportBuilder()
+    b.push_pop("step", 0, 10)
+    b.runtime("cudaGetDeviceCount_v3020", 1, 2)
+    return b.write(tmp_path / "nvtx_only.sqlite")
+
+
 @pytest.mark.parametrize("make, problem", [
     (_not_nsys, "not an Nsight Systems export"),
+    (_nvtx_only, "no CUDA GPU activity in the export"),
     (_corrupt, "corrupt"),
     (_text, "not an SQLite database"),
 ])

@@ -272,6 +272,9 @@ def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> 
     staged.syncs_moved = int(con.execute(q.SYNC_DEVICE_FROM_CONTEXT_SQL).fetchall()[0][0])
     for sql in (q.DERIVE_IDS_SQL, q.RANKS_SQL, q.LAUNCHED_SQL, q.HOST_CALLS_SQL):
         con.execute(sql)
+    if not con.execute("SELECT count(*) FROM _nsys_ranks").fetchall()[0][0]:
+        raise BadInput(path, "no CUDA GPU activity in the export (no kernel, memcpy, memset or sync rows): "
+                             "capture with nsys profile --trace=cuda")
     last_ns = con.execute(q.LAST_NS_SQL).fetchall()[0][0]
     con.execute(q.STAGE_RANGES_SQL, [last_ns if last_ns is not None else 0])
     prog.step("nesting ranges")
