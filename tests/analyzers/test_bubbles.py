@@ -72,16 +72,30 @@ def test_host_sync_wins_over_launch_bound() -> None:
     assert causes(con) == [(100, 150, "host_sync", "k1", "k2")]
 
 
+def test_sync_while_work_is_queued_is_not_the_cause() -> None:
+    """k2 was launched at [10,20), long before the gap [100,150) began; a cudaDeviceSynchronize
+    [50,300) overlaps the gap but the host was only waiting for queued work: not host_sync, and
+    not launch_bound either, so 'other'."""
+    con = make_store()
+    kernel(con, 1, 0, 100, corr=1)
+    kernel(con, 2, 150, 200, corr=2)
+    call(con, "cudaLaunchKernel", 10, 20, 2)
+    call(con, "cudaDeviceSynchronize", 50, 300)
+    assert causes(con) == [(100, 150, "other", "k1", "k2")]
+
+
 def test_graph_boundary_and_gap_inside_one_replay() -> None:
     """Replay A (cudaGraphLaunch corr 10) runs k1 [0,10) and k2 [20,30); replay B (corr 11)
     runs k3 [50,60). [10,20) is inside replay A: not a boundary, launch is not a cause for
-    graph kernels, so 'other'. [30,50) crosses into replay B: graph_boundary."""
+    graph kernels, the host sync [46,70) came after, so 'other'. [30,50) crosses into replay B:
+    graph_boundary (checked before the sync that overlaps it)."""
     con = make_store()
     kernel(con, 1, 0, 10, corr=10, graph_id=5)
     kernel(con, 2, 20, 30, corr=10, graph_id=5)
     kernel(con, 3, 50, 60, corr=11, graph_id=5)
     call(con, "cudaGraphLaunch", -100, 40, 10)
     call(con, "cudaGraphLaunch", 41, 45, 11)
+    call(con, "cudaStreamSynchronize", 46, 70)  # host waits on replay A: not a cause inside it
     assert causes(con) == [(10, 20, "other", "k1", "k2"), (30, 50, "graph_boundary", "k2", "k3")]
 
 

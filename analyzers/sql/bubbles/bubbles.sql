@@ -28,7 +28,9 @@ WHERE name IN ('Context Sync', 'Stream Sync', 'Event Sync');
 --   graph_boundary: next was launched by a graph launch (cudaGraphLaunch, or it has a graph id)
 --     and prev was not launched by that same launch call (new replay, or first graph kernel);
 --   host_sync: a blocking host call (cuda/hip *Synchronize, synchronous cudaMemcpy) or a
---     Context/Stream/Event Sync record overlaps the gap;
+--     Context/Stream/Event Sync record overlaps the gap, and next had not been issued when the
+--     gap began (its launch call ended after the gap start, or is unknown); a sync while the
+--     device still had queued work (e.g. inside one graph replay) is not the cause;
 --   launch_bound: next is not graph-launched and its launching host call ended after the gap
 --     began (the device finished prev before the host had issued next);
 --   event_wait: a 'Stream Wait Event' record on next's stream, waiting on another stream, lies
@@ -100,7 +102,7 @@ SELECT
   run_id, rank, step_index, step, start_ns, end_ns, gap_ns,
   CASE
     WHEN next_graph_launched AND prev_correlation IS DISTINCT FROM next_correlation THEN 'graph_boundary'
-    WHEN host_sync THEN 'host_sync'
+    WHEN host_sync AND (launch_end_ns IS NULL OR launch_end_ns > start_ns) THEN 'host_sync'
     WHEN NOT next_graph_launched AND launch_end_ns > start_ns THEN 'launch_bound'
     WHEN event_wait THEN 'event_wait'
     ELSE 'other'
