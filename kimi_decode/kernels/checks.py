@@ -24,6 +24,14 @@ from kimi_decode.config import k3_tp16
 from kimi_decode.weights import Seeder
 
 
+DEVICE = "cuda"  # the CPU smoke test of this harness sets "cpu" (with emulated kernels)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of a against b."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
@@ -61,7 +69,7 @@ def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...]
     from kimi_decode.kernels.attn_res import reference
     from kimi_decode.stock import AttnRes
     cfg = k3_tp16()
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     mod = AttnRes(cfg, Seeder(cfg, dev).sub("check.attn_res"))
     fused = _restate(mod, FusedAttnRes)
     fused.use_kernel = True
@@ -80,8 +88,8 @@ def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...]
                     if slot is not None:
                         b_s[:, slot].copy_(p_s)
                     x_s = mod(p_s, b_s, nb)
-                    x_k, p_k = fused(prefix, b_k, nb, delta=delta, write_slot=slot)
-                torch.cuda.synchronize()
+                    p_k, x_k = fused.update_and_mix(prefix, delta, b_k, nb, False, write_slot=slot)
+                _sync()
                 ref = reference(blocks, nb, prefix, mod.w, mod.norm, cfg.rms_eps, delta)
                 e_ks, e_k, e_s = rel(x_k, x_s), rel(x_k, ref), rel(x_s, ref)
                 ok = (e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(p_k, p_s)
@@ -92,7 +100,7 @@ def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...]
                     def stock_call() -> None:
                         mod(prefix + delta, b_s, nb)
                     r["stock_us"] = time_us(stock_call)
-                    r["kernel_us"] = time_us(lambda: fused(prefix, b_k, nb, delta=delta))
+                    r["kernel_us"] = time_us(lambda: fused.update_and_mix(prefix, delta, b_k, nb, False))
                 out.append(r)
     return out
 
@@ -104,14 +112,16 @@ def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -
     from kimi_decode.fused import LatentMoE as FusedMoE
     from kimi_decode.kernels.router import route
     cfg = k3_tp16()
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     seed = Seeder(cfg, dev).sub("check.router")
     w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
     bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     # the stock router + routing lines, as the fused LatentMoE's fallback issues them
     stock_route = FusedMoE._route
-    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False)
+    from kimi_decode import stock_ops
+    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False,
+                          fx={"route": stock_ops.route})
     out = []
     for m in rows:
         y = torch.randn(m, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(m), device=dev)
@@ -119,7 +129,7 @@ def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -
         with torch.no_grad():
             ids_s, w_s = stock_route(moe, y)
             ids_k, w_k = route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling, counter)
-        torch.cuda.synchronize()
+        _sync()
         same = (ids_k.sort(-1).values == ids_s.sort(-1).values).all(-1)
         dense_s = torch.zeros(m, cfg.num_experts, device=dev).scatter_(1, ids_s, w_s)
         dense_k = torch.zeros(m, cfg.num_experts, device=dev).scatter_(1, ids_k, w_k)
@@ -141,7 +151,7 @@ def check_kda(batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0,
     from kimi_decode.fused import KDAAttention as FusedKDA
     from kimi_decode.fused import _restate
     from kimi_decode.stock import KDAAttention, Runtime
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     out = []
     for b in batches:
         for k in spec:
@@ -158,7 +168,7 @@ def check_kda(batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0,
                                                  (cfg.hidden,)).bfloat16()
                 with torch.no_grad():
                     o_s, o_k = mod(x), fused(x)
-                torch.cuda.synchronize()
+                _sync()
                 errs["out"] = max(errs["out"], rel(o_k, o_s))
                 errs["rec_state"] = max(errs["rec_state"], rel(fused.rec_state, mod.rec_state))
                 conv_equal &= torch.equal(fused.conv_state, mod.conv_state)
@@ -178,7 +188,7 @@ def check_prefetch(timing: bool = True) -> list[dict]:
     """A bf16 GEMV over the KDA in_proj weight [3216, 7168] from HBM (L2 flushed) vs after a
     prefetch of its first 24 MB; the kernel must run and the GEMV result must not change."""
     from kimi_decode.kernels.l2_prefetch import prefetch_l2
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     w = torch.randn(3216, 7168, device=dev).bfloat16()
     x = torch.randn(1, 7168, device=dev).bfloat16()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -200,7 +210,7 @@ def check_prefetch(timing: bool = True) -> list[dict]:
         return statistics.median(ts)
 
     prefetch_l2(w, 24 << 20)
-    torch.cuda.synchronize()
+    _sync()
     r = {"kernel": "prefetch", "ok": torch.equal(x @ w.t(), ref)}
     if timing:
         r.update(gemv_cold_us=timed(False), gemv_after_prefetch_us=timed(True),
