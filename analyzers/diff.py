@@ -168,8 +168,9 @@ def bootstrap_change(base: np.ndarray, cand: np.ndarray, q: float = 0.5, resampl
     cs = np.quantile(cand[_resample_index(len(cand), 1, seed, resamples)], q, axis=1)
     lo, hi = (1 - confidence) / 2, 1 - (1 - confidence) / 2
     rels = _rel(bs, cs)
-    out.update(ci_pct=[float(np.quantile(rels, lo)), float(np.quantile(rels, hi))],
-               ci_delta=[float(np.quantile(cs - bs, lo)), float(np.quantile(cs - bs, hi))],
+    # order statistics (no interpolation), so a +inf change over a zero base stays +inf
+    pick = lambda a, p: float(np.quantile(a, p, method="inverted_cdf"))  # noqa: E731
+    out.update(ci_pct=[pick(rels, lo), pick(rels, hi)], ci_delta=[pick(cs - bs, lo), pick(cs - bs, hi)],
                degenerate=None)
     return out
 
@@ -314,11 +315,22 @@ class DiffReport:
         return [r for r in self.rows if r["verdict"] == "improvement"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "base": self.base, "cand": self.cand, "settings": self.settings,
+        """Plain JSON data; a relative change over a base of 0 (infinite) becomes null."""
+        return _finite({"mode": self.mode, "base": self.base, "cand": self.cand, "settings": self.settings,
                 "verdict": "regression" if self.regressions else "pass",
                 "regressions": self.regressions, "improvements": self.improvements,
                 "kernel_count_increases": self.kernel_count_increases, "alignment": self.alignment,
-                "notes": self.notes, "rows": self.rows}
+                "notes": self.notes, "rows": self.rows})
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
 
 
 def diff_runs(con: duckdb.DuckDBPyConnection, base_run: int, cand_run: int, threshold_pct: float = 5.0,
