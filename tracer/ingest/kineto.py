@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import numpy as np
 
 from tracer.errors import BadInput
 from tracer.ingest import kineto_sql as q
@@ -122,6 +121,8 @@ def _nest_ranges(con: duckdb.DuckDBPyConnection) -> None:
     The result goes back as a dict of numpy arrays (no pyarrow: converting Python lists with
     pyarrow imports pandas, ~0.7 s); parent -1 stands for NULL.
     """
+    import numpy as np  # here, not at module level: `summary` imports this module and needs no numpy
+
     con.execute(q.STAGE_RANGES_SQL)
     cols = con.execute(q.RANGES_FOR_NESTING_SQL).fetchnumpy()  # in range_id order (0..n-1)
     n = len(cols["thread"])
