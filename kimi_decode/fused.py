@@ -13,8 +13,11 @@ and the kernel is in `VERIFIED`):
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
   gated RMSNorm for the local heads, one kernel (kernels/kda_decode.py) under op
   `kda_recurrence`; the stock ops `f_b_proj`, `conv`, `o_norm` disappear.
-- MoE router: fp32 GEMV + sigmoid + correction-bias top-k + renormalisation, one kernel for
-  M ≤ 16 (cuBLAS logits + one kernel above), op `router`; the stock op `routing` disappears.
+- MoE router: GEMV (fp32 accumulation) + sigmoid + correction-bias top-k + renormalisation,
+  one kernel for M ≤ 16 (cuBLAS logits + one kernel above), op `router`; the stock op
+  `routing` disappears. The logits are rounded to bf16 as the stock GEMM's output is, so the
+  two paths route alike (KIMI_K3.md asks for fp32 logits: `logits_bf16=False` in
+  kernels/router.py gives those, for both paths to change together).
 - Shared expert on the side stream, next to the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts).
 - `prefetch`: after the routed experts are issued, a side-stream kernel pulls the first

@@ -18,7 +18,10 @@ Layout: grid (B, H); 2·d = 256 threads. Thread (j = tid mod d, half = tid div d
 j of S for the keys half·d/2 .. half·d/2 + d/2 - 1: d/2 = 64 fp32 registers, read and written
 once per step with coalesced loads (consecutive threads, consecutive columns). The two halves
 of kᵀS and qᵀS meet in shared memory. Conv channels (3·d per head) are spread over the
-threads, each keeping its channel's 3-tap history in registers across the T tokens.
+threads, each keeping its channel's 3-tap history in registers across the T tokens. The f_b
+gate projection (d outputs × d inputs per head) is warp-cooperative: each of the 8 warps owns
+d/8 rows, its lanes read d/32 consecutive inputs of a row (coalesced) and a shuffle sum
+finishes each row.
 
 Check on the GPU (against the stock KDAAttention ops; times both):
     python -m kimi_decode.kernels.kda_decode
