@@ -97,6 +97,11 @@ UPDATE _attr_work w SET
 FROM _attr_fb f
 WHERE (f.step_index IS NOT NULL OR f.layer IS NOT NULL)
   AND w.run_id = f.run_id AND w.item_kind = f.item_kind AND w.item_id = f.item_id"""
+# Items the GPU-span fallback could not place because several spans held them.
+FALLBACK_AMBIGUOUS_SQL = """
+SELECT run_id, count(*) FROM _attr_fb
+WHERE n_layer_candidates > 1 OR (n_layer_candidates = 0 AND n_step_candidates > 1)
+GROUP BY run_id"""
 PUBLISH_SQL = """
 INSERT INTO kernel_attribution
 SELECT run_id, rank, item_kind, item_id, step, step_index, layer, layer_index, layer_kind, op,
@@ -159,6 +164,7 @@ class RunAttribution:
     unlaunched: int
     graph_items: int
     not_nested: int
+    fallback_ambiguous: int = 0
     capture_map: dict[str, int] = field(default_factory=dict)
     reference: dict[str, int] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
@@ -364,6 +370,7 @@ def _report(con: duckdb.DuckDBPyConnection, work_ids: list[int],
             capture: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]],
             layer_regex: str, step_regex: str, graph_reference: int | None) -> AttributionReport:
     runs: dict[int, RunAttribution] = {}
+    ambiguous = dict(con.execute(FALLBACK_AMBIGUOUS_SQL).fetchall())
     for row in con.execute(RUN_SUMMARY_SQL, [work_ids]).fetchall():
         (run_id, items, kernels, unlaunched, graph_items, not_nested, *by, with_layer,
          with_step) = row
@@ -373,7 +380,8 @@ def _report(con: duckdb.DuckDBPyConnection, work_ids: list[int],
         runs[run_id] = RunAttribution(
             run_id=run_id, items=items, kernels=kernels, by_method=dict(zip(METHODS, by)),
             with_step=with_step, with_layer=with_layer, unlaunched=unlaunched,
-            graph_items=graph_items, not_nested=not_nested, capture_map=cap, reference=ref,
+            graph_items=graph_items, not_nested=not_nested,
+            fallback_ambiguous=ambiguous.get(run_id, 0), capture_map=cap, reference=ref,
             mismatches=mismatches)
     for run_id in work_ids:
         runs.setdefault(run_id, RunAttribution(run_id, 0, 0, dict.fromkeys(METHODS, 0), 0, 0, 0,

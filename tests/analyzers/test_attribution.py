@@ -224,6 +224,24 @@ def test_gpu_fallback_unlaunched(con: duckdb.DuckDBPyConnection) -> None:
     assert got["u3"] == (0, None, None, None, "gpu_range")
     assert got["u4"] == (None, None, None, None, "none")
     assert rep.runs[1].unlaunched == 4 and rep.runs[1].by_method["gpu_range"] == 3
+    assert rep.runs[1].fallback_ambiguous == 0  # u2's op was ambiguous, its layer was not
+
+
+def test_gpu_fallback_ambiguous_layer(con: duckdb.DuckDBPyConnection) -> None:
+    """Two streams: L0.mla's kernels span [1000,2000), L1.kda's [1500,2500) (launched in
+    step 0). Unlaunched u [1600,1700) lies in both layer spans: no layer; the one step span
+    [1000,2500) holds it, so it takes step 0 and is counted ambiguous (layer level)."""
+    r = RunRows(1)
+    r.range("step", 0, 1000)
+    r.range("L0.mla", 0, 400, depth=1)
+    r.range("L1.kda", 400, 800, depth=1)
+    r.kernel("a", 1000, 2000, r.launch(10), stream=7)
+    r.kernel("b", 1500, 2500, r.launch(410), stream=8)
+    r.kernel("u", 1600, 1700, None)
+    r.insert(con)
+    rep = attribute(con)
+    assert _by_name(con, 1)["u"] == (0, None, None, None, "gpu_range")
+    assert rep.runs[1].fallback_ambiguous == 1
 
 
 def _graph_run(run_id: int, replays: list[list[str]], with_map: bool) -> RunRows:
@@ -369,3 +387,48 @@ def test_ranks_do_not_mix(con: duckdb.DuckDBPyConnection) -> None:
     assert got["r0"] == (0, "L0.mla", "mla", None, "range")
     assert got["r1a"] == (0, None, None, None, "range")
     assert got["r1b"] == (1, "L1.kda", "kda", None, "range")
+
+
+def test_scale_synthetic_known_answer(con: duckdb.DuckDBPyConnection) -> None:
+    """S steps x 61 layers x 10 ops x K kernels, written with SQL. Step s is [s*1e6, s*1e6+1e6),
+    layer l inside it [+16000 l, +16000 (l+1)), op o inside that [+1600 o, +1600 (o+1)); the
+    launch of kernel k of (s, l, o) is at +100 k + 5 inside the op. So every kernel's
+    expected (step_index, layer, op) = (s, 'L{l}.mla', 'op{o}'), recomputed from its
+    correlation id (corr - 1 = ((s * 61 + l) * 10 + o) * K + k)."""
+    s_n, l_n, o_n, k_n = 8, 61, 10, 4
+    con.execute("INSERT INTO runs (run_id, name, source, path, file_hash, world_size) "
+                "VALUES (1, 'big', 't', 'p', 'h', 1)")
+    con.execute("""
+        INSERT INTO ranges
+        SELECT 1, row_number() OVER () - 1, 0, 1, 1, 'user_annotation', name, s, e, d, NULL, NULL
+        FROM (
+          SELECT 'step' AS name, st * 1000000 AS s, st * 1000000 + 1000000 AS e, 0 AS d
+          FROM range(?) a(st)
+          UNION ALL
+          SELECT 'L' || l || '.mla', st * 1000000 + l * 16000, st * 1000000 + l * 16000 + 16000, 1
+          FROM range(?) a(st), range(?) b(l)
+          UNION ALL
+          SELECT 'op' || o, st * 1000000 + l * 16000 + o * 1600,
+                 st * 1000000 + l * 16000 + o * 1600 + 1600, 2
+          FROM range(?) a(st), range(?) b(l), range(?) c(o))""",
+                [s_n, s_n, l_n, s_n, l_n, o_n])
+    con.execute("""
+        CREATE TEMP TABLE _launch AS
+        SELECT ((st * ? + l) * ? + o) * ? + k + 1 AS corr,
+               st * 1000000 + l * 16000 + o * 1600 + k * 100 + 5 AS t
+        FROM range(?) a(st), range(?) b(l), range(?) c(o), range(?) d(k)""",
+                [l_n, o_n, k_n, s_n, l_n, o_n, k_n])
+    con.execute("INSERT INTO api_calls SELECT 1, corr, 0, 1, 1, 'runtime', 'cudaLaunchKernel', "
+                "t, t + 3, corr FROM _launch")
+    con.execute("INSERT INTO kernels (run_id, kernel_id, rank, stream, correlation, name, start_ns, "
+                "end_ns, category) SELECT 1, corr, 0, 7, corr, 'k', t + 10000000000, "
+                "t + 10000000050, 'compute' FROM _launch")
+    attribute(con)
+    rows = con.execute("SELECT k.correlation - 1, a.step_index, a.layer, a.op FROM kernel_attribution a "
+                       "JOIN kernels k ON k.kernel_id = a.item_id").fetchall()
+    assert len(rows) == s_n * l_n * o_n * k_n
+    for c, step, layer, op in rows:
+        rest, _ = divmod(c, k_n)
+        rest, o = divmod(rest, o_n)
+        st, l = divmod(rest, l_n)
+        assert (step, layer, op) == (st, f"L{l}.mla", f"op{o}")
