@@ -12,8 +12,6 @@ in both runs alike).
 """
 from __future__ import annotations
 
-import gzip
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,7 +19,6 @@ import duckdb
 import pytest
 
 from analyzers.attribution import attribute
-from tracer.errors import BadInput
 from tracer.ingest import ingest_path
 from tracer.store import open_store
 
@@ -32,22 +29,7 @@ PAIRS = sorted((g, g.with_name(g.name.replace("_graph.", "_eager.")))
 
 
 def _ingest(con: duckdb.DuckDBPyConnection, path: Path, tmp: Path) -> int:
-    """Ingest a bundled trace. Workaround, to remove once capture and ingest agree: the
-    capture writes `comm_ops` as one regex string and the ingest wants a list; then ingest a
-    copy whose comm_ops/prefetch_ops are wrapped in a list (attribution never reads them)."""
-    try:
-        return ingest_path(con, path, progress=False)[0].run_id
-    except BadInput as exc:
-        if "_ops must be a list" not in str(exc):
-            raise
-    doc = json.loads(gzip.open(path).read())
-    for key in ("comm_ops", "prefetch_ops"):
-        v = doc["decodescope"].get(key)
-        doc["decodescope"][key] = [] if v is None else ([v] if isinstance(v, str) else v)
-    copy = tmp / path.name
-    with gzip.open(copy, "wt") as fh:
-        json.dump(doc, fh)
-    return ingest_path(con, copy, progress=False)[0].run_id
+    return ingest_path(con, path, progress=False)[0].run_id
 
 
 def _per_step(con: duckdb.DuckDBPyConnection, run_id: int) -> dict[int, dict[str, list[tuple]]]:
