@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kimi_decode.config import tiny
+from kimi_decode.runner import build
 from kimi_decode.stock import StockDecoder
 from tests.kimi_decode.k3_reference import Reference
 
@@ -69,3 +70,23 @@ def test_reference_detects_a_wrong_formula():
     with torch.no_grad():
         o_m, _ = model(m, prefix, blocks)
     assert rel(o_m, r_m) > 100 * TOL
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_sim_matches_reference_semantics(rank):
+    """tp_sim: collectives are local kernels over `sim_world` slots where the other ranks'
+    partials are zero; the reference states that rule independently (identity all-reduce,
+    only this rank's column slice surviving the gather)."""
+    cfg = tiny(layers=(2, 3, 4), batch=2, tp=2, rank=rank, tp_sim=True, sim_world=2)
+    model, rt = build("stock", cfg, "cpu")
+    assert rt.comm.simulated
+    ref = Reference(model, sim_world=2, rank=rank)
+    for s in range(2):
+        m, prefix, blocks = model.make_inputs(seed=7 + s)
+        r_m, r_prefix, _ = ref.step(m, prefix, blocks)
+        with torch.no_grad():
+            o_m, o_prefix = model(m, prefix, blocks)
+        assert rel(o_m, r_m) < TOL and rel(o_prefix, r_prefix) < TOL
+    n = cfg.hidden // 2
+    others = torch.cat([o_m[:, :rank * n], o_m[:, (rank + 1) * n:]], dim=1)
+    assert torch.count_nonzero(others) == 0 and torch.count_nonzero(o_m) > 0

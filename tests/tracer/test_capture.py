@@ -54,3 +54,49 @@ def test_capture_rejects_bad_config(tmp_path):
                                     "--out", str(tmp_path / "x.json.gz")])
     assert res.exit_code == BAD_INPUT
     assert "batch must be in 1..64" in res.output
+
+
+def _x(cat, name, ts, dur, tid=10, pid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def test_kernel_attribution_replays_and_comm_streams_on_a_hand_made_trace():
+    """Hand-made Kineto events, answers derived by reading them:
+    - k1 (launch corr 1 at ts 3) lies in step > L4.kda > in_proj; k2 (corr 2 at 11) in all_reduce;
+      k3 (corr 3 at 21) in router; k4 (corr 4 at 150) outside every annotation;
+      an `experts` annotation on ANOTHER thread covering ts 3 must not claim k1;
+    - comm streams: all_reduce ran on 22 only, compute on 7 -> [22];
+    - two cudaGraphLaunch calls (corr 5, 6) -> two replays; the first holds 3 kernels in start
+      order 210, 212, 215 whatever their order in the file."""
+    from tracer.capture import comm_streams, graph_replays, kernels_with_ops
+
+    ev = [
+        _x("user_annotation", "step", 0, 100), _x("user_annotation", "L4.kda", 1, 60),
+        _x("user_annotation", "in_proj", 2, 5), _x("user_annotation", "all_reduce", 10, 5),
+        _x("user_annotation", "router", 20, 5), _x("user_annotation", "experts", 0, 50, tid=11),
+        _x("cuda_runtime", "cudaLaunchKernel", 3, 1, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 11, 1, correlation=2),
+        _x("cuda_driver", "cuLaunchKernelEx", 21, 1, correlation=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 150, 1, correlation=4),
+        _x("user_annotation", "step", 200, 10), _x("cuda_runtime", "cudaGraphLaunch", 201, 2, correlation=5),
+        _x("user_annotation", "step", 300, 10), _x("cuda_runtime", "cudaGraphLaunch", 301, 2, correlation=6),
+        _x("kernel", "k3", 30, 2, pid=0, tid=7, stream=7, correlation=3),
+        _x("kernel", "k1", 10, 2, pid=0, tid=7, stream=7, correlation=1),
+        _x("kernel", "k2", 20, 2, pid=0, tid=22, stream=22, correlation=2),
+        _x("kernel", "k4", 160, 2, pid=0, tid=7, stream=7, correlation=4),
+        _x("kernel", "g_c", 215, 1, pid=0, tid=9, stream=9, correlation=5),
+        _x("kernel", "g_a", 210, 1, pid=0, tid=7, stream=7, correlation=5),
+        _x("kernel", "g_b", 212, 1, pid=0, tid=7, stream=7, correlation=5),
+        _x("kernel", "g_a", 310, 1, pid=0, tid=7, stream=7, correlation=6),
+    ]
+    ks = kernels_with_ops({"traceEvents": ev})
+    by_name = {k["name"]: k for k in ks if not k["name"].startswith("g_")}
+    assert [k["name"] for k in ks][:4] == ["k1", "k2", "k3", "k4"]
+    assert (by_name["k1"]["step"], by_name["k1"]["layer"], by_name["k1"]["op"]) == ("step", "L4.kda", "in_proj")
+    assert by_name["k2"]["op"] == "all_reduce" and by_name["k3"]["op"] == "router"
+    assert (by_name["k4"]["step"], by_name["k4"]["layer"], by_name["k4"]["op"]) == (None, None, None)
+    eager = [k for k in ks if not k["name"].startswith("g_")]
+    assert comm_streams(eager) == [22]
+    replays = graph_replays(ks)
+    assert [[k["name"] for k in r] for r in replays] == [["g_a", "g_b", "g_c"], ["g_a"]]
+    assert all(k["step"] == "step" and k["layer"] is None for k in replays[0])
