@@ -82,3 +82,13 @@ def test_graph_reference_alignment_equals_eager(graph: Path, eager: Path, tmp_pa
     assert report.runs[g].by_method["reference"] == ref["kernels_matched"]
     eager_steps, graph_steps = _per_step(con, e), _per_step(con, g)
     assert eager_steps == graph_steps
+
+
+def test_bundled_pairs_present() -> None:
+    """Skip while the GPU machine has not delivered traces; once traces/README.md (generated
+    from the captures) lists graph traces, a missing pair is a failure, not a skip."""
+    readme = TRACES / "README.md"
+    listed = readme.exists() and "_graph.json.gz" in readme.read_text()
+    if not listed:
+        pytest.skip("traces/ has no captured k3 traces yet (the GPU machine writes them)")
+    assert PAIRS, "traces/README.md lists graph traces but no graph/eager pair is in traces/"
