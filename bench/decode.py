@@ -158,15 +158,15 @@ def render(data: dict[str, Any]) -> str:
                          f"{s['mb']:.1f} | {s['floor_us']:.1f} | {r['step_median_us']:.1f} |")
     variants = sorted(meta)
     if len(variants) > 1:
-        lines += ["", "## Side by side (median us per layer)", "",
+        lines += ["", "## Side by side: median us per layer (kernels per layer)", "",
                   "| B | k | kind | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
-        table: dict[tuple, dict[str, float]] = defaultdict(dict)
+        table: dict[tuple, dict[str, tuple[float, float]]] = defaultdict(dict)
         for r in runs:
             bw = meta[r["variant"]]["copy_bw_tbs"] * 1e12
             for kind, s in by_kind(r, bw).items():
-                table[(r["batch"], r["spec_tokens"], kind)][r["variant"]] = s["median_us"]
+                table[(r["batch"], r["spec_tokens"], kind)][r["variant"]] = (s["median_us"], s["kernels"])
         for (b, k, kind), vals in sorted(table.items()):
-            cells = " | ".join(f"{vals[v]:.1f}" if v in vals else "-" for v in variants)
+            cells = " | ".join(f"{vals[v][0]:.1f} ({vals[v][1]:.0f})" if v in vals else "-" for v in variants)
             lines.append(f"| {b} | {k} | {kind} | {cells} |")
     lines += ["", "<!-- decode-bench-data", json.dumps(data), "-->", ""]
     return "\n".join(lines)
@@ -198,8 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", type=Path, help="merge this results JSON into decode.md")
     args = ap.parse_args(argv)
     if args.render:
-        MD_PATH.write_text(render(merge(json.loads(args.render.read_text()))))
-        print(f"updated {MD_PATH}")
+        body = render(merge(json.loads(args.render.read_text())))
+        MD_PATH.write_text(body)
+        print(body.split("<!-- decode-bench-data")[0])
         return
     from kimi_decode.config import k3_tp16, parse_layers
     from tracer.capture import git_commit
