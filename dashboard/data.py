@@ -128,11 +128,13 @@ def call(module: str, function: str, *args: Any, **kwargs: Any) -> Any:
             raise NotAvailable(f"analyzers.{module}.{function} needs {exc.name}: {NOT_AVAILABLE}") from None
 
 
-def definition(module: str, function: str) -> str | None:
-    """The analyzer's docstring: the metric's definition in the words its author wrote."""
-    fn = analyzer(module, function)
-    doc = getattr(fn, "__doc__", None) if fn else None
-    return " ".join(doc.split()) if doc else None
+def definition(module: str) -> str | None:
+    """The analyzer module's docstring: the metric's definition in the words its author wrote."""
+    try:
+        mod = importlib.import_module(f"analyzers.{module}")
+    except ImportError:
+        return None
+    return mod.__doc__.strip() if mod.__doc__ else None
 
 
 class NotAvailable(Exception):

@@ -5,8 +5,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-CAUSE_COLORS = {"launch-bound": "#d64545", "graph boundary": "#9446ed", "host sync": "#d9822b",
-                "cross-stream wait": "#2f6fb0", "other": "#7b8794"}
+CAUSE_COLORS = {"launch_bound": "#d64545", "graph_boundary": "#9446ed", "host_sync": "#d9822b",
+                "event_wait": "#2f6fb0", "other": "#7b8794"}
 
 
 def by_cause_bars(result: dict[str, Any]) -> go.Figure:
@@ -17,13 +17,15 @@ def by_cause_bars(result: dict[str, Any]) -> go.Figure:
         for cause in (s.get("by_cause") or {}):
             if cause not in causes:
                 causes.append(cause)
-    xs = [str(s.get("step")) for s in steps]
+    ranks = {s.get("rank", 0) for s in steps}
+    xs = [(f"r{s.get('rank', 0)} " if len(ranks) > 1 else "") + f"step {s.get('step_index', s.get('step'))}"
+          for s in steps]
     fig = go.Figure()
     for cause in causes:
         ns = [_ns((s.get("by_cause") or {}).get(cause)) for s in steps]
         fig.add_trace(go.Bar(x=xs, y=[v / 1000 for v in ns], name=cause, customdata=ns,
                              marker_color=CAUSE_COLORS.get(cause),
-                             hovertemplate="step %{x} · " + cause + ": %{customdata:,} ns<extra></extra>"))
+                             hovertemplate="%{x} · " + cause + ": %{customdata:,} ns<extra></extra>"))
     fig.update_layout(barmode="stack", xaxis_title="step", yaxis_title="bubble µs", height=340,
                       margin={"l": 60, "r": 10, "t": 20, "b": 50}, xaxis={"type": "category"})
     return fig

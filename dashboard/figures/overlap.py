@@ -21,7 +21,9 @@ def not_applicable(result: Any) -> str | None:
 def overlap_per_layer(result: dict[str, Any]) -> go.Figure:
     """Per layer: communication hidden under compute vs exposed (µs, stacked)."""
     layers = result.get("layers", [])
-    names = [str(layer.get("layer")) for layer in layers]
+    ranks = {layer.get("rank", 0) for layer in layers}
+    names = [(f"r{layer.get('rank', 0)} " if len(ranks) > 1 else "") + str(layer.get("layer") or "(none)")
+             for layer in layers]
     fig = go.Figure()
     for key, label, color in (("overlap_ns", "hidden under compute", "#2f9e6e"),
                               ("exposed_comm_ns", "exposed communication", "#d64545")):

@@ -34,9 +34,9 @@ def layout(run: str | None = None, **_: Any) -> html.Div:
 
 def _section(module: str, function: str, run_id: int, render: Any) -> list[Any]:
     out: list[Any] = []
-    doc = data.definition(module, function)
+    doc = data.definition(module)
     if doc:
-        out.append(html.Div(doc, className="definition", id=f"overlap-{module}-definition"))
+        out.append(html.Div(dcc.Markdown(doc), className="definition", id=f"overlap-{module}-definition"))
     try:
         result = data.call(module, function, run_id)
     except data.NotAvailable as exc:
@@ -48,23 +48,29 @@ def _section(module: str, function: str, run_id: int, render: Any) -> list[Any]:
 
 
 def _overlap_body(result: dict[str, Any]) -> list[Any]:
-    ranks = [[r.get("rank"), f"{r.get('comm_ns', 0):,}", f"{r.get('overlap_ns', 0):,}",
-              f"{r.get('overlap_pct', 0):.1f}", f"{r.get('exposed_comm_ns', 0):,}"] for r in result.get("ranks", [])]
+    ranks = [[r.get("rank"), f"{r.get('comm_ns') or 0:,}", f"{r.get('overlap_ns') or 0:,}",
+              _pct(r.get("overlap_pct")), f"{r.get('exposed_comm_ns') or 0:,}"] for r in result.get("ranks", [])]
+    layers = [[r.get("rank"), r.get("layer") or "(none)", r.get("steps"), f"{r.get('comm_ns') or 0:,}",
+               f"{r.get('overlap_ns') or 0:,}", _pct(r.get("overlap_pct")), f"{r.get('exposed_comm_ns') or 0:,}"]
+              for r in result.get("layers", [])]
     return [c.table(["rank", "comm (ns)", "hidden under compute (ns)", "overlap %", "exposed comm (ns)"], ranks,
                     id="overlap-ranks"),
-            dcc.Graph(id="overlap-layers", figure=figs.overlap_per_layer(result))]
+            dcc.Graph(id="overlap-layers", figure=figs.overlap_per_layer(result)),
+            c.table(["rank", "layer", "steps", "comm (ns)", "hidden (ns)", "overlap %", "exposed (ns)"], layers,
+                    text_cols=2, id="overlap-layers-table")]
 
 
 def _prefetch_body(result: dict[str, Any]) -> list[Any]:
     summary = result.get("summary", {})
-    rows = [[p.get("name"), p.get("layer"), f"{p.get('end_ns', 0) - p.get('start_ns', 0):,}",
-             _pct(p.get("hidden_pct")), _num(p.get("lead_ns")), "late" if p.get("late") else "on time"]
+    rows = [[p.get("name"), p.get("layer"), p.get("consumer_name"), f"{p.get('dur_ns') or 0:,}",
+             _pct(p.get("hidden_pct")), _num(p.get("lead_ns")),
+             "–" if p.get("consumer_id") is None else ("late" if p.get("late") else "on time")]
             for p in result.get("prefetches", [])]
     return [html.P(f"{summary.get('count', len(rows))} prefetches, {_pct(summary.get('hidden_pct'))} % of their "
                    "time hidden (duration-weighted)", className="note"),
             dcc.Graph(id="overlap-prefetch", figure=figs.prefetch_bars(result)),
-            c.table(["prefetch", "layer", "duration (ns)", "hidden %", "lead over consumer (ns)", "consumer"],
-                    rows, text_cols=2, id="overlap-prefetch-table")]
+            c.table(["prefetch", "layer", "consumer", "duration (ns)", "hidden %", "lead over consumer (ns)",
+                     "consumer started"], rows, text_cols=3, id="overlap-prefetch-table")]
 
 
 def _pct(v: Any) -> str:

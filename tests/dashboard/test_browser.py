@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-import duckdb
 import pytest
 from playwright.sync_api import expect
 
@@ -145,4 +144,29 @@ def test_layers_page_shows_both_runs_side_by_side(page: Any, live_server: dict[s
     if out is not None:
         page.wait_for_timeout(500)
         page.screenshot(path=str(out / "layers.png"), full_page=True)
+    assert page.errors == []
+
+
+def test_clicking_a_bubble_moves_the_timeline_to_it(page: Any, live_server: dict[str, Any]) -> None:
+    """Every bubble of the stock trace is the gap_ns between consecutive kernels of an op, so the
+    top-ranked one (longest, then earliest) is the first: from the end of kernel 0 (launch_ns +
+    kernel_ns after the trace base) to the start of kernel 1 (one slot later). Its link opens the
+    timeline on a window padded by 5 gaps on each side, with the bubble marked."""
+    base = 1_700_000_000_000_000_000
+    b0 = base + STOCK.launch_ns + STOCK.kernel_ns
+    b1 = base + STOCK.kernel_ns + STOCK.gap_ns + STOCK.launch_ns
+    assert b1 - b0 == STOCK.gap_ns
+    pad = 5 * STOCK.gap_ns
+    _load(page, f"{live_server['url']}/bubbles?run=1")
+    page.locator("#bubbles-table a", has_text=re.compile(r"^#1$")).click()
+    expect(page.locator("#timeline-info")).to_be_visible(timeout=20_000)
+    t0, t1, n = _window_text(page)
+    assert (t0, t1) == (b0 - pad, b1 + pad)
+    assert n == _count_in_window(live_server, 1, t0, t1)
+    query = parse_qs(urlparse(page.url).query)
+    assert (int(query["m0"][0]), int(query["m1"][0])) == (b0, b1)
+    origin = base + STOCK.launch_ns  # the first kernel's start
+    shapes = page.evaluate("document.querySelector('#timeline-graph .js-plotly-plot').layout.shapes")
+    marked = [(s["x0"], s["x1"]) for s in shapes if s.get("layer") == "above"]
+    assert marked == [(b0 - origin, b1 - origin)]
     assert page.errors == []

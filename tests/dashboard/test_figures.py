@@ -104,8 +104,9 @@ def test_kernel_bars_stack_to_layer_kernels() -> None:
 
 
 def test_bubble_causes_sum_per_step() -> None:
-    result = {"steps": [{"step": 0, "by_cause": {"launch-bound": 3_000, "other": 500}},
-                        {"step": 1, "by_cause": {"other": 2_000}}]}
+    result = {"steps": [{"rank": 0, "step_index": 0, "by_cause": {"launch_bound": 3_000, "other": 500}},
+                        {"rank": 0, "step_index": 1, "by_cause": {"other": 2_000}}]}
     fig = bubble_figs.by_cause_bars(result)
     got = {t.name: list(t.customdata) for t in fig.data}
-    assert got == {"launch-bound": [3_000, 0], "other": [500, 2_000]}
+    assert got == {"launch_bound": [3_000, 0], "other": [500, 2_000]}
+    assert list(fig.data[0].x) == ["step 0", "step 1"]
