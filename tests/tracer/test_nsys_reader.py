@@ -334,3 +334,42 @@ def test_one_process_two_gpus_and_a_launcher(tmp_path: Path, capfd: pytest.Captu
     meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
     assert meta["host_rows_without_gpu_process"] == {"api_calls": 1, "nvtx_ranges": 1}
     assert "1 API calls and 1 NVTX ranges belong to processes with no GPU activity" in capfd.readouterr().err
+
+
+
+def test_folder_of_exports_is_one_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """a_node0.sqlite: pid 100 drives devices 0 and 1 (ranks 0, 1); b_node1.sqlite: pid 100 again
+    (another host) on device 0 (rank 2), with the same correlation and thread ids. Each export
+    also has a kernel whose launch (correlation 99) is not in it. Rows must not cross between
+    exports, ids run 0..n-1 over the run in (rank, start) order, range parents stay in their
+    export, and the cut-window counts and warnings add up per export."""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for fname, devices in (("a_node0.sqlite", (0, 1)), ("b_node1.sqlite", (0,))):
+        b = NsysExportBuilder(gpus={0: "NVIDIA H200", 1: "NVIDIA H200"})
+        b.push_pop("step", 0, 100_000, pid=100, tid=101)
+        b.push_pop("L0.mla", 10, 90_000, pid=100, tid=101)
+        for dev in devices:
+            c = b.runtime("cudaLaunchKernel_v7000", 100 + dev, 200 + dev, pid=100, tid=101)
+            b.kernel(f"{fname[0]}_dev{dev}", 1_000 + dev, 2_000 + dev, pid=100, device=dev, correlation=c)
+        b.kernel(f"{fname[0]}_orphan", 50_000, 60_000, pid=100, device=0, correlation=99)
+        b.write(folder / fname)
+    con, info = _ingest(folder)
+    assert (info.ranks, info.kernels) == (3, 5)
+    assert _rows(con, "SELECT kernel_id, rank, device, name, correlation FROM kernels ORDER BY kernel_id") == [
+        (0, 0, 0, "a_dev0", 1), (1, 0, 0, "a_orphan", 99), (2, 1, 1, "a_dev1", 2),
+        (3, 2, 0, "b_dev0", 1), (4, 2, 0, "b_orphan", 99)]
+    assert _rows(con, "SELECT call_id, rank, correlation FROM api_calls ORDER BY call_id") == [
+        (0, 0, 1), (1, 1, 2), (2, 2, 1)]
+    ranges = _rows(con, "SELECT range_id, rank, name, depth, parent_id FROM ranges ORDER BY range_id")
+    assert ranges == [(0, 0, "step", 0, None), (1, 0, "L0.mla", 1, 0), (2, 1, "step", 0, None),
+                      (3, 1, "L0.mla", 1, 2), (4, 2, "step", 0, None), (5, 2, "L0.mla", 1, 4)]
+    meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
+    assert [(r["rank"], r["file"], r["device"]) for r in meta["ranks"]] == [
+        (0, "a_node0.sqlite", 0), (1, "a_node0.sqlite", 1), (2, "b_node1.sqlite", 0)]
+    assert meta["kernels_without_launch"] == 2 and meta["kernels_without_launch_by_rank"] == {"0": 1, "2": 1}
+    assert [f["file"] for f in meta["files"]] == ["a_node0.sqlite", "b_node1.sqlite"]
+    err = capfd.readouterr().err
+    assert "a_node0.sqlite: 1 of 3 kernels have no launch call" in err
+    assert "b_node1.sqlite: 1 of 2 kernels have no launch call" in err
+    assert _rows(con, "SELECT world_size FROM runs") == [(3,)]

@@ -149,6 +149,7 @@ NVTX_EVENT_TYPES = {33: "NvtxCategory", 34: "NvtxMark", 39: "NvtxThread", 59: "N
 # calls; older exports also hold class 67 "CUDA backtrace" rows that duplicate a call with its
 # call stack, which are skipped and counted.
 EVENT_CLASS_KIND = {0: "runtime", 1: "driver"}
+EVENT_CLASSES = {0: "CUDA runtime", 1: "CUDA driver", 67: "CUDA backtrace"}
 
 # ---- DuckDB side ---------------------------------------------------------------------------
 
@@ -222,7 +223,7 @@ _PROC_MATCH = "(r.pid = h.pid OR (r.pid IS NULL AND NOT EXISTS (SELECT 1 FROM _n
 
 # A call goes to the rank of the GPU work it launched, else to the first rank of its process.
 INSERT_API_CALLS_SQL = f"""
-INSERT INTO api_calls
+INSERT INTO _nsys_out_api_calls
 SELECT ?, row_number() OVER (ORDER BY rank, start_ns, end_ns, src, seq) - 1,
        rank, pid, tid, kind, name, start_ns, end_ns, correlation
 FROM (
@@ -242,7 +243,7 @@ _GPU_RANK_JOIN = """JOIN _nsys_ranks AS r
 _STREAM = f"nullif(g.stream, {INVALID_ID})"
 
 INSERT_KERNELS_SQL = f"""
-INSERT INTO kernels
+INSERT INTO _nsys_out_kernels
 SELECT ?, row_number() OVER (ORDER BY r.rank, g.start_ns, g.end_ns, g.seq) - 1, r.rank,
        CAST(g.device AS INTEGER), {_STREAM}, g.correlation, coalesce(g.name, '(unnamed)'),
        g.start_ns, g.end_ns,
@@ -256,7 +257,7 @@ FROM _nsys_kernel AS g {_GPU_RANK_JOIN}
 _MEM_KIND = "coalesce((SELECT e.label FROM _nsys_enum AS e WHERE e.family = 'mem' AND e.id = {col}), 'Unknown')"
 
 INSERT_MEMOPS_SQL = f"""
-INSERT INTO memops
+INSERT INTO _nsys_out_memops
 SELECT ?, row_number() OVER (ORDER BY rank, start_ns, end_ns, kind, seq) - 1, rank, device, stream,
        correlation, kind, name, start_ns, end_ns, bytes, graph_id, graph_node_id, 'memory'
 FROM (
@@ -277,7 +278,7 @@ FROM (
 # A stream wait's awaited stream: the stream of the latest record of the same event in the
 # same process before the wait call (correlation ids grow in call order within a process).
 INSERT_GPU_SYNCS_SQL = f"""
-INSERT INTO gpu_syncs
+INSERT INTO _nsys_out_gpu_syncs
 SELECT ?, s.rank, s.device, s.stream, s.name, s.start_ns, s.end_ns, s.correlation,
        CASE WHEN s.sync_type = 2 THEN nullif(e.stream, {INVALID_ID}) END
 FROM (
@@ -322,7 +323,7 @@ FROM _nsys_ranges ORDER BY range_id
 """
 
 INSERT_RANGES_SQL = """
-INSERT INTO ranges
+INSERT INTO _nsys_out_ranges
 SELECT ?, r.range_id, r.rank, r.pid, r.tid, 'nvtx', r.name, r.start_ns, r.end_ns,
        n.depth, n.parent_id, NULL
 FROM _nsys_ranges AS r JOIN _nsys_nesting AS n USING (range_id)
@@ -376,8 +377,7 @@ SELECT
 """
 
 HOST_THREADS_SQL = """
-SELECT DISTINCT pid, tid FROM (SELECT pid, tid FROM api_calls WHERE run_id = ?
-                               UNION ALL SELECT pid, tid FROM ranges WHERE run_id = ?)
+SELECT DISTINCT pid, tid FROM (SELECT pid, tid FROM _nsys_calls UNION ALL SELECT pid, tid FROM _nsys_ranges)
 """
 
 GRAPH_EVIDENCE_SQL = """
@@ -385,7 +385,36 @@ SELECT (SELECT count(*) FROM _nsys_kernel WHERE graph_id IS NOT NULL OR graph_no
        (SELECT count(*) FROM _nsys_calls WHERE name ILIKE '%GraphLaunch%')
 """
 
-DROP_STAGING_SQL = "; ".join(
-    f"DROP TABLE IF EXISTS {t}" for t in (
-        *(s.table for s in STAGING), "_nsys_enum", "_nsys_gpu", "_nsys_ranks", "_nsys_launched",
-        "_nsys_calls", "_nsys_ranges", "_nsys_nesting"))
+# ---- Several exports, one run ----------------------------------------------------------------
+# Each export is staged on its own; its store rows go to _nsys_out_<table> with the export's
+# index in run_id and ids and ranks local to the export. `write` offsets them by the counts of
+# the exports before (ids stay 0..n-1 in (rank, start) order: ranks of later exports are higher).
+OUT_TABLES = ("kernels", "memops", "api_calls", "gpu_syncs", "ranges")
+CREATE_OUT_SQL = "; ".join(f"CREATE OR REPLACE TEMP TABLE _nsys_out_{t} AS SELECT * FROM {t} LIMIT 0"
+                           for t in OUT_TABLES)
+BASES_TABLE_SQL = """
+CREATE OR REPLACE TEMP TABLE _nsys_bases (file_idx INTEGER, rank_base INTEGER, kernel_base BIGINT,
+                                          memop_base BIGINT, call_base BIGINT, range_base BIGINT)
+"""
+BASES_INSERT_SQL = "INSERT INTO _nsys_bases VALUES (?, ?, ?, ?, ?, ?)"
+_OFFSETS = {
+    "kernels": "o.kernel_id + b.kernel_base AS kernel_id",
+    "memops": "o.memop_id + b.memop_base AS memop_id",
+    "api_calls": "o.call_id + b.call_base AS call_id",
+    "gpu_syncs": None,
+    "ranges": "o.range_id + b.range_base AS range_id, o.parent_id + b.range_base AS parent_id",
+}
+WRITE_SQL = {
+    t: f"""INSERT INTO {t}
+SELECT o.* REPLACE (? AS run_id, o.rank + b.rank_base AS rank{', ' + off if off else ''})
+FROM _nsys_out_{t} AS o JOIN _nsys_bases AS b ON b.file_idx = o.run_id"""
+    for t, off in _OFFSETS.items()
+}
+OUT_COUNTS_SQL = "SELECT " + ", ".join(
+    f"(SELECT count(*) FROM _nsys_out_{t} WHERE run_id = ?)" for t in ("kernels", "memops", "api_calls", "ranges"))
+
+_FILE_TABLES = (*(s.table for s in STAGING), "_nsys_enum", "_nsys_gpu", "_nsys_ranks", "_nsys_launched",
+                "_nsys_calls", "_nsys_ranges", "_nsys_nesting")
+DROP_FILE_STAGING_SQL = "; ".join(f"DROP TABLE IF EXISTS {t}" for t in _FILE_TABLES)
+DROP_STAGING_SQL = "; ".join(f"DROP TABLE IF EXISTS {t}" for t in (
+    *_FILE_TABLES, *(f"_nsys_out_{t}" for t in OUT_TABLES), "_nsys_bases"))
