@@ -8,7 +8,7 @@ start-ordered list: kernels on the simulated-collective stream run concurrently,
 order of two different kernels can differ between eager and replay; kernels of one name keep
 their order.) Also every replay verifies against the capture map, and most kernels of a step
 lie in a layer (a few step-level kernels, e.g. the position update, lie outside all layers,
-in both runs alike).
+in both runs alike). Replayed memops take the eager layer (op: the eager one or NULL).
 """
 from __future__ import annotations
 
@@ -63,6 +63,19 @@ def test_graph_attribution_equals_eager(graph: Path, eager: Path, tmp_path: Path
         n += sum(len(v) for v in by_name.values())
         n_layer += sum(layer is not None for v in by_name.values() for layer, _ in v)
     assert n > 0 and n_layer >= 0.95 * n
+    # Replayed memcpy/memset nodes are not in the capture map: they take the layer whose
+    # kernels' GPU span holds them. Their layer must equal the eager one, and their op must
+    # be the eager one or NULL (the op is left NULL when op spans are ambiguous, never guessed).
+    me, mg = _memops(con, e), _memops(con, g)
+    assert [m[:2] for m in me] == [m[:2] for m in mg]
+    assert all(x[2] == y[2] and y[3] in (None, x[3]) for x, y in zip(me, mg))
+
+
+def _memops(con: duckdb.DuckDBPyConnection, run_id: int) -> list[tuple]:
+    return con.execute(
+        "SELECT a.step_index, m.name, a.layer, a.op FROM kernel_attribution a JOIN memops m "
+        "ON m.run_id = a.run_id AND m.memop_id = a.item_id WHERE a.run_id = ? "
+        "AND a.item_kind = 'memop' ORDER BY a.step_index, m.start_ns, m.memop_id", [run_id]).fetchall()
 
 
 @pytest.mark.skipif(not PAIRS, reason="no k3_*_{graph,eager}.json.gz pair in traces/ yet "
