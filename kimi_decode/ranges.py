@@ -33,6 +33,9 @@ OPS = (
 # Ops whose kernels are collectives (their own stream under tp_sim); a regex for trace metadata.
 COMM_OPS = ("all_reduce", "moe_tail", "moe_gather")
 COMM_OPS_REGEX = "^(" + "|".join(COMM_OPS) + ")$"
+# Ops whose kernels only warm the L2 for a later consumer (fused path); regex for metadata.
+PREFETCH_OPS = ("prefetch",)
+PREFETCH_OPS_REGEX = "^(" + "|".join(PREFETCH_OPS) + ")$"
 
 
 def layer_name(idx: int, kind: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kimi_decode.config import KimiConfig
-from kimi_decode.ranges import COMM_OPS, COMM_OPS_REGEX, OPS, STEP
+from kimi_decode.ranges import COMM_OPS, COMM_OPS_REGEX, OPS, PREFETCH_OPS, PREFETCH_OPS_REGEX, STEP
 from kimi_decode.runner import Step, build, eager_step, prepare
 
 LAYER_RE = re.compile(r"^L\d+\.(kda|mla|dense)$")
@@ -117,11 +117,11 @@ def graph_replays(kernels: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return sorted(groups.values(), key=lambda g: g[0]["ts"])
 
 
-def comm_streams(kernels: list[dict[str, Any]]) -> list[int]:
-    """Streams on which only collective ops launched kernels (Kineto numbering)."""
-    comm = {k["stream"] for k in kernels if k["op"] in COMM_OPS}
-    other = {k["stream"] for k in kernels if k["op"] not in COMM_OPS}
-    return sorted(s for s in comm - other if s is not None)
+def comm_streams(kernels: list[dict[str, Any]], ops: tuple[str, ...] = COMM_OPS) -> list[int]:
+    """Streams on which only `ops` (default: the collectives) launched kernels (Kineto numbering)."""
+    mine = {k["stream"] for k in kernels if k["op"] in ops}
+    other = {k["stream"] for k in kernels if k["op"] not in ops}
+    return sorted(s for s in mine - other if s is not None)
 
 
 def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
@@ -153,7 +153,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
     if graph:
         replays = graph_replays(kernels)
         first = [k["name"] for k in replays[0]] if replays else []
-        matched = first == [m["kernel_name"] for m in cmap]
+        matched = bool(replays) and first == [m["kernel_name"] for m in cmap]
         if not matched:
             same_set = sorted(first) == sorted(m["kernel_name"] for m in cmap)
             notes.append(f"first replay has {len(first)} kernels vs {len(cmap)} in the eager map; "
@@ -170,6 +170,8 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
                          f"eager map step the collectives ran on stream(s) {comm_streams(eager_kernels)}.")
     else:
         streams = comm_streams(kernels)
+    attributed = [dict(k, op=m["op"]) for k, m in zip(replays[0], cmap)] if graph and matched else kernels
+    has_prefetch = any(k["op"] in PREFETCH_OPS for k in (cmap if graph else kernels))
     comm = rt.comm
     meta: dict[str, Any] = {
         "model": "kimi-k3",
@@ -182,9 +184,9 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
         "graph_mode": graph,
         "tp_sim": bool(getattr(comm, "simulated", False)),
         "comm_streams": streams,
-        "prefetch_streams": [],
+        "prefetch_streams": comm_streams(attributed, PREFETCH_OPS) if has_prefetch else [],
         "comm_ops": COMM_OPS_REGEX,
-        "prefetch_ops": None,
+        "prefetch_ops": PREFETCH_OPS_REGEX if has_prefetch else None,
         "graph_capture_map": cmap,
         "graph_capture_map_matched": matched,
         "steps": steps,
