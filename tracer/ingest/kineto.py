@@ -132,7 +132,8 @@ def _nest_ranges(con: duckdb.DuckDBPyConnection) -> None:
     con.register("_kineto_nesting_np", nesting)
     try:
         con.execute("CREATE OR REPLACE TEMP TABLE _kineto_nesting AS "
-                    "SELECT range_id, depth, NULLIF(parent_id, -1) AS parent_id FROM _kineto_nesting_np")
+                    "SELECT range_id, depth, NULLIF(parent_id, -1) AS parent_id FROM _kineto_nesting_np "
+                    "ORDER BY range_id")
     finally:
         con.unregister("_kineto_nesting_np")
 

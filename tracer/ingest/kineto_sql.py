@@ -199,11 +199,12 @@ ORDER BY range_id
 
 RANGES_FOR_NESTING_SQL = "SELECT thread, start_ns, end_ns FROM _kineto_ranges"
 
+# Both tables are in range_id order, so rows pair up by position (no hash join needed).
 INSERT_RANGES_SQL = """
 INSERT INTO ranges
 SELECT ?, r.range_id, r.rank, r.pid, r.tid, r.kind, r.name, r.start_ns, r.end_ns,
        n.depth, n.parent_id, r.external_id
-FROM _kineto_ranges AS r JOIN _kineto_nesting AS n USING (range_id)
+FROM _kineto_ranges AS r POSITIONAL JOIN _kineto_nesting AS n
 """
 
 _A = ArgsPlan(("device", "stream", "external_id"))
