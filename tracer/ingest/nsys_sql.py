@@ -141,7 +141,6 @@ SYNC_TYPES = {0: "Unknown Sync", 1: "Event Sync", 2: "Stream Wait Event", 3: "St
 # NVTX eventType ids (ENUM_NSYS_EVENT_TYPE; identical in the 2022.2 to 2026.2 exports read here).
 NVTX_PUSH_POP = 59
 NVTX_START_END = 60
-NVTX_RANGE_TYPES = (NVTX_PUSH_POP, NVTX_START_END)
 NVTX_DOMAIN_CREATE = 75
 NVTX_EVENT_TYPES = {33: "NvtxCategory", 34: "NvtxMark", 39: "NvtxThread", 59: "NvtxPushPopRange",
                     60: "NvtxStartEndRange", 75: "NvtxDomainCreate", 76: "NvtxDomainDestroy"}
