@@ -5,8 +5,8 @@ demangledName contains "nccl", any case), compute = every other kernel; each sid
 into disjoint intervals by a sort-and-sweep, and |comm ∩ compute| is the sum of pairwise
 overlaps of the two disjoint lists (exact integer ns; with disjoint lists no time is counted
 twice). The store side uses the shared interval macros (intervals_overlap_totals) on the
-classifier's categories and the overlap_per_rank view, so it checks reader + classifier +
-SQL together.
+classifier's categories, the overlap_per_rank view and analyzers.overlap, so it checks
+reader + classifier + SQL together.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from analyzers.overlap import overlap
 from analyzers.views import load_views
 from tests.nsys_builder import NsysExportBuilder
 from tracer.ingest import ingest_path
@@ -77,16 +78,19 @@ def test_comm_compute_overlap_per_device(corpus: Path, rel: str) -> None:
     view = {r: (c, o) for r, c, o in con.execute(
         "SELECT rank, comm_ns, overlap_ns FROM overlap_per_rank WHERE run_id = ?", [info.run_id]).fetchall()}
     assert view == want
+    # and the overlap analyzer, which also reports exposed communication
+    ranks = overlap(con, info.run_id)["ranks"]
+    assert {r["rank"]: (r["comm_ns"], r["overlap_ns"], r["exposed_comm_ns"]) for r in ranks} == {
+        d: (c, o, c - o) for d, (c, o) in want.items()}
 
 
 def store_overlap(path: Path) -> dict[int, tuple[int, int]]:
+    """device -> (comm_ns, overlap_ns) from analyzers.overlap on the ingested export."""
     con = open_store(None)
     (info,) = ingest_path(con, path, progress=False)
-    load_views(con)
-    rows = con.execute("SELECT k.device, v.comm_ns, v.overlap_ns FROM overlap_per_rank AS v "
-                       "JOIN (SELECT DISTINCT run_id, rank, device FROM kernels) AS k USING (run_id, rank) "
-                       "WHERE v.run_id = ?", [info.run_id]).fetchall()
-    return {d: (c, o) for d, c, o in rows}
+    device = dict(con.execute("SELECT DISTINCT rank, device FROM kernels WHERE run_id = ?", [info.run_id]).fetchall())
+    result = overlap(con, info.run_id)
+    return {device[r["rank"]]: (r["comm_ns"], r["overlap_ns"]) for r in result["ranks"]}
 
 
 def test_hand_made_two_gpu_overlap(tmp_path: Path) -> None:
