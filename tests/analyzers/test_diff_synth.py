@@ -107,11 +107,13 @@ def sample(s: Synth, name: str, run_id: int = 1):
     return RunSample(run_id, name, layer_steps_stub(k, run_id), k)
 
 
-def write_kineto(s: Synth, path: Path, variant: str = "stock", meta: dict | None = None) -> Path:
-    """The same run as a Kineto trace: `step`, `L{i}.{kind}` and op annotations around launches."""
+def write_kineto(s: Synth, path: Path, variant: str = "stock", meta: dict | None = None,
+                 layer_fmt: str = "L{idx}.{kind}") -> Path:
+    """The same run as a Kineto trace: `step`, layer (`layer_fmt`) and op annotations around launches."""
     from tests.kineto_builder import KinetoTraceBuilder
 
     k = kernel_rows(s)
+    k["layer"] = [layer_fmt.format(idx=i, kind=kd) for i, kd in zip(k["layer_index"], k["layer_kind"])]
     b = KinetoTraceBuilder(rank=0, world_size=1)
     lead = 20_000  # host runs this far ahead of the device
     for step, gs in k.groupby("step_index"):

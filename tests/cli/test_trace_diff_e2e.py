@@ -125,6 +125,22 @@ def test_graph_reference_for_a_store_side(tmp_path: Path, capsys: pytest.Capture
     assert code == BAD_INPUT and out == "" and len(err.strip().splitlines()) == 1 and f"{db}:RUN" in err
 
 
+def test_layer_pattern_teaches_another_convention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ranges named `block3:mla` are not ours: kernel names by default, layers with a pattern."""
+    a = write_kineto(Synth(STOCK, steps=6, seed=51), tmp_path / "a.json.gz", layer_fmt="block{idx}:{kind}")
+    b = write_kineto(Synth(STOCK, steps=6, seed=52, scale={(1, "in_proj"): 1.3}), tmp_path / "b.json.gz",
+                     layer_fmt="block{idx}:{kind}")
+    code, out, _ = run([str(a), str(b), "--format", "json"], capsys)
+    assert json.loads(out)["mode"] == "kernel-name fallback"
+    pattern = r"^(?P<layer>block(?P<idx>\d+):(?P<kind>[a-z]+))$"
+    code, out, err = run([str(a), str(b), "--layer-pattern", pattern, "--format", "json"], capsys)
+    doc = json.loads(out)
+    assert code == REGRESSION and doc["mode"] == "layers", err
+    assert {(r["layer_kind"], r["layer_index"], r["op"]) for r in doc["regressions"]} >= {("kda", 1, "in_proj")}
+    code, _, err = run([str(a), str(b), "--layer-pattern", "(unclosed"], capsys)
+    assert code == BAD_INPUT and err.startswith("error: --layer-pattern") and len(err.strip().splitlines()) == 1
+
+
 # -- the HTA corpus pair: not our layer convention -----------------------------------------------
 
 def _step_kernel_names(path: Path) -> set[str]:
