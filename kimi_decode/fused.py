@@ -53,9 +53,13 @@ def _kernels_usable(device: torch.device) -> bool:
 
 
 def _restate(module: nn.Module, cls: type) -> nn.Module:
-    """A copy of `module` that shares its parameters, clones its buffers (decode state), and
-    has class `cls` (a fused subclass overriding forward)."""
-    memo = {id(p): p for p in module.parameters()}
+    """A copy of `module` that shares its parameters and runtime (streams, collectives),
+    clones its buffers (decode state), and has class `cls` (a fused subclass)."""
+    memo: dict[int, object] = {id(p): p for p in module.parameters()}
+    for sub in module.modules():
+        rt = getattr(sub, "rt", None)
+        if rt is not None:
+            memo[id(rt)] = rt
     new = copy.deepcopy(module, memo)
     new.__class__ = cls
     return new

@@ -170,3 +170,13 @@ def test_kernel_call_sites_on_cpu(monkeypatch) -> None:
             assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
     assert len(prefetched) == 2 * 5          # every MoE layer but the last, each step
     assert prefetched[0].data_ptr() == fused.layers[1].attn.in_proj.data_ptr()   # layer 4: KDA
+
+
+def test_restate_shares_runtime_and_weights() -> None:
+    """The runtime holds CUDA streams (not copyable) and must stay the model's own."""
+    from kimi_decode.fused import KDAAttention, _restate
+    stock = StockDecoder(tiny(layers=(1,), batch=1))
+    attn = stock.layers[0].attn
+    new = _restate(attn, KDAAttention)
+    assert new.rt is attn.rt and new.in_proj is attn.in_proj
+    assert new.rec_state.data_ptr() != attn.rec_state.data_ptr() and type(new) is KDAAttention
