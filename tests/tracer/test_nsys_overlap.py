@@ -112,7 +112,7 @@ def test_hand_made_two_gpu_overlap(tmp_path: Path) -> None:
 kernel = st.tuples(st.integers(0, 1), st.integers(0, 1), st.booleans(), st.integers(0, 200), st.integers(1, 60))
 
 
-@settings(max_examples=20)  # each example is a whole ingest (~0.3 s)
+@settings(max_examples=12)  # each example is a whole ingest plus attribution (~1 s)
 @given(st.lists(kernel, min_size=1, max_size=25))
 def test_random_two_gpu_overlap_matches_oracle(kernels: list[tuple[int, int, bool, int, int]]) -> None:
     b = NsysExportBuilder()
