@@ -35,7 +35,6 @@ def create_app(store: StorePool) -> Dash:
             html.Span("decodescope", className="brand"),
             *[dcc.Link(p["name"], href=p["relative_path"], id=f"nav-{p['module'].split('.')[-1]}")
               for p in pages],
-            html.Span(f"store: {store.label}", className="store-label"),
         ], className="navbar"),
         html.Main(dash.page_container, className="page"),
     ])

@@ -44,7 +44,8 @@ def run_links(all_runs: list[dict[str, Any]], path: str, current: int | None, pa
         else:
             items.append(dcc.Link(label, href=href(path, **{**keep, param: r["run_id"]}),
                                   style={"marginRight": "1em"}))
-    return html.Div(items, className="links")
+        items.append(" ")  # a break opportunity between runs
+    return html.Div(items, className="links runlinks")
 
 
 def pick_run(all_runs: list[dict[str, Any]], run: Any) -> int | None:

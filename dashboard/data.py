@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -156,13 +157,35 @@ def store_fingerprint() -> tuple[int, int]:
     return int(n), int(top)
 
 
+def _workload(r: dict[str, Any]) -> tuple[Any, Any]:
+    """(batch, speculative tokens) from our capture metadata; (None, None) for foreign traces."""
+    try:
+        cfg = (json.loads(r.get("config") or "{}") or {}).get("config") or {}
+    except (TypeError, ValueError):
+        cfg = {}
+    return cfg.get("batch"), cfg.get("spec_tokens")
+
+
+def _preference(r: dict[str, Any]) -> tuple[Any, ...]:
+    """Order in which runs are offered by default: CUDA-graph replays first (what decode
+    serves), then no speculation, then small batches, then oldest."""
+    batch, spec = _workload(r)
+    return (not r.get("graph_mode"), spec or 0, batch if batch is not None else 1 << 30, r["run_id"])
+
+
 def default_pair(all_runs: list[dict[str, Any]]) -> tuple[int | None, int | None]:
-    """The runs to compare by default: latest stock vs latest fused, else the first two, else one."""
-    stock = [r["run_id"] for r in all_runs if r.get("variant") == "stock"]
-    fused = [r["run_id"] for r in all_runs if r.get("variant") == "fused"]
+    """The runs to compare by default: stock vs fused of the same workload (graph mode, B, k)
+    if both exist, else the latest stock vs the latest fused, else the two preferred runs
+    (e.g. stock B=1 vs stock B=8, graph replays), else the only run."""
+    stock = sorted((r for r in all_runs if r.get("variant") == "stock"), key=_preference)
+    fused = sorted((r for r in all_runs if r.get("variant") == "fused"), key=_preference)
+    for s in stock:
+        for f in fused:
+            if (_workload(s), bool(s.get("graph_mode"))) == (_workload(f), bool(f.get("graph_mode"))):
+                return s["run_id"], f["run_id"]
     if stock and fused:
-        return stock[-1], fused[-1]
-    ids = [r["run_id"] for r in all_runs]
+        return stock[-1]["run_id"], fused[-1]["run_id"]
+    ids = [r["run_id"] for r in sorted(all_runs, key=_preference)]
     if len(ids) >= 2:
         return ids[0], ids[1]
     return (ids[0], None) if ids else (None, None)

@@ -10,21 +10,40 @@ from typing import Any
 import plotly.graph_objects as go
 
 BUBBLE_COLOR = "#e4e7eb"
+# Plotly's D3 + Dark24 palettes: enough distinct colours for the ~25 ops of a K3 layer.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#2e91e5", "#e15f99", "#1ca71c", "#fb0d0d", "#da16ff", "#b68100",
+           "#750d86", "#eb663b", "#511cfb", "#00a08b", "#fb00d1", "#fc0080", "#b2828d", "#6c7c32",
+           "#778aae", "#862a16", "#a777f1", "#620042", "#1616a7", "#da60ca", "#6c4516", "#0d2a63")
 
 
-def breakdown_bars(breakdown: dict[str, Any], title: str) -> go.Figure:
-    """Stacked bars per layer: busy time of each op (µs), plus the layer's bubble time on top."""
-    layers = breakdown.get("layers", [])
-    names = [layer["layer"] for layer in layers]
+def op_colors(*breakdowns: dict[str, Any]) -> dict[str, str]:
+    """One colour per op across several runs, in order of first appearance, so the same op has
+    the same colour in side-by-side charts."""
+    out: dict[str, str] = {}
+    for op in _ops([layer for bd in breakdowns for layer in bd.get("layers", [])]):
+        out[op] = PALETTE[len(out) % len(PALETTE)]
+    return out
+
+
+def _ops(layers: list[dict[str, Any]]) -> list[str]:
     ops: list[str] = []
     for layer in layers:
         for op in layer.get("ops", []):
             if op["op"] not in ops:
                 ops.append(op["op"])
+    return ops
+
+
+def breakdown_bars(breakdown: dict[str, Any], title: str, colors: dict[str, str] | None = None) -> go.Figure:
+    """Stacked bars per layer: busy time of each op (µs), plus the layer's bubble time on top."""
+    layers = breakdown.get("layers", [])
+    names = [layer["layer"] for layer in layers]
+    colors = colors or op_colors(breakdown)
     fig = go.Figure()
-    for op in ops:
+    for op in _ops(layers):
         values = [next((o["busy_ns"] for o in layer.get("ops", []) if o["op"] == op), 0) for layer in layers]
-        fig.add_trace(go.Bar(x=names, y=[v / 1000 for v in values], name=str(op),
+        fig.add_trace(go.Bar(x=names, y=[v / 1000 for v in values], name=str(op), marker_color=colors.get(op),
                              customdata=values, hovertemplate="%{x} · " + str(op) + ": %{customdata:,} ns<extra></extra>"))
     bubbles = [layer.get("bubble_ns", 0) or 0 for layer in layers]
     fig.add_trace(go.Bar(x=names, y=[b / 1000 for b in bubbles], name="bubble", marker_color=BUBBLE_COLOR,
@@ -34,19 +53,16 @@ def breakdown_bars(breakdown: dict[str, Any], title: str) -> go.Figure:
     return fig
 
 
-def kernel_bars(breakdown: dict[str, Any], title: str) -> go.Figure:
+def kernel_bars(breakdown: dict[str, Any], title: str, colors: dict[str, str] | None = None) -> go.Figure:
     """Kernels per layer, stacked by op."""
     layers = breakdown.get("layers", [])
     names = [layer["layer"] for layer in layers]
-    ops: list[str] = []
-    for layer in layers:
-        for op in layer.get("ops", []):
-            if op["op"] not in ops:
-                ops.append(op["op"])
+    colors = colors or op_colors(breakdown)
     fig = go.Figure()
-    for op in ops:
+    for op in _ops(layers):
         fig.add_trace(go.Bar(x=names, y=[next((o["kernels"] for o in layer.get("ops", []) if o["op"] == op), 0)
-                                         for layer in layers], name=str(op)))
+                                         for layer in layers], name=str(op), marker_color=colors.get(op),
+                             hovertemplate="%{x} · " + str(op) + ": %{y} kernels<extra></extra>"))
     fig.update_layout(barmode="stack", title={"text": title}, yaxis_title="kernels per layer",
                       margin={"l": 60, "r": 10, "t": 50, "b": 80}, height=360, showlegend=False)
     return fig

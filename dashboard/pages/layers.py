@@ -35,16 +35,21 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
     if cand_id is None:
         body.append(c.notice("One run shown: pick a candidate run above to see two side by side."))
     try:
+        sides = [(side, run_id, data.call("layers", "layer_breakdown", run_id))
+                 for side, run_id in (("base", base_id), ("cand", cand_id)) if run_id is not None]
+        colors = figs.op_colors(*[bd for _s, _r, bd in sides])
         columns = []
-        for side, run_id in (("base", base_id), ("cand", cand_id)):
-            if run_id is None:
-                continue
-            bd = data.call("layers", "layer_breakdown", run_id)
-            columns.append(html.Div([
-                html.H2(labels[run_id], id=f"layers-{side}-title"),
-                dcc.Graph(id=f"layers-{side}-time", figure=figs.breakdown_bars(bd, "busy time by op (µs)")),
-                dcc.Graph(id=f"layers-{side}-kernels", figure=figs.kernel_bars(bd, "kernels by op")),
-            ], style={"flex": "1", "minWidth": "0"}))
+        for side, run_id, bd in sides:
+            content: list[Any] = [html.H2(labels[run_id], id=f"layers-{side}-title")]
+            if bd.get("not_applicable"):
+                content.append(c.notice(f"not applicable: {bd['not_applicable']}"))
+            else:
+                content += [
+                    html.P(f"median over {bd.get('steps')} steps", className="note"),
+                    dcc.Graph(id=f"layers-{side}-time", figure=figs.breakdown_bars(bd, "busy time by op (µs)", colors)),
+                    dcc.Graph(id=f"layers-{side}-kernels", figure=figs.kernel_bars(bd, "kernels by op", colors)),
+                ]
+            columns.append(html.Div(content, style={"flex": "1", "minWidth": "0"}))
         body.append(html.Div(columns, style={"display": "flex", "gap": "1em"}))
         if cand_id is not None:
             cmp = data.call("layers", "compare", base_id, cand_id)

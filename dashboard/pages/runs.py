@@ -28,8 +28,11 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
     base_id = c.int_arg(base, d_base)
     cand_id = c.int_arg(cand, d_cand)
     options = [{"label": data.run_label(r), "value": r["run_id"]} for r in all_runs]
+    store = data.pool()
     return html.Div([
         html.H1("Runs"),
+        html.P(f"store: {store.label}" + ("" if store.writable else " (read-only: uploads disabled)"),
+               className="note", id="runs-store"),
         _runs_table(all_runs) if all_runs else c.no_runs(),
         html.H2("Compare two runs"),
         html.Div([

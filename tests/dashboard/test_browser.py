@@ -125,8 +125,6 @@ def _layer_span_ns(spec: Any) -> int:
 
 
 def test_layers_page_shows_both_runs_side_by_side(page: Any, live_server: dict[str, Any]) -> None:
-    from tests.dashboard.conftest import screenshots_dir
-
     _load(page, f"{live_server['url']}/layers?base=1&cand=2")
     expect(page.locator("#layers-base-title")).to_have_text("#1 k3_stock (stock)")
     expect(page.locator("#layers-cand-title")).to_have_text("#2 k3_fused (fused)")
@@ -140,10 +138,6 @@ def test_layers_page_shows_both_runs_side_by_side(page: Any, live_server: dict[s
         assert f"{_layer_span_ns(STOCK):,} ns" in cells[1] and cells[2] == str(_kernels_per_layer(STOCK))
         assert f"{_layer_span_ns(FUSED):,} ns" in cells[3] and cells[4] == str(_kernels_per_layer(FUSED))
         assert cells[5] == f"{_layer_span_ns(FUSED) / _layer_span_ns(STOCK):.2f}×"
-    out = screenshots_dir()
-    if out is not None:
-        page.wait_for_timeout(500)
-        page.screenshot(path=str(out / "layers.png"), full_page=True)
     assert page.errors == []
 
 
@@ -170,3 +164,29 @@ def test_clicking_a_bubble_moves_the_timeline_to_it(page: Any, live_server: dict
     marked = [(s["x0"], s["x1"]) for s in shapes if s.get("layer") == "above"]
     assert marked == [(b0 - origin, b1 - origin)]
     assert page.errors == []
+
+
+def test_readme_screenshot_of_the_bundled_runs(page: Any, live_server: dict[str, Any], tmp_path: Path) -> None:
+    """With DECODESCOPE_SCREENSHOTS=1: docs/img/layers.png, the layers page over the bundled real
+    traces (the default pair), made by swapping the served app's store for the bundled one."""
+    from cli.common import bundled_trace_paths
+    from dashboard.bundled import bundled_store
+    from dashboard.data import CONFIG_KEY, StorePool
+    from tests.dashboard.conftest import screenshots_dir
+
+    out = screenshots_dir()
+    if out is None or not bundled_trace_paths():
+        pytest.skip("set DECODESCOPE_SCREENSHOTS=1 (and have traces/) to refresh docs/img/layers.png")
+    pool = StorePool.open(bundled_store(bundled_trace_paths(), tmp_path / "cache"))
+    config = live_server["app"].server.config
+    served = config[CONFIG_KEY]
+    config[CONFIG_KEY] = pool
+    try:
+        _load(page, f"{live_server['url']}/layers")
+        expect(page.locator("#layers-seed-table")).to_be_visible()
+        page.wait_for_timeout(800)
+        page.screenshot(path=str(out / "layers.png"), full_page=True)
+        assert page.errors == []
+    finally:
+        config[CONFIG_KEY] = served
+        pool.close()

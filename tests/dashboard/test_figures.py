@@ -110,3 +110,13 @@ def test_bubble_causes_sum_per_step() -> None:
     got = {t.name: list(t.customdata) for t in fig.data}
     assert got == {"launch_bound": [3_000, 0], "other": [500, 2_000]}
     assert list(fig.data[0].x) == ["step 0", "step 1"]
+
+
+def test_op_colors_are_shared_across_runs() -> None:
+    other = {"layers": [{"layer": "L0.kda", "ops": [{"op": "fused_proj", "kernels": 1, "busy_ns": 9},
+                                                    {"op": "attn", "kernels": 1, "busy_ns": 9}]}]}
+    colors = layer_figs.op_colors(BREAKDOWN, other)
+    assert list(colors) == ["in_proj", "attn", "fused_proj"] and len(set(colors.values())) == 3
+    a = {t.name: t.marker.color for t in layer_figs.breakdown_bars(BREAKDOWN, "a", colors).data}
+    b = {t.name: t.marker.color for t in layer_figs.breakdown_bars(other, "b", colors).data}
+    assert a["attn"] == b["attn"] == colors["attn"]
