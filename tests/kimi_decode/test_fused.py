@@ -63,7 +63,16 @@ def test_from_stock_shares_weights_and_copies_state() -> None:
 
 
 def test_registered_as_variant() -> None:
+    """The runner builds the fused variant from a config alone, with the stock weights."""
+    from kimi_decode.runner import build
     assert variant_class("fused") is FusedDecoder
+    cfg = tiny(layers=(2, 3), batch=2)
+    fused, _ = build("fused", cfg, "cpu")
+    stock, _ = build("stock", cfg, "cpu")
+    m, prefix, blocks = stock.make_inputs(seed=9)
+    with torch.no_grad():
+        a, b = stock(m, prefix, blocks.clone()), fused(m, prefix, blocks.clone())
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_attn_res_kernel_formula_matches_stock() -> None:
