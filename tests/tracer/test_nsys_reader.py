@@ -219,8 +219,16 @@ def _nvtx_only(tmp_path: Path) -> Path:
     return b.write(tmp_path / "nvtx_only.sqlite")
 
 
+def _backwards_kernel(tmp_path: Path) -> Path:
+    b = NsysExportBuilder()
+    b.kernel("ok", 0, 10)
+    b.kernel("backwards", 30, 20)
+    return b.write(tmp_path / "backwards.sqlite")
+
+
 @pytest.mark.parametrize("make, problem", [
     (_not_nsys, "not an Nsight Systems export"),
+    (_backwards_kernel, "ending before they start (1 kernel)"),
     (_nvtx_only, "no CUDA GPU activity in the export"),
     (_corrupt, "corrupt"),
     (_text, "not an SQLite database"),

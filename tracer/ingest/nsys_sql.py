@@ -185,6 +185,16 @@ UNION ALL SELECT 'memset', seq, (gpid >> 24) & {PID_MASK}, device, stream, corre
 UNION ALL SELECT 'sync', seq, (gpid >> 24) & {PID_MASK}, device, stream, correlation, start_ns, end_ns FROM _nsys_sync
 """
 
+# Activity rows that cannot be intervals: a missing start or end, or an end before the start.
+BAD_ROWS_SQL = """
+SELECT src, count(*) FROM (
+  SELECT src, start_ns, end_ns FROM _nsys_gpu
+  UNION ALL SELECT CASE src WHEN 0 THEN 'runtime' ELSE 'driver' END, start_ns, end_ns FROM _nsys_calls
+)
+WHERE start_ns IS NULL OR end_ns IS NULL OR end_ns < start_ns
+GROUP BY src ORDER BY src
+"""
+
 # One rank per (process, device) pair with GPU activity, numbered by device id, then pid.
 # A process that exports no globalPid (hand-made subsets) has pid NULL: one rank per device.
 RANKS_SQL = """
@@ -249,7 +259,8 @@ SELECT ?, row_number() OVER (ORDER BY r.rank, g.start_ns, g.end_ns, g.seq) - 1, 
        g.grid_x, g.grid_y, g.grid_z, g.block_x, g.block_y, g.block_z, g.registers,
        CASE WHEN g.static_smem IS NULL AND g.dynamic_smem IS NULL THEN NULL
             ELSE coalesce(g.static_smem, 0) + coalesce(g.dynamic_smem, 0) END,
-       g.graph_id, g.graph_node_id, 'compute'
+       g.graph_id, g.graph_node_id,
+       'compute'  -- the classifier's starting point: tracer.classify sets every kernel's category
 FROM _nsys_kernel AS g {_GPU_RANK_JOIN}
 """
 

@@ -84,6 +84,10 @@ def _stage_file(con: duckdb.DuckDBPyConnection, idx: int, path: Path, prog: Prog
     syncs_moved = int(con.execute(q.SYNC_DEVICE_FROM_CONTEXT_SQL).fetchall()[0][0])
     for sql in (q.DERIVE_IDS_SQL, q.RANKS_SQL, q.LAUNCHED_SQL, q.HOST_CALLS_SQL):
         con.execute(sql)
+    bad = con.execute(q.BAD_ROWS_SQL).fetchall()
+    if bad:
+        what = ", ".join(f"{n} {src}" for src, n in bad)
+        raise BadInput(path, f"activity rows with no start/end or ending before they start ({what}): corrupt export?")
     if not con.execute("SELECT count(*) FROM _nsys_ranks").fetchall()[0][0]:
         raise BadInput(path, "no CUDA GPU activity in the export (no kernel, memcpy, memset or sync rows): "
                              "capture with nsys profile --trace=cuda")
