@@ -73,3 +73,22 @@ def test_empty_event_list(tmp_path: Path) -> None:
     con = open_store(None)
     (info,) = ingest_path(con, path, progress=False)
     assert info.kernels == 0
+
+
+def test_metadata_says_how_each_file_was_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut at every separator: the one inside the name 'k}, {0' breaks a chunk, so that file falls
+    back to the whole-document read (and says so); a file without such names stays chunked."""
+    real_split = kineto_split.split_trace
+    monkeypatch.setattr("tracer.ingest.kineto.split_trace", lambda p, w: real_split(p, w, target_chunk_bytes=1))
+    plain = KinetoTraceBuilder()
+    for i in range(5):
+        plain.launch(f"k{i}", 10 * i, 3, 10 * i + 5, 4)
+    tricky = _builder(5)
+    con = open_store(None)
+    for p in (plain.write(tmp_path / "plain.json"), tricky.write(tmp_path / "tricky.json")):
+        ingest_path(con, p, progress=False)
+    parsed = [json.loads(m)["files"][0]["parsed_as"] for (m,) in
+              con.execute("SELECT metadata FROM runs ORDER BY run_id").fetchall()]
+    assert parsed[0].endswith(" chunks") and int(parsed[0].split()[0]) > 5
+    assert parsed[1].startswith("whole document (chunked read failed")
+    assert con.execute("SELECT count(*) FROM kernels WHERE run_id = 2").fetchall() == [(5,)]

@@ -2,8 +2,9 @@
 
 Two phases. `stage` (outside the store transaction) parses every file with DuckDB and an
 explicit schema (ts/dur as DECIMAL(38,3): exact ns at any magnitude) into one TEMP table of
-every event, and validates it; pretty-printed files are first cut into event chunks that parse
-in parallel and in less memory (kineto_split), other layouts are read as one document. `write`
+every event, and validates it; each file is first cut into event chunks that parse in
+parallel and in less memory (kineto_split), and read as one document when that is not possible
+(runs.metadata.files[].parsed_as says which). `write`
 (inside the transaction) fills kernels, memops, api_calls, ranges, gpu_annotations and
 gpu_syncs with SQL. Python touches only metadata, the failure diagnosis, and the nesting of
 host ranges (tracer.ingest.nesting).
@@ -43,6 +44,7 @@ class DocFacts:
     dist: dict[str, Any] | None
     props: Any
     decodescope: dict[str, Any] | None
+    parsed_as: str = "whole document"
 
 
 def _loads(text: str | None) -> Any:
@@ -89,13 +91,19 @@ def _stage_file(con: duckdb.DuckDBPyConnection, path: Path, idx: int, workdir: P
         try:
             con.execute(q.INSERT_CHUNK_EVENTS_SQL, [idx, rank if rank is not None else idx, doc.base_ns,
                                                     [str(c) for c in split.chunks]])
+            doc.parsed_as = f"{len(split.chunks)} chunks"
             return doc
-        except duckdb.Error:
-            pass  # a chunk did not parse: the whole-document read below decides, and explains
+        except duckdb.Error as exc:
+            # A chunk did not parse (a cut inside a string, or a bad event): the whole-document
+            # read below decides, and explains a real error; the reason is kept in metadata.
+            fallback = f"whole document (chunked read failed: {str(exc).splitlines()[0][:200]})"
         finally:
             for c in split.chunks:
                 c.unlink(missing_ok=True)
+    else:
+        fallback = "whole document"
     doc = _read_doc(con, path)
+    doc.parsed_as = fallback
     rank = _declared_rank(doc)
     con.execute(q.INSERT_EVENTS_SQL, [idx, rank if rank is not None else idx, doc.base_ns])
     con.execute("DROP TABLE _kineto_doc")
@@ -221,8 +229,8 @@ def write(con: duckdb.DuckDBPyConnection, staged: Staged, run_id: int, prog: Pro
     unhandled = {f"{ph}/{cat}": n for ph, cat, n in counts if not (ph == "X" and cat in q.HANDLED_CATS)}
     world_sizes = [d.dist.get("world_size") for d in docs if d.dist and isinstance(d.dist.get("world_size"), int)]
     metadata = {
-        "files": [{"file": d.path.name, "rank": r, "base_time_ns": d.base_ns, "distributedInfo": d.dist,
-                   "deviceProperties": d.props} for d, r in zip(docs, ranks)],
+        "files": [{"file": d.path.name, "rank": r, "base_time_ns": d.base_ns, "parsed_as": d.parsed_as,
+                   "distributedInfo": d.dist, "deviceProperties": d.props} for d, r in zip(docs, ranks)],
         "rank_source": "distributedInfo.rank" if by_declared else "file order",
         "events": handled,
         "unhandled_events": unhandled,
