@@ -10,7 +10,7 @@ must be exactly the rows HTA counts differently. CI cannot install HTA, so this 
    to `tests/data/hta_reference.json`, together with the facts needed to re-derive them from our
    store: how many device rows HTA kept after its profiler-step filter, and every non-device
    row HTA counted as GPU time (cuda_sync rows, cpu_op rows with a `stream` arg), with its
-   start relative to the first device row HTA kept;
+   start relative to the first device row HTA kept, and HTA's per-stream idle time;
 3. ingests every folder with decodescope and writes `bench/hta_compare.md` side by side.
 
 Run: `.venv/bin/python bench/hta_compare.py [--corpus DIR] [--skip-hta]`.
@@ -80,7 +80,12 @@ def hta_worker(corpus: Path, out: Path) -> None:
                      "rel_start_ns": _us_to_ns(e.ts + ta.t.min_ts) - first_ns, "dur_ns": _us_to_ns(e.dur)}
                     for e in extra.itertuples()
                 ]
+                idle_df, _ = ta.get_idle_time_breakdown(ranks=[rank], visualize=False)
+                stream_idle = idle_df.groupby("stream")["idle_time"].sum()
                 ranks[str(rank)] = {
+                    # HTA's per-stream idle (get_idle_time_breakdown, all categories summed):
+                    # sum over consecutive rows of the stream (by ts) of ts - previous row's end.
+                    "stream_idle_ns": {str(int(k)): _us_to_ns(v) for k, v in stream_idle.items()},
                     "idle_ns": _us_to_ns(row["idle_time(us)"]),
                     "compute_ns": _us_to_ns(row["compute_time(us)"]),
                     "non_compute_ns": _us_to_ns(row["non_compute_time(us)"]),
@@ -106,7 +111,7 @@ def hta_worker(corpus: Path, out: Path) -> None:
 
 
 OUR_SQL = ("intervals/intervals.sql", "temporal/device_items.sql", "temporal/temporal_breakdown.sql",
-           "overlap/overlap_per_rank.sql")
+           "temporal/stream_gaps.sql", "overlap/overlap_per_rank.sql")
 
 
 def _fmt(x: float | None) -> str:
@@ -153,8 +158,27 @@ def write_report(reference: dict[str, Any], corpus: Path, out: Path) -> None:
                 f"| {folder} | {rank} | {' / '.join(map(_fmt, ours))} | {' / '.join(map(_fmt, hta))} | "
                 f"{max(deltas):.2f} | {ndev - ref['device_rows']} | {len(ref['extra_rows'])} | "
                 f"{_reclassified(con, info.run_id, int(rank))} |")
+    lines += _stream_table(con, reference)
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}", file=sys.stderr)
+
+
+def _stream_table(con: Any, reference: dict[str, Any]) -> list[str]:
+    """Our stream_gaps total per stream next to HTA's per-stream idle time."""
+    lines = ["", "## Per-stream idle: our `stream_gaps` vs HTA `get_idle_time_breakdown` (all categories)", "",
+             "HTA sums, over a stream's rows sorted by start, start minus the previous row's end, after its",
+             "step filter; ours is the gaps of the union per stream over every row. They coincide when the",
+             "filter drops nothing and no two rows of the stream overlap (`tests/analyzers/test_hta.py`).", "",
+             "| folder | rank | stream | ours ns | HTA ns | Δ ns |", "|---|---|---|---|---|---|"]
+    runs = dict(con.execute("SELECT name, run_id FROM runs").fetchall())
+    for folder, entry in sorted(reference["folders"].items()):
+        for rank, ref in sorted(entry.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
+            ours = dict(con.execute("SELECT stream, CAST(sum(gap_ns) AS BIGINT) FROM stream_gaps WHERE run_id = ?"
+                                    " AND rank = ? GROUP BY stream", [runs[folder], int(rank)]).fetchall())
+            for stream, hta in sorted(ref["stream_idle_ns"].items(), key=lambda kv: int(kv[0])):
+                mine = ours.get(int(stream), 0)
+                lines.append(f"| {folder} | {rank} | {stream} | {mine} | {hta} | {mine - hta} |")
+    return lines
 
 
 def _reclassified(con: Any, run_id: int, rank: int) -> int:

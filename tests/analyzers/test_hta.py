@@ -85,7 +85,7 @@ def intersect_len(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 def corpus_store(corpus: Path) -> tuple[duckdb.DuckDBPyConnection, dict[str, int]]:
     con = open_store(None)
     for rel in ("intervals/intervals.sql", "temporal/device_items.sql", "temporal/temporal_breakdown.sql",
-                "overlap/overlap_per_rank.sql"):
+                "temporal/stream_gaps.sql", "overlap/overlap_per_rank.sql"):
         con.execute((SQL / rel).read_text())
     runs = {}
     for folder in FOLDERS:
@@ -94,15 +94,19 @@ def corpus_store(corpus: Path) -> tuple[duckdb.DuckDBPyConnection, dict[str, int
     return con, runs
 
 
-def device_rows(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, hta_filter: bool) -> list[tuple]:
-    """(name, start, end, category) of the rank's kernels and memops; with hta_filter, only those
-    HTA keeps: launched (by correlation) by a CPU row starting before the last ProfilerStep#."""
+def device_rows(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, hta_filter: bool,
+                with_stream: bool = False) -> list[tuple]:
+    """(name, start, end, category[, stream]) of the rank's kernels and memops; with hta_filter,
+    only those HTA keeps: launched (by correlation) by a CPU row starting before the last
+    ProfilerStep#."""
     steps = con.execute("SELECT count(DISTINCT name) FROM ranges WHERE run_id = ? AND name LIKE '%ProfilerStep%'",
                         [run_id]).fetchall()[0][0]
-    rows = con.execute("SELECT name, start_ns, end_ns, category, correlation FROM device_items"
+    rows = con.execute("SELECT name, start_ns, end_ns, category, correlation, stream FROM device_items"
                        " WHERE run_id = ? AND rank = ?", [run_id, rank]).fetchall()
+    rows = [(*r[:4], r[5], r[4]) for r in rows]  # (name, start, end, category, stream, correlation)
+    width = 5 if with_stream else 4
     if not hta_filter or steps < 2:
-        return [r[:4] for r in rows]
+        return [r[:width] for r in rows]
     # HTA takes the latest start among all non-kernel rows named ProfilerStep*, which includes
     # the profiler's gpu_user_annotation copies (they have no stream arg, so HTA sees them as CPU).
     last = con.execute("SELECT max(start_ns) FROM (SELECT start_ns FROM ranges WHERE run_id = $1 AND rank = $2"
@@ -110,7 +114,7 @@ def device_rows(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, hta_filt
                        " WHERE run_id = $1 AND rank = $2 AND name LIKE '%ProfilerStep%')", [run_id, rank]).fetchall()[0][0]
     launched = {c for (c,) in con.execute("SELECT DISTINCT correlation FROM api_calls WHERE run_id = ? AND rank = ?"
                                           " AND start_ns < ?", [run_id, rank, last]).fetchall()}
-    return [r[:4] for r in rows if r[4] in launched]
+    return [r[:width] for r in rows if r[-1] in launched]
 
 
 def numbers(rows: list[tuple], by_hta_type: bool) -> dict[str, float]:
@@ -184,3 +188,48 @@ def test_ours_equals_the_store_without_hta_choices(corpus_store, folder: str, ra
             assert abs(want[key] - ref[key]) <= 0.5, key
         if ref["comm_comp_overlap_pct"] is not None and want["comm_comp_overlap_pct"] is not None:
             assert abs(want["comm_comp_overlap_pct"] - ref["comm_comp_overlap_pct"]) <= 0.5
+
+
+def stream_rows(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, hta_filter: bool) -> dict[int, list[tuple[int, int]]]:
+    """Per stream, the sorted (start, end) of the rank's device rows (HTA's step filter optional)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for _, s, e, _, stream in device_rows(con, run_id, rank, hta_filter, with_stream=True):
+        out.setdefault(stream, []).append((s, e))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def has_overlap(rows: list[tuple[int, int]]) -> bool:
+    """Some row starts before an earlier row (by start) of the same stream has ended."""
+    reach = None
+    for s, e in rows:
+        if reach is not None and s < reach:
+            return True
+        reach = e if reach is None else max(reach, e)
+    return False
+
+
+@pytest.mark.parametrize(("folder", "rank"), cases())
+def test_stream_gaps_against_hta_idle_per_stream(corpus_store, folder: str, rank: str) -> None:
+    """HTA's per-stream idle (get_idle_time_breakdown, categories summed) is Σ (start - previous
+    row's end) over the stream's rows sorted by start, after its step filter: re-derived here
+    exactly (HTA reports µs to 2 decimals, 5 ns per category, 3 categories). Our stream_gaps are
+    the gaps of the union per stream, so they equal HTA's number exactly when the step filter
+    drops nothing and no two rows of the stream overlap (HTA then adds negative differences)."""
+    con, runs = corpus_store
+    ref = REFERENCE["folders"][folder]["ranks"][rank]
+    run_id = runs[folder]
+    err = ref["endpoint_error_ns"] if ref["endpoint_error_ns"] > 1 else 0
+    filtered = stream_rows(con, run_id, int(rank), hta_filter=True)
+    assert {str(k) for k in filtered} == set(ref["stream_idle_ns"])
+    for stream, rows in filtered.items():
+        tol = 15 + 2 * len(rows) * err  # two float endpoints per difference on epoch-µs traces
+        hta_sum = sum(rows[i][0] - rows[i - 1][1] for i in range(1, len(rows)))
+        assert hta_sum == pytest.approx(ref["stream_idle_ns"][str(stream)], abs=tol), stream
+    ours = dict(con.execute("SELECT stream, sum(gap_ns) FROM stream_gaps WHERE run_id = ? AND rank = ? GROUP BY stream",
+                            [run_id, int(rank)]).fetchall())
+    for stream, rows in stream_rows(con, run_id, int(rank), hta_filter=False).items():
+        if rows == filtered.get(stream) and not has_overlap(rows):
+            tol = 15 + 2 * len(rows) * err
+            assert ours.get(stream, 0) == pytest.approx(ref["stream_idle_ns"][str(stream)], abs=tol), stream
+    # 48 streams of 28 ranks qualify; the others differ by exactly the filter or the overlaps,
+    # as the first loop shows.
