@@ -100,3 +100,19 @@ def test_hand_made_prefetch(tmp_path: Path) -> None:
 def _t0(con: duckdb.DuckDBPyConnection, run_id: int) -> int:
     """Device time of the trace's first kernel (k_a at 2000 ns): ingest may add a base time."""
     return con.execute("SELECT min(start_ns) FROM kernels WHERE run_id = ?", [run_id]).fetchall()[0][0] - 2000
+
+
+def test_cli_with_baseline_trace(tmp_path: Path) -> None:
+    """The same two traces through `decodescope prefetch TRACE --baseline TRACE`: change -200 ns."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.exit_codes import OK
+    from cli.main import main
+
+    pf, base = _trace(tmp_path, "pf.json", True), _trace(tmp_path, "base.json", False)
+    res = CliRunner().invoke(main, ["prefetch", str(pf), "--baseline", str(base), "--format", "json"])
+    assert res.exit_code == OK, res.output
+    [p] = json.loads(res.output)["prefetches"]
+    assert (p["lead_ns"], p["late"], p["consumer_dur_change_ns"]) == (-400, True, -200)
