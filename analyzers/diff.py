@@ -154,25 +154,49 @@ def bootstrap_change(base: np.ndarray, cand: np.ndarray, q: float = 0.5, resampl
     rel = Q_q(cand) / Q_q(base) - 1 (in %), abs = Q_q(cand) - Q_q(base). With a single step on a
     side the interval is degenerate and equals the point estimate (`degenerate` says why).
     """
+    return bootstrap_changes(base, cand, (q,), resamples, seed, confidence)[0]
+
+
+def bootstrap_changes(base: np.ndarray, cand: np.ndarray, qs: tuple[float, ...] = (0.5, 0.9),
+                      resamples: int = RESAMPLES, seed: int = SEED,
+                      confidence: float = CONFIDENCE) -> list[dict[str, Any]]:
+    """`bootstrap_change` for several quantiles over the same resamples (each side sorted once)."""
     base = np.asarray(base, dtype=float)
     cand = np.asarray(cand, dtype=float)
-    qb, qc = float(np.quantile(base, q)), float(np.quantile(cand, q))
-    rel = _rel(np.array([qb]), np.array([qc]))[0]
-    out: dict[str, Any] = {"base": qb, "cand": qc, "change_pct": rel, "delta": qc - qb}
     degenerate = [side for side, arr in (("base", base), ("candidate", cand)) if len(arr) < 2]
-    if degenerate:
-        out.update(ci_pct=[rel, rel], ci_delta=[qc - qb, qc - qb],
-                   degenerate="single step on " + " and ".join(degenerate) + ": point estimate only")
-        return out
-    bs = np.quantile(base[_resample_index(len(base), 0, seed, resamples)], q, axis=1)
-    cs = np.quantile(cand[_resample_index(len(cand), 1, seed, resamples)], q, axis=1)
+    if not degenerate:
+        bsorted = np.sort(base[_resample_index(len(base), 0, seed, resamples)], axis=1)
+        csorted = np.sort(cand[_resample_index(len(cand), 1, seed, resamples)], axis=1)
     lo, hi = (1 - confidence) / 2, 1 - (1 - confidence) / 2
-    rels = _rel(bs, cs)
-    # order statistics (no interpolation), so a +inf change over a zero base stays +inf
-    pick = lambda a, p: float(np.quantile(a, p, method="inverted_cdf"))  # noqa: E731
-    out.update(ci_pct=[pick(rels, lo), pick(rels, hi)], ci_delta=[pick(cs - bs, lo), pick(cs - bs, hi)],
-               degenerate=None)
+    out = []
+    for q in qs:
+        qb, qc = float(np.quantile(base, q)), float(np.quantile(cand, q))
+        rel = float(_rel(np.array([qb]), np.array([qc]))[0])
+        one: dict[str, Any] = {"base": qb, "cand": qc, "change_pct": rel, "delta": qc - qb}
+        if degenerate:
+            one.update(ci_pct=[rel, rel], ci_delta=[qc - qb, qc - qb],
+                       degenerate="single step on " + " and ".join(degenerate) + ": point estimate only")
+        else:
+            bs, cs = _row_quantile(bsorted, q), _row_quantile(csorted, q)
+            rels, deltas = np.sort(_rel(bs, cs)), np.sort(cs - bs)
+            one.update(ci_pct=[_order_stat(rels, lo), _order_stat(rels, hi)],
+                       ci_delta=[_order_stat(deltas, lo), _order_stat(deltas, hi)], degenerate=None)
+        out.append(one)
     return out
+
+
+def _row_quantile(sorted_rows: np.ndarray, q: float) -> np.ndarray:
+    """The q-quantile of each sorted row, interpolated linearly (numpy's default method)."""
+    h = (sorted_rows.shape[1] - 1) * q
+    i = int(np.floor(h))
+    j = min(i + 1, sorted_rows.shape[1] - 1)
+    return sorted_rows[:, i] + (h - i) * (sorted_rows[:, j] - sorted_rows[:, i])
+
+
+def _order_stat(sorted_values: np.ndarray, p: float) -> float:
+    """The percentile interval's end: order statistic ceil(N p) (no interpolation, so a +inf
+    change over a zero base stays +inf instead of turning NaN)."""
+    return float(sorted_values[max(int(np.ceil(len(sorted_values) * p)) - 1, 0)])
 
 
 def _rel(base: np.ndarray, cand: np.ndarray) -> np.ndarray:
@@ -250,12 +274,29 @@ def representative_sequence(k: pd.DataFrame) -> tuple[list[str], list[float]]:
     median duration (ns) of each position over the steps that ran exactly that list."""
     if k.empty:
         return [], []
-    k = k[k["rank"] == k["rank"].min()].sort_values(["start_ns", "end_ns"])
-    steps = {s: g for s, g in k.groupby(k["step_index"].fillna(0))}
-    seqs = {s: tuple(g["name"]) for s, g in steps.items()}
-    names, _ = Counter(seqs.values()).most_common(1)[0]
-    durs = np.array([steps[s]["dur"].to_numpy() for s in steps if seqs[s] == names], dtype=float)
-    return list(names), [float(x) for x in np.median(durs, axis=0)]
+    k = k[k["rank"] == k["rank"].min()]
+    step = k["step_index"].fillna(0).to_numpy()
+    order = np.lexsort((k["end_ns"].to_numpy(), k["start_ns"].to_numpy(), step))
+    step, names, durs = step[order], k["name"].to_numpy()[order], k["dur"].to_numpy()[order]
+    cuts = np.flatnonzero(np.diff(step)) + 1
+    seqs = [tuple(x) for x in np.split(names, cuts)]
+    best, _ = Counter(seqs).most_common(1)[0]
+    per_step = [d for d, sq in zip(np.split(durs, cuts), seqs) if sq == best]
+    return list(best), [float(x) for x in np.median(np.array(per_step, dtype=float), axis=0)]
+
+
+class _Sequences(dict):
+    """(layer kind, layer index, op) -> representative_sequence, computed when first asked for."""
+
+    def __init__(self, kernels: pd.DataFrame) -> None:
+        super().__init__()
+        self.frame = _fill_keys(kernels)
+        self.groups = self.frame.groupby(["k_kind", "k_index", "k_op"]).indices
+
+    def __missing__(self, key: tuple[str, int, str]) -> tuple[list[str], list[float]]:
+        rows = self.groups.get(key)
+        self[key] = representative_sequence(self.frame.iloc[rows]) if rows is not None else ([], [])
+        return self[key]
 
 
 def kernel_changes(base: tuple[list[str], list[float]], cand: tuple[list[str], list[float]]) -> list[dict[str, Any]]:
@@ -430,8 +471,7 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
         row.update(verdict="added" if b is None else "removed", median=None, p90=None)
         return row
     bm, cm = b[col].to_numpy(dtype=float), c[col].to_numpy(dtype=float)
-    row["median"] = bootstrap_change(bm, cm, 0.5, resamples, seed)
-    row["p90"] = bootstrap_change(bm, cm, 0.9, resamples, seed)
+    row["median"], row["p90"] = bootstrap_changes(bm, cm, (0.5, 0.9), resamples, seed)
     m = row["median"]
     if metric == "kernels":
         worse, better = m["delta"] > min_delta, m["delta"] < -min_delta
@@ -445,9 +485,7 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
 def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: float,
              values: tuple[dict[Key, pd.DataFrame], dict[Key, pd.DataFrame]]) -> None:
     """Attach to each regression its ops, kernel-level changes and time decomposition."""
-    # one representative kernel sequence per (layer kind, layer index, op) and side, computed once
-    seqs = [{k: representative_sequence(g) for k, g in _fill_keys(side.kernels).groupby(["k_kind", "k_index", "k_op"])}
-            for side in (base, cand)]
+    seqs = [_Sequences(base.kernels), _Sequences(cand.kernels)]  # per (layer, op), once, when asked
     by_key = {(r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""): r
               for r in rows}
     for r in rows:
@@ -461,7 +499,7 @@ def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metri
         kernels: list[dict[str, Any]] = []
         for leaf in ops:
             lk = (leaf["layer_kind"] or "", leaf["layer_index"] if leaf["layer_index"] is not None else -1, leaf["op"])
-            for ch in kernel_changes(seqs[0].get(lk, ([], [])), seqs[1].get(lk, ([], []))):
+            for ch in kernel_changes(seqs[0][lk], seqs[1][lk]):
                 if ch["change"] != "same" or abs(ch["delta_ns"]) >= min_delta:
                     kernels.append({"layer": leaf["layer"], "op": leaf["op"], **ch})
         kernels.sort(key=lambda x: -abs(x["delta_ns"]))
