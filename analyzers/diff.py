@@ -433,7 +433,12 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
     alignment = {"matched": sum(1 for k in bv if k in cv), "base_only": sum(1 for k in bv if k not in cv),
                  "cand_only": sum(1 for k in cv if k not in bv), "aligned_by": "kernel name" if mode != "layers"
                  else "(layer kind, layer index, op)", "fallback_reason": reason}
-    return DiffReport(_side_info(base, bv), _side_info(cand, cv), mode, settings, rows, alignment, increases, notes)
+    info = _side_info(base, bv), _side_info(cand, cv)
+    single = [role for role, i in zip(("base", "candidate"), info) if i["steps"] == 1]
+    if single:
+        notes.append(f"single step on {' and '.join(single)}: the confidence intervals are degenerate, "
+                     "so the gate uses point estimates (capture more steps)")
+    return DiffReport(*info, mode, settings, rows, alignment, increases, notes)
 
 
 def _side_notes(base: list[str], cand: list[str]) -> list[str]:

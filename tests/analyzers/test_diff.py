@@ -102,6 +102,7 @@ def test_single_step_is_degenerate_point_estimate() -> None:
     assert "single step on base" in row["median"]["degenerate"]
     assert row["median"]["ci_pct"][0] == row["median"]["ci_pct"][1] == row["median"]["change_pct"]
     assert row["verdict"] == "regression"
+    assert any(n.startswith("single step on base: the confidence intervals are degenerate") for n in rep.notes)
 
 
 def test_bootstrap_is_seeded_and_brackets_the_point() -> None:
