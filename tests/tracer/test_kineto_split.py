@@ -92,3 +92,19 @@ def test_metadata_says_how_each_file_was_parsed(tmp_path: Path, monkeypatch: pyt
     assert parsed[0].endswith(" chunks") and int(parsed[0].split()[0]) > 5
     assert parsed[1].startswith("whole document (chunked read failed")
     assert con.execute("SELECT count(*) FROM kernels WHERE run_id = 2").fetchall() == [(5,)]
+
+
+def test_lists_of_objects_after_the_events(tmp_path: Path) -> None:
+    """TraceLens re-serialises with traceEvents first and deviceProperties (a list of objects)
+    after it: the event list must end at its own bracket, not at deviceProperties'."""
+    events = json.loads(_builder(50).to_json())["traceEvents"]
+    doc = {"metadata": {"x": 1}, "traceEvents": events, "schemaVersion": 1,
+           "deviceProperties": [{"id": 0, "name": "A"}, {"id": 1, "name": "B"}], "baseTimeNanoseconds": 7}
+    path = tmp_path / "tl.json"
+    path.write_text(json.dumps(doc, indent=2))
+    work = tmp_path / "w"
+    work.mkdir()
+    split = split_trace(path, work, target_chunk_bytes=1_000)
+    assert split is not None and split.meta["deviceProperties"] == doc["deviceProperties"]
+    got = [e for c in split.chunks for e in json.loads(c.read_text())]
+    assert got == events

@@ -46,11 +46,19 @@ def _raw_text(path: Path) -> bytes | None:
 
 _SEP = re.compile(rb"\}\s*,\s*\{")
 _CLOSE = re.compile(rb"\}\s*\]")
-_MAX_TAIL_TRIES = 16
+_MAX_TAIL_TRIES = 64
 
 
-def _meta_with_tail(raw: bytes, bracket: int, body_start: int) -> tuple[dict, int] | None:
-    """The document with an empty traceEvents list, and where the events end (exclusive)."""
+def _tail(raw: bytes, bracket: int, body_start: int) -> tuple[dict, int] | None:
+    """Where the event list ends: (document without its events, end offset), or None.
+
+    A `}` `]` pair can end the list when the document minus the cut region is valid JSON with
+    an empty traceEvents. A pair inside the events never qualifies (the remainder would start
+    with more events); a later one can (a list of objects after traceEvents, such as
+    TraceLens's deviceProperties, looks the same), but it cuts away more than events. So the
+    earliest qualifying pair is the end. Pairs are tried from the end of the file backwards.
+    """
+    found: tuple[dict, int] | None = None
     closes = [m.start() for m in _CLOSE.finditer(raw, max(body_start, len(raw) - (1 << 20)))]
     if not closes:
         closes = [m.start() for m in _CLOSE.finditer(raw, body_start)]
@@ -61,8 +69,32 @@ def _meta_with_tail(raw: bytes, bracket: int, body_start: int) -> tuple[dict, in
         except orjson.JSONDecodeError:
             continue
         if isinstance(meta, dict) and meta.get("traceEvents") == []:
-            return meta, close + 1
-    return None
+            found = (meta, close + 1)
+    return found
+
+
+def _cuts(raw: bytes, body_start: int, body_end: int, target: int) -> list[tuple[int, int]]:
+    """(start, end) of each chunk: runs of whole events of about `target` bytes."""
+    starts = [body_start]
+    ends = []
+    pos = body_start + max(target, 1)
+    while pos < body_end:
+        m = _SEP.search(raw, pos, body_end)
+        if m is None:
+            break
+        ends.append(m.start() + 1)      # this chunk ends after "}"
+        starts.append(m.end() - 1)      # the next starts at "{"
+        pos = m.end() + target
+    ends.append(body_end)
+    return list(zip(starts, ends))
+
+
+def _parses(text: bytes) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def split_trace(path: Path, workdir: Path, target_chunk_bytes: int = 8 << 20) -> Split | None:
@@ -87,23 +119,17 @@ def split_trace(path: Path, workdir: Path, target_chunk_bytes: int = 8 << 20) ->
         return Split(meta, []) if isinstance(meta, dict) else None
     if raw[body_start:body_start + 1] != b"{":
         return None
-    found = _meta_with_tail(raw, bracket, body_start)
-    if found is None:
+    tail = _tail(raw, bracket, body_start)
+    if tail is None:
         return None
-    meta, body_end = found
-
-    cuts = [(body_start, None)]
-    pos = body_start + max(target_chunk_bytes, 1)
-    while pos < body_end:
-        m = _SEP.search(raw, pos, body_end)
-        if m is None:
-            break
-        cuts.append((m.end() - 1, m.start() + 1))  # next chunk starts at "{", this one ends after "}"
-        pos = m.end() + target_chunk_bytes
+    meta, body_end = tail
+    cuts = _cuts(raw, body_start, body_end, target_chunk_bytes)
+    a, b = cuts[-1]
+    if not _parses(b"[" + raw[a:b] + b"]"):  # the last chunk must be whole events
+        return None
     view = memoryview(raw)
     chunks: list[Path] = []
-    for i, (a, _) in enumerate(cuts):
-        b = cuts[i + 1][1] if i + 1 < len(cuts) else body_end
+    for i, (a, b) in enumerate(cuts):
         out = workdir / f"{path.name}.{i:04d}.json"
         with out.open("wb") as fh:
             fh.write(b"[")
