@@ -22,9 +22,10 @@ from tracer.store import open_store
 
 TRACES = sorted((Path(__file__).resolve().parents[2] / "traces").glob("*.json.gz"))
 # Graph-mode captures record no comm stream and their replayed kernels have no enclosing op range,
-# so the classifier (tracer/classify) cannot see their collectives yet: strict xfail, so the day
-# the classifier uses the capture map this test turns red and the mark is removed.
-GRAPH_GAP = pytest.mark.xfail(strict=True, reason="classifier does not use graph_capture_map ops for graph replays")
+# so the classifier (tracer/classify) cannot see their collectives yet. Not strict: when the
+# classifier learns the capture map these cases XPASS (visible in -ra) without turning CI red
+# for whoever fixes it; then drop the mark.
+GRAPH_GAP = pytest.mark.xfail(strict=False, reason="classifier does not use graph_capture_map ops for graph replays")
 
 
 def params() -> list:
