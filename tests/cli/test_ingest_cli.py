@@ -28,6 +28,7 @@ def test_ingest_prints_one_line_per_run_and_detects_reingest(tmp_path: Path) -> 
         b.write(folder / f"r{rank}.json")
     res = CliRunner().invoke(main, ["ingest", str(a), str(folder), "--db", str(db)])
     assert res.exit_code == OK, res.output
+    assert res.stderr == ""  # no progress output when stderr is not a terminal
     assert res.stdout.splitlines() == ["run 1 a: 3 kernels, 1 ranks, 2 streams",
                                        "run 2 two: 2 kernels, 2 ranks, 2 streams"]
     res = CliRunner().invoke(main, ["ingest", str(a), "--db", str(db), "--name", "renamed"])

@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.kineto_builder import KinetoTraceBuilder
 from tracer import classify
@@ -132,3 +134,22 @@ def test_unknown_event_kinds_are_counted(tmp_path: Path) -> None:
     meta = json.loads(_rows(con, "SELECT metadata FROM runs")[0][0])
     assert meta["unhandled_events"] == {"X/overhead": 1, "s/ac2g": 1, "M/": 1, "i/": 1}
     assert meta["events"] == {"X/kernel": 1, "X/cuda_runtime": 1}
+
+
+@settings(max_examples=25, deadline=None)
+@given(base=st.one_of(st.none(), st.integers(0, 2_000_000_000_000_000_000)),
+       starts=st.lists(st.integers(0, 5_000_000_000_000_000), min_size=1, max_size=8),
+       durs=st.lists(st.integers(0, 10_000_000_000), min_size=8, max_size=8),
+       gz=st.booleans())
+def test_any_timestamp_is_stored_exactly(tmp_path_factory, base, starts, durs, gz) -> None:
+    """Random bases and offsets up to 5e15 ns (5e12 µs, past DOUBLE's exact range) round-trip."""
+    b = KinetoTraceBuilder(base_time_ns=base)
+    expected = []
+    for s, d in zip(starts, durs):
+        start = (base or 0) + s
+        b.kernel("k", start, d)
+        expected.append((start, start + d))
+    path = b.write(tmp_path_factory.mktemp("ts") / ("t.json.gz" if gz else "t.json"), gz=gz)
+    con = open_store(None)
+    ingest_path(con, path, progress=False)
+    assert sorted(_rows(con, "SELECT start_ns, end_ns FROM kernels")) == sorted(expected)
