@@ -278,14 +278,15 @@ def test_k3_trace_against_itself_passes(k3: dict) -> None:
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_k3_stock_to_fused_when_captured(k3: dict, mode: str) -> None:
-    """Fused replaces stock kernels by fewer ones under the same ops: it aligns by layer and op
-    and never adds kernels to a layer (fused traces come from the GPU machine, when they exist)."""
+    """Fused keeps stock's layers and NVTX op names while its kernels differ in name and number:
+    every layer aligns, whatever the kernels (fused traces come from the GPU machine, if ever)."""
     from analyzers.diff import compare
 
     stock, fused = (k3["get"](f"k3_{v}_b1_k0_{mode}.json.gz") for v in ("stock", "fused"))
     doc = compare(stock, fused).to_dict()
-    assert doc["mode"] == "layers" and doc["alignment"]["matched"] > 0
-    assert not [x for x in doc["kernel_count_increases"] if x["op"] is None]
+    assert doc["mode"] == "layers"
+    layers = {r["layer"] for r in doc["rows"] if r["op"] is None and r["layer"] != "all layers"}
+    assert layers and all(r["verdict"] not in ("added", "removed") for r in doc["rows"] if r["op"] is None)
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
