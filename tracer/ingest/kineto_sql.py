@@ -15,8 +15,6 @@ DOC_COLUMNS = (
     "'decodescope': 'JSON'}"
 )
 
-EVENT_STRUCT = ("STRUCT(ph VARCHAR, cat VARCHAR, name VARCHAR, ts DECIMAL(38,3), dur DECIMAL(38,3), "
-                "pid VARCHAR, tid VARCHAR, args JSON)")
 # Chunk files written by kineto_split: JSON arrays of events, read in parallel, file order kept.
 EVENT_COLUMNS = ("{'ph': 'VARCHAR', 'cat': 'VARCHAR', 'name': 'VARCHAR', 'ts': 'DECIMAL(38,3)', "
                  "'dur': 'DECIMAL(38,3)', 'pid': 'VARCHAR', 'tid': 'VARCHAR', 'args': 'JSON'}")
