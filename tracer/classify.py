@@ -85,6 +85,41 @@ NO_LAUNCH_OPS_SQL = """
 CREATE OR REPLACE TEMP TABLE _launch_op (rank INTEGER, correlation BIGINT, op_name VARCHAR)
 """
 
+# Kernels replayed from a CUDA graph share the graph launch's correlation, and the launch sits
+# in no op annotation, so their launching op comes from the capture map our tracer records
+# (graph_capture_map: node_order -> op). A replay is the kernels of one cudaGraphLaunch, in
+# start order; it takes the map's ops only when it has exactly the map's kernel count and each
+# kernel's name equals the map's name at its position -- a strict check, never a guess (the
+# attribution analyzer also handles reordered concurrent streams; such replays stay unmatched
+# here and keep their name/stream-based category).
+GRAPH_OPS_SQL = """
+CREATE OR REPLACE TEMP TABLE _graph_op AS
+WITH _replay AS (
+  SELECT k.kernel_id, k.rank, k.name,
+         row_number() OVER (PARTITION BY k.rank, k.correlation ORDER BY k.start_ns, k.kernel_id) - 1 AS node_order,
+         count(*) OVER (PARTITION BY k.rank, k.correlation) AS n_replay
+  FROM kernels AS k
+  WHERE k.run_id = ? AND EXISTS (
+    SELECT 1 FROM api_calls AS a
+    WHERE a.run_id = k.run_id AND a.rank = k.rank AND a.correlation = k.correlation
+      AND a.name ILIKE '%GraphLaunch%')
+),
+_map AS (
+  SELECT rank, node_order, kernel_name, op_name, count(*) OVER (PARTITION BY rank) AS n_map
+  FROM graph_capture_map WHERE run_id = ?
+),
+_aligned AS (
+  SELECT r.kernel_id, r.rank, r.n_replay, m.op_name,
+         r.name = m.kernel_name AS same_name
+  FROM _replay AS r
+  JOIN _map AS m ON m.rank = r.rank AND m.node_order = r.node_order AND m.n_map = r.n_replay
+)
+SELECT 'kernels' AS item_table, kernel_id AS item_id, op_name
+FROM _aligned
+WHERE same_name
+"""
+NO_GRAPH_OPS_SQL = "CREATE OR REPLACE TEMP TABLE _graph_op (item_table VARCHAR, item_id BIGINT, op_name VARCHAR)"
+
 # Matching runs one statement per rule, with the regex as a bound constant (RE2 compiles it
 # once; a per-row pattern from a join compiles it per row, ~50x slower). Items a rule matches
 # are collected in _rule_hits; the lowest priority per item wins. `{table}`/`{id}` come from
@@ -94,12 +129,13 @@ INSERT INTO _rule_hits
 SELECT x.{id}, ?, ?
 FROM {table} AS x
 LEFT JOIN _launch_op AS o ON o.rank = x.rank AND o.correlation = x.correlation
+LEFT JOIN _graph_op AS go ON go.item_table = '{table}' AND go.item_id = x.{id}
 WHERE x.run_id = ? {clauses}
 """
 _CLAUSES = {
     "name_regex": "AND regexp_matches(x.name, ?)",
     "stream": "AND x.stream = ?",
-    "op_regex": "AND regexp_matches(o.op_name, ?)",
+    "op_regex": "AND regexp_matches(coalesce(go.op_name, o.op_name), ?)",
 }
 _APPLY_SQL = """
 UPDATE {table} SET category = m.category
@@ -203,10 +239,13 @@ def classify_run(con: duckdb.DuckDBPyConnection, run_id: int, user_rules: list[R
                                       for r in rules])
     if any(r.op_regex for r in rules):
         con.execute(LAUNCH_OPS_SQL, [run_id])
+        con.execute(GRAPH_OPS_SQL, [run_id, run_id])
     else:
         con.execute(NO_LAUNCH_OPS_SQL)
+        con.execute(NO_GRAPH_OPS_SQL)
     try:
         _apply_rules(con, run_id, rules)
     finally:
         con.execute("DROP TABLE IF EXISTS _launch_op")
+        con.execute("DROP TABLE IF EXISTS _graph_op")
     return rules

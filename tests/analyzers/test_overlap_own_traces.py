@@ -21,17 +21,13 @@ from tracer.ingest import ingest_path
 from tracer.store import open_store
 
 TRACES = sorted((Path(__file__).resolve().parents[2] / "traces").glob("*.json.gz"))
-# Graph-mode captures record no comm stream and their replayed kernels have no enclosing op range,
-# so the classifier (tracer/classify) cannot see their collectives yet. Not strict: when the
-# classifier learns the capture map these cases XPASS (visible in -ra) without turning CI red
-# for whoever fixes it; then drop the mark.
-GRAPH_GAP = pytest.mark.xfail(strict=False, reason="classifier does not use graph_capture_map ops for graph replays")
 
 
 def params() -> list:
     if not TRACES:
         return [pytest.param(None, marks=pytest.mark.skip(reason="no bundled traces under traces/ yet"))]
-    return [pytest.param(p, id=p.name, marks=[GRAPH_GAP] if "_graph" in p.name else []) for p in TRACES]
+    # Graph replays too: their collectives are classified through the capture map (tracer/classify).
+    return [pytest.param(p, id=p.name) for p in TRACES]
 
 
 def union(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
