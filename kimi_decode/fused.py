@@ -20,12 +20,17 @@ and the kernel is in `VERIFIED`):
   kernels/router.py gives those, for both paths to change together).
 - Shared expert on the side stream, next to the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts).
+- Projections at M ≤ 8 (the per-M table): a CuTe DSL GEMV streaming each weight once
+  (kernels/gemv.py) for in_proj, o_proj, qkv_a, g_proj, q_b, latent_down, shared gate_up;
+  cuBLAS above M = 8 and where K is not a multiple of 256 (shared down, K = 384).
+- MLA: g_proj stays on the side stream until the gate multiply (stock joins at once).
 - `prefetch`: after the routed experts are issued, a side-stream kernel pulls the first
   `PREFETCH_BYTES` of the next layer's first attention weight into L2 (kernels/l2_prefetch.py).
 
-Still stock torch ops (not fused yet): in_proj, o_proj and the all-reduce (no GEMV+AR+AttnRes
-kernel), the whole MLA attention, the routed experts (grouped GEMMs), the MoE tail
-(collectives, latent RMSNorm, up-projection), the dense layer-0 MLP.
+Still stock torch ops (not fused yet): o_proj + all-reduce + AttnRes stay three launches (no
+GEMV+AR+AttnRes kernel); the MLA chain (norms, q_b, W_UK, KV insert, attention, W_UV, gate)
+apart from its projections; the routed experts (grouped GEMMs); the MoE tail (collectives,
+latent RMSNorm, up-projection); the dense layer-0 MLP.
 
 On the CPU (no kernels) every op falls back to the stock ops, so fused equals stock exactly.
 """
@@ -50,6 +55,16 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
 def _kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool) -> torch.Tensor:
+    """x @ wᵀ. The per-M table: the CuTe GEMV (kernels/gemv.py) for M ≤ 8 where its shape
+    rules hold, cuBLAS otherwise."""
+    if use_gemv:
+        from kimi_decode.kernels.gemv import can_implement, gemv
+        if x.is_contiguous() and can_implement(x.shape[0], w.shape[0], w.shape[1], (x.dtype, w.dtype)):
+            return gemv(x, w)
+    return x @ w.t()
 
 
 def _restate(module: nn.Module, cls: type) -> nn.Module:
@@ -116,30 +131,82 @@ class AttnRes(stock.AttnRes):
 
 
 class KDAAttention(stock.KDAAttention):
-    """in_proj GEMM, one fused KDA kernel, o_proj, all-reduce."""
+    """in_proj GEMV, one fused KDA kernel, o_proj GEMV, all-reduce."""
 
     use_kernel = False
+    use_gemv = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_kernel:
+        if not (self.use_kernel or self.use_gemv):
             return super().forward(x)
-        from kimi_decode.kernels.kda_decode import KDAConfig, kda_decode
-        cfg = self.cfg
+        cfg, fx = self.cfg, self.fx
+        H, d, P = cfg.kda_local_heads, cfg.kda_head_dim, cfg.kda_local_dim
         with op_range("in_proj"):
-            z = x @ self.in_proj.t()                                                   # [M, R]
-        with op_range("kda_recurrence"):
-            kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq,
-                             cfg.in_proj_rows, cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
-            o = kda_decode(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias, self.a_log,
-                           self.rec_state, self.o_norm, kcfg)                         # [M, P]
+            z = _linear(x, self.in_proj, self.use_gemv)                                # [M, R]
+        if self.use_kernel:
+            from kimi_decode.kernels.kda_decode import KDAConfig, kda_decode
+            with op_range("kda_recurrence"):
+                kcfg = KDAConfig(H, d, cfg.tokens_per_seq, cfg.in_proj_rows, cfg.gate_lower_bound,
+                                 1e-6, cfg.rms_eps)
+                o = kda_decode(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias, self.a_log,
+                               self.rec_state, self.o_norm, kcfg)                     # [M, P]
+        else:                                                                          # stock ops
+            qkv, gate_out = z[:, :3 * P], z[:, 3 * P:4 * P]
+            f_a, beta_in = z[:, 4 * P:4 * P + d], z[:, 4 * P + d:4 * P + d + H]
+            with op_range("f_b_proj"):
+                f_b = f_a @ self.f_b.t()
+            with op_range("conv"):
+                act, conv_state = fx["conv"](self.conv_state, qkv, self.conv_w, cfg.batch)
+                self.conv_state.copy_(conv_state)
+            with op_range("kda_recurrence"):
+                o, S = fx["rec"](act, f_b, beta_in, self.dt_bias, self.a_log, self.rec_state,
+                                 cfg.gate_lower_bound, H)
+                self.rec_state.copy_(S)
+            with op_range("o_norm"):
+                o = fx["norm"](o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)
         with op_range("o_proj"):
-            out = o @ self.o_proj.t()
+            out = _linear(o, self.o_proj, self.use_gemv)
         with op_range("all_reduce"):
             return self.rt.comm.all_reduce(out)
 
 
 class MLAAttention(stock.MLAAttention):
-    """Not fused yet: the stock op sequence."""
+    """The stock op sequence with GEMVs for the projections, and g_proj on the side stream
+    until the gate multiply needs it (stock joins right after issuing it)."""
+
+    use_gemv = False
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if not self.use_gemv:
+            return super().forward(x, pos)
+        cfg, fx, lin = self.cfg, self.fx, self.use_gemv
+        B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
+        nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+        with _on_side(self.rt, x), op_range("g_proj"):
+            g = _linear(x, self.g_proj, lin)                                           # [M, H*vd]
+        with op_range("qkv_a"):
+            a = _linear(x, self.qkv_a, lin)                                            # [M, ql+c+rope]
+        with op_range("qkv_norm"):
+            qa, ckv = fx["norms"](a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
+        with op_range("q_b_proj"):
+            q = _linear(qa, self.q_b, lin).reshape(-1, H, nope + rope)                 # [M, H, 192]
+        with op_range("uk_bmm"):
+            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)
+        with op_range("kv_insert"):
+            q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).reshape(B, T * H, c + rope)
+            last = pos + torch.arange(T, device=x.device)
+            self.cache.index_copy_(1, last, torch.cat([ckv, a[:, ql + c:]], dim=-1).reshape(B, T, c + rope))
+        with op_range("mla_decode"):
+            o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
+        with op_range("uv_bmm"):
+            o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
+        _join(self.rt, g)
+        with op_range("gate_mul"):
+            o = fx["gate"](o.reshape(B * T, -1), g)
+        with op_range("o_proj"):
+            out = _linear(o, self.o_proj, lin)
+        with op_range("all_reduce"):
+            return self.rt.comm.all_reduce(out)
 
 
 class LatentMoE(stock.LatentMoE):
@@ -147,6 +214,7 @@ class LatentMoE(stock.LatentMoE):
     L2 prefetch of the next layer's weights; experts and tail as stock."""
 
     use_router_kernel = False
+    use_gemv = False
     prefetch_target: torch.Tensor | None = None
 
     def _route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,10 +230,11 @@ class LatentMoE(stock.LatentMoE):
         Is, n = cfg.shared_local_inter, cfg.row_shard
         with _on_side(self.rt, y):
             with op_range("latent_down"):
-                z = y @ self.down.t()                                                  # [M, L]
+                z = _linear(y, self.down, self.use_gemv)                               # [M, L]
             with op_range("shared_expert"):
-                sh = fx["situ"](y @ self.shared_gate_up.t(), Is, cfg.situ_beta, cfg.situ_linear_beta)
-                sh = sh @ self.shared_down.t()                                         # [M, D] partial
+                h = _linear(y, self.shared_gate_up, self.use_gemv)
+                sh = fx["situ"](h, Is, cfg.situ_beta, cfg.situ_linear_beta)
+                sh = _linear(sh, self.shared_down, self.use_gemv)                      # [M, D] partial
         with op_range("router"):
             idx, w = self._route(y)                                                    # [M, K]
             self.last_idx = idx
@@ -250,8 +319,11 @@ class FusedDecoder(StockDecoder):
                 res.use_kernel = "attn_res" in on
             if isinstance(layer.attn, KDAAttention):
                 layer.attn.use_kernel = "kda" in on
+            if isinstance(layer.attn, (KDAAttention, MLAAttention)):
+                layer.attn.use_gemv = "gemv" in on
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.use_router_kernel = "router" in on
+                layer.mlp.use_gemv = "gemv" in on
                 if "router" in on and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))

@@ -9,7 +9,7 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-KERNELS = ("attn_res", "kda", "router", "prefetch")
+KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch")
 
 
 def applicable(name: str, cfg: object) -> bool:
@@ -26,6 +26,8 @@ def applicable(name: str, cfg: object) -> bool:
     if name == "router":
         from kimi_decode.kernels.router import can_implement
         return can_implement(cfg.hidden, cfg.num_experts, cfg.top_k, (cfg.torch_dtype,))
+    if name == "gemv":
+        return cfg.torch_dtype == torch.bfloat16
     if name == "prefetch":
         return True
     raise KeyError(f"unknown kernel {name!r}; known: {KERNELS}")

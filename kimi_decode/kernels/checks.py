@@ -184,6 +184,37 @@ def check_kda(batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0,
     return out
 
 
+GEMV_SHAPES = {"in_proj": (3216, 7168), "o_proj": (7168, 768), "qkv_a": (2112, 7168),
+               "g_proj": (768, 7168), "q_b": (1152, 1536), "latent_down": (3584, 7168),
+               "shared_gate_up": (768, 7168)}
+
+
+def check_gemv(rows: tuple[int, ...] = (1, 8), timing: bool = True,
+               shapes: dict[str, tuple[int, int]] | None = None) -> list[dict]:
+    """Kernel vs torch's x @ wᵀ (the stock projection op) on the K3 TP16 projection shapes."""
+    from kimi_decode.kernels.gemv import gemv
+    dev = torch.device(DEVICE)
+    out = []
+    for name, (n, k) in (shapes or GEMV_SHAPES).items():
+        gen = torch.Generator(device=dev).manual_seed(n + k)
+        w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+            with torch.no_grad():
+                y_s, y_k = x @ w.t(), gemv(x, w)
+            _sync()
+            ref = x.double() @ w.double().t()
+            e_ks, e_k, e_s = rel(y_k, y_s), rel(y_k, ref), rel(y_s, ref)
+            r = {"kernel": "gemv", "op": name, "M": m, "N": n, "K": k, "rel_vs_stock": e_ks,
+                 "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s, "ok": e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3}
+            if timing:
+                r["stock_us"] = time_us(lambda: x @ w.t())
+                r["kernel_us"] = time_us(lambda: gemv(x, w))
+                r["kernel_tbs"] = n * k * 2 / (r["kernel_us"] * 1e-6) / 1e12
+            out.append(r)
+    return out
+
+
 def check_prefetch(timing: bool = True) -> list[dict]:
     """A bf16 GEMV over the KDA in_proj weight [3216, 7168] from HBM (L2 flushed) vs after a
     prefetch of its first 24 MB; the kernel must run and the GEMV result must not change."""
@@ -219,7 +250,7 @@ def check_prefetch(timing: bool = True) -> list[dict]:
 
 
 CHECKS = {"attn_res": check_attn_res, "router": check_router, "kda": check_kda,
-          "prefetch": check_prefetch}
+          "gemv": check_gemv, "prefetch": check_prefetch}
 
 
 def _print(rows: list[dict]) -> None:
@@ -237,6 +268,10 @@ def main_router() -> None:
 
 def main_kda() -> None:
     _print(check_kda())
+
+
+def main_gemv() -> None:
+    _print(check_gemv())
 
 
 def main_prefetch() -> None:

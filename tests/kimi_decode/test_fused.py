@@ -138,16 +138,21 @@ def _emulate_route(y, w_gate, bias, top_k, scaling, counter, logits_bf16=True):
     return ids, w.to(torch.float32)
 
 
-def test_kernel_call_sites_on_cpu(monkeypatch) -> None:
+@pytest.mark.parametrize("kda_kernel", [True, False])
+def test_kernel_call_sites_on_cpu(monkeypatch, kda_kernel: bool) -> None:
     """Every kernel path of fused.py switched on, each kernel emulated in torch: the step must
     still match stock (float64 emulations, so up to float32 rounding, 1e-5), state included.
     This checks the wiring the GPU run relies on (argument order, prefix reset vs add, block
     writes, the side-stream MoE order, prefetch targets), not the kernels."""
     pytest.importorskip("cutlass")
     import kimi_decode.kernels.attn_res as k_ar
+    import kimi_decode.kernels.gemv as k_gemv
     import kimi_decode.kernels.kda_decode as k_kda
     import kimi_decode.kernels.l2_prefetch as k_pf
     import kimi_decode.kernels.router as k_router
+    gemv_calls = []
+    monkeypatch.setattr(k_gemv, "can_implement", lambda *a: True)
+    monkeypatch.setattr(k_gemv, "gemv", lambda x, w: gemv_calls.append(w.shape) or x @ w.t())
     monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res)
     monkeypatch.setattr(k_kda, "kda_decode", _emulate_kda)
     monkeypatch.setattr(k_router, "route", _emulate_route)
@@ -159,7 +164,8 @@ def test_kernel_call_sites_on_cpu(monkeypatch) -> None:
     for i, layer in enumerate(fused.layers):
         layer.attn_res.use_kernel = layer.mlp_res.use_kernel = True
         if hasattr(layer.attn, "use_kernel"):
-            layer.attn.use_kernel = True
+            layer.attn.use_kernel = kda_kernel
+        layer.attn.use_gemv = layer.mlp.use_gemv = True
         layer.mlp.use_router_kernel = True
         layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
         nxt = fused.layers[i + 1].attn if i + 1 < len(fused.layers) else None
@@ -178,6 +184,8 @@ def test_kernel_call_sites_on_cpu(monkeypatch) -> None:
         if buf.is_floating_point():
             assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
     assert len(prefetched) == 2 * 5          # every MoE layer but the last, each step
+    # per step: KDA in_proj + o_proj (x4 layers), MLA g, qkv_a, q_b, o (x2), MoE 3 each (x6)
+    assert len(gemv_calls) == 2 * (4 * 2 + 2 * 4 + 6 * 3)
     assert prefetched[0].data_ptr() == fused.layers[1].attn.in_proj.data_ptr()   # layer 4: KDA
 
 

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("cutlass")
 
 import kimi_decode.kernels.attn_res as k_ar  # noqa: E402
+import kimi_decode.kernels.gemv as k_gemv  # noqa: E402
 import kimi_decode.kernels.kda_decode as k_kda  # noqa: E402
 import kimi_decode.kernels.l2_prefetch as k_pf  # noqa: E402
 import kimi_decode.kernels.router as k_router  # noqa: E402
@@ -33,16 +34,18 @@ def emulated(monkeypatch):
     monkeypatch.setattr(k_kda, "kda_decode", _emulate_kda)
     monkeypatch.setattr(k_router, "route", _emulate_route_bf16)
     monkeypatch.setattr(k_pf, "prefetch_l2", lambda t, n=None: None)
+    monkeypatch.setattr(k_gemv, "gemv", lambda x, w: (x.double() @ w.double().t()).to(x.dtype))
     return monkeypatch
 
 
 def test_harness_passes_faithful_emulations(emulated) -> None:
     rows = (checks.check_attn_res(rows=(1, 4), nbs=(1, 8), timing=False)
             + checks.check_router(rows=(1, 8, 20), timing=False)
-            + checks.check_kda(batches=(1,), spec=(0, 7), timing=False))
+            + checks.check_kda(batches=(1,), spec=(0, 7), timing=False)
+            + checks.check_gemv(rows=(1, 8), timing=False, shapes={"o_proj": (7168, 768), "q_b": (1152, 1536)}))
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
-    assert {r["kernel"] for r in rows} == {"attn_res", "router", "kda"}
+    assert {r["kernel"] for r in rows} == {"attn_res", "router", "kda", "gemv"}
 
 
 def test_harness_rejects_a_wrong_kernel(emulated) -> None:

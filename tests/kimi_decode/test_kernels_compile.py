@@ -23,6 +23,8 @@ from kimi_decode.kernels.attn_res import AttnResConfig, AttnResRMSNorm  # noqa: 
 from kimi_decode.kernels.attn_res import can_implement as ar_can  # noqa: E402
 from kimi_decode.kernels.kda_decode import KDAConfig, KDADecode  # noqa: E402
 from kimi_decode.kernels.kda_decode import can_implement as kda_can  # noqa: E402
+from kimi_decode.kernels.gemv import Gemv, GemvConfig  # noqa: E402
+from kimi_decode.kernels.gemv import can_implement as gemv_can  # noqa: E402
 from kimi_decode.kernels.l2_prefetch import L2Prefetch  # noqa: E402
 from kimi_decode.kernels.router import Router, config_for  # noqa: E402
 from kimi_decode.kernels.router import can_implement as router_can  # noqa: E402
@@ -68,6 +70,12 @@ def test_kda_compiles(tmp_path: Path) -> None:
     assert "bar.sync" in ptx
 
 
+def test_gemv_compiles(tmp_path: Path) -> None:
+    ptx = ptx_of(tmp_path, Gemv(GemvConfig(3216, 7168, 8)), P(bf), P(bf), P(bf))
+    common_checks(ptx)
+    assert "ld.global.v4" in ptx
+
+
 def test_prefetch_compiles(tmp_path: Path) -> None:
     ptx = ptx_of(tmp_path, L2Prefetch(), P(torch.uint8), Int32(16))
     common_checks(ptx)
@@ -81,3 +89,5 @@ def test_can_implement_matches_k3_and_rejects_tiny() -> None:
     assert kda_can(6, 128, 4, 3216, (bf,)) and not kda_can(4, 16, 4, 80, (f32,))
     assert router_can(7168, 896, 16, (bf,)) and not router_can(64, 16, 4, (f32,))
     assert not config_for(17, 7168, 896, 16, 1.0).gemv
+    assert gemv_can(8, 3216, 7168, (bf, bf)) and not gemv_can(9, 3216, 7168, (bf, bf))
+    assert not gemv_can(1, 7168, 384, (bf, bf))            # shared down: K = 384 stays cuBLAS
