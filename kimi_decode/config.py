@@ -74,6 +74,12 @@ class KimiConfig:
     # compile each non-GEMM op group with torch.compile (~1 Triton kernel each, as vLLM's
     # fused kernels); off = plain eager ops (CPU tests)
     compile_ops: bool = False
+    # with compile_ops on CUDA: the op groups inductor cannot make one kernel (skinny GEMMs,
+    # AttnRes, conv, recurrent KDA, routing, experts, latent up-proj) run the Triton kernels of
+    # stock_triton.py, as stock vLLM's Triton / skinny-GEMM kernels; `triton_off` names op
+    # groups of stock_ops.TRITON_OPS that stay torch (e.g. one whose device check failed)
+    triton_ops: bool = True
+    triton_off: tuple[str, ...] = ()
     # --- run parameters ---
     batch: int = 1
     spec_tokens: int = 0                # k: draft rows verified per sequence (0 or 7)
@@ -90,6 +96,7 @@ class KimiConfig:
 
     def __post_init__(self) -> None:
         self.layers = tuple(int(i) for i in self.layers)
+        self.triton_off = tuple(self.triton_off)
         if self.expert_impl == "auto":
             self.expert_impl = "grouped_mm" if hasattr(torch, "_grouped_mm") else "gather_bmm"
         if self.expert_impl not in ("grouped_mm", "gather_bmm"):
@@ -160,6 +167,7 @@ class KimiConfig:
         """All fields, JSON-friendly, derived sizes included (for trace metadata)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "derived"}
         out["layers"] = list(self.layers)
+        out["triton_off"] = list(self.triton_off)
         out["mla_layers_1idx"] = list(self.mla_layers_1idx)
         out["layer_kinds"] = [self.layer_kind(i) for i in self.layers]
         out["derived"] = dict(self.derived)

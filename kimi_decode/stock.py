@@ -53,8 +53,7 @@ class AttnRes(nn.Module):
         super().__init__()
         D = cfg.hidden
         self.eps = cfg.rms_eps
-        self.mix_fn = ops.maybe_compiled(ops.attn_res_mix, cfg.compile_ops)
-        self.update_fn = ops.maybe_compiled(ops.res_mix, cfg.compile_ops)
+        self.k = ops.OpSet(cfg)
         w_norm = seed.replicated("res_norm", (D,), 0.1, 1.0)
         w_proj = seed.replicated("res_proj", (D,), D ** -0.5)
         self.w = _param(w_norm * w_proj, torch.float32)  # fused at load, as llama.cpp does
@@ -62,12 +61,12 @@ class AttnRes(nn.Module):
 
     def forward(self, prefix: torch.Tensor, blocks: torch.Tensor, nb: int) -> torch.Tensor:
         """RMSNorm(mix of [blocks[:nb], prefix])."""
-        return self.mix_fn(prefix, blocks, self.w, self.norm, self.eps, nb)
+        return self.k.attn_res_mix(prefix, blocks, self.w, self.norm, self.eps, nb)
 
     def update_and_mix(self, base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, nb: int,
                        reset: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(new prefix, normalised mix) with prefix = delta if reset else base + delta: one op."""
-        return self.update_fn(base, delta, blocks, self.w, self.norm, self.eps, nb, reset)
+        return self.k.res_mix(base, delta, blocks, self.w, self.norm, self.eps, nb, reset)
 
 
 class KDAAttention(nn.Module):
@@ -97,29 +96,29 @@ class KDAAttention(nn.Module):
         self.register_buffer("conv_state", (seed.sharded("conv_state0", (B, 3, Hf * d, cfg.conv_kernel - 1), 2)
                                             .reshape(B, 3 * P, cfg.conv_kernel - 1).to(dt)))
         self.register_buffer("rec_state", seed.sharded("rec_state0", (B, Hf, d, d), 1, 0.05))
+        self.k = ops.OpSet(cfg)
+        # the torch functions by name, as before OpSet (fused.py calls them)
         self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
                    (("conv", ops.conv_update), ("rec", ops.kda_recurrence), ("norm", ops.gated_rms_norm))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg, fx = self.cfg, self.fx
+        cfg, k = self.cfg, self.k
         H, d, P = cfg.kda_local_heads, cfg.kda_head_dim, cfg.kda_local_dim
         with op_range("in_proj"):
-            z = x @ self.in_proj.t()                                                   # [M, R]
+            z = k.linear(x, self.in_proj)                                              # [M, R]
         qkv, gate_out = z[:, :3 * P], z[:, 3 * P:4 * P]
         f_a, beta_in = z[:, 4 * P:4 * P + d], z[:, 4 * P + d:4 * P + d + H]
         with op_range("f_b_proj"):
-            f_b = f_a @ self.f_b.t()                                                   # [M, P]
+            f_b = k.linear(f_a, self.f_b)                                              # [M, P]
         with op_range("conv"):
-            act, conv_state = fx["conv"](self.conv_state, qkv, self.conv_w, cfg.batch)  # [B, T, 3P]
-            self.conv_state.copy_(conv_state)
+            act = k.conv_(self.conv_state, qkv, self.conv_w, cfg.batch)                # [B, T, 3P]
         with op_range("kda_recurrence"):
-            o, S = fx["rec"](act, f_b, beta_in, self.dt_bias, self.a_log, self.rec_state,
-                             cfg.gate_lower_bound, H)                                  # [M, H, d] fp32
-            self.rec_state.copy_(S)
+            o = k.kda_(act, f_b, beta_in, self.dt_bias, self.a_log, self.rec_state,
+                       cfg.gate_lower_bound, H)                                        # [M, H, d] fp32
         with op_range("o_norm"):
-            o = fx["norm"](o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)             # [M, P]
+            o = k.gated_rms_norm(o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)       # [M, P]
         with op_range("o_proj"):
-            out = o @ self.o_proj.t()
+            out = k.linear(o, self.o_proj)
         with op_range("all_reduce"):
             return self.rt.comm.all_reduce(out)
 
@@ -148,6 +147,7 @@ class MLAAttention(nn.Module):
         self.register_buffer("cache", cache.to(dt))
         self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
                    (("norms", ops.mla_norms), ("attend", ops.mla_attend), ("gate", ops.sigmoid_gate))}
+        self.k = ops.OpSet(cfg)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cfg, fx = self.cfg, self.fx
@@ -155,13 +155,13 @@ class MLAAttention(nn.Module):
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
         with self.rt.aux.run(x) as side:
             with op_range("g_proj"):
-                side.append(x @ self.g_proj.t())                                       # [M, H*vd]
+                side.append(self.k.linear(x, self.g_proj))                             # [M, H*vd]
         with op_range("qkv_a"):
-            a = x @ self.qkv_a.t()                                                     # [M, ql+c+rope]
+            a = self.k.linear(x, self.qkv_a)                                           # [M, ql+c+rope]
         with op_range("qkv_norm"):
             qa, ckv = fx["norms"](a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
-            q = (qa @ self.q_b.t()).reshape(-1, H, nope + rope)                        # [M, H, 192]
+            q = self.k.linear(qa, self.q_b).reshape(-1, H, nope + rope)                # [M, H, 192]
         with op_range("uk_bmm"):
             q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)  # [M, H, c]
         with op_range("kv_insert"):
@@ -175,7 +175,7 @@ class MLAAttention(nn.Module):
         with op_range("gate_mul"):
             o = fx["gate"](o.reshape(B * T, -1), side[0])
         with op_range("o_proj"):
-            out = o @ self.o_proj.t()
+            out = self.k.linear(o, self.o_proj)
         with op_range("all_reduce"):
             return self.rt.comm.all_reduce(out)
 
@@ -206,9 +206,8 @@ class LatentMoE(nn.Module):
         self.w2 = _param(torch.cat([w2, zpad.transpose(1, 2)], dim=2), dt)             # [E, L, Ip]
         self.expert_impl = cfg.expert_impl
         self.last_idx: torch.Tensor | None = None  # the latest routing, for byte counts in bench
-        self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
-                   (("situ", ops.situ_glu), ("route", ops.route), ("experts", ops.EXPERTS[cfg.expert_impl]),
-                    ("up", ops.latent_up))}
+        self.k = ops.OpSet(cfg)
+        self.fx = {"situ": self.k.situ, "route": self.k.route, "experts": self.k.experts, "up": self.k.up}
 
     def _experts(self, z: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs [M, K, L] (kept for fused.py, which finalizes itself)."""
@@ -216,16 +215,16 @@ class LatentMoE(nn.Module):
                                                     self.cfg.situ_linear_beta)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        cfg, fx = self.cfg, self.fx
+        cfg, fx, k = self.cfg, self.fx, self.k
         Is, n = cfg.shared_local_inter, cfg.row_shard
         with self.rt.aux.run(y) as side:
             with op_range("latent_down"):
-                side.append(y @ self.down.t())                                         # [M, L]
+                side.append(k.linear(y, self.down))                                    # [M, L]
         with op_range("router"):
-            logits = (y @ self.router.t()).float()                                     # [M, E]
+            logits = k.linear(y, self.router, torch.float32)                           # [M, E] fp32
         with op_range("shared_expert"):
-            sh = fx["situ"](y @ self.shared_gate_up.t(), Is, cfg.situ_beta, cfg.situ_linear_beta)
-            sh = sh @ self.shared_down.t()                                             # [M, D] partial
+            sh = fx["situ"](k.linear(y, self.shared_gate_up), Is, cfg.situ_beta, cfg.situ_linear_beta)
+            sh = k.linear(sh, self.shared_down)                                        # [M, D] partial
         with op_range("routing"):
             idx, w = fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)     # [M, K]
             self.last_idx = idx
@@ -251,16 +250,16 @@ class DenseMLP(nn.Module):
         gu = [seed.sharded(n, (If, D), 0, D ** -0.5) for n in ("gate_proj", "up_proj")]
         self.gate_up = _param(torch.cat(gu), cfg.torch_dtype)
         self.down = _param(seed.sharded("down_proj", (D, If), 1, If ** -0.5), cfg.torch_dtype)
-        self.situ = ops.maybe_compiled(ops.situ_glu, cfg.compile_ops)
+        self.k = ops.OpSet(cfg)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        cfg, I = self.cfg, self.cfg.dense_local_inter
+        cfg, I, k = self.cfg, self.cfg.dense_local_inter, self.k
         with op_range("dense_gate_up"):
-            h = y @ self.gate_up.t()
+            h = k.linear(y, self.gate_up)
         with op_range("situ"):
-            a = self.situ(h, I, cfg.situ_beta, cfg.situ_linear_beta)
+            a = k.situ(h, I, cfg.situ_beta, cfg.situ_linear_beta)
         with op_range("dense_down"):
-            out = a @ self.down.t()
+            out = k.linear(a, self.down)
         with op_range("all_reduce"):
             return self.rt.comm.all_reduce(out)
 

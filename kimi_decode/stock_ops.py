@@ -6,13 +6,20 @@ between them lives here as a pure function of tensors and Python constants, so t
 turns a function's plain PyTorch ops into about one Triton kernel, which is how vLLM issues
 these steps (one fused attn_res kernel, a Triton conv update, one recurrent-KDA kernel, a
 gated RMSNorm, fused routing, ...). Without compile_ops they run op by op in eager PyTorch
-(about five times the kernels). State tensors are never mutated here: new state is returned
-and the caller copies it in place.
+(about five times the kernels). State tensors are never mutated by these functions: new state
+is returned and the caller copies it in place.
+
+Where inductor cannot reach vLLM's single kernel (a top-k, a sort, cuBLAS's split-K skinny
+GEMMs, a three-pass AttnRes), `OpSet` runs the Triton kernel of stock_triton.py instead, on
+CUDA bf16/fp16 tensors when the config asks for it; everywhere else (CPU, fp32, triton absent)
+the same call runs these torch functions, which define the math.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -175,3 +182,98 @@ def latent_up(r: torch.Tensor, norm: torch.Tensor, up_rows: torch.Tensor, shared
               eps: float) -> torch.Tensor:
     """RMSNorm of the reduced latent, this rank's row shard of the up-projection, + shared slice."""
     return F.rms_norm(r, (r.shape[-1],), norm, eps) @ up_rows.t() + shared
+
+
+# Op groups that have a Triton kernel (stock_triton.py); config.triton_off names any to skip.
+TRITON_OPS = ("mm", "attn_res", "conv", "kda", "route", "experts", "up")
+SKINNY_MAX_M = 64   # rows up to which a GEMM is one skinny-GEMM kernel (vLLM's low-latency GEMM)
+
+
+class OpSet:
+    """The implementation of each op group for one config: a Triton kernel (CUDA, bf16/fp16,
+    compile_ops and triton_ops on, op not in triton_off), else the torch function above
+    (torch.compile'd when compile_ops). Same signatures and results either way; state-updating
+    ops (`conv_`, `kda_`) update the state in place."""
+
+    # tests only: Triton for every tensor (CPU under TRITON_INTERPRET=1, any dtype), compile or not
+    force_triton = False
+
+    def __init__(self, cfg) -> None:
+        on = ((cfg.compile_ops or self.force_triton) and cfg.triton_ops
+              and importlib.util.find_spec("triton") is not None)
+        self.triton = set(TRITON_OPS) - set(cfg.triton_off) if on else set()
+        self.fn = {f.__name__: maybe_compiled(f, cfg.compile_ops) for f in
+                   (res_mix, attn_res_mix, conv_update, kda_recurrence, route, situ_glu, latent_up,
+                    experts_grouped, experts_gathered, gated_rms_norm)}
+        self.experts_fn = self.fn[EXPERTS[cfg.expert_impl].__name__]
+
+    def _kernels(self, op: str, t: torch.Tensor, any_dtype: bool = False) -> ModuleType | None:
+        if op in self.triton and (self.force_triton or (
+                t.is_cuda and (any_dtype or t.dtype in (torch.bfloat16, torch.float16)))):
+            from kimi_decode import stock_triton
+            return stock_triton
+        return None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ w.t() (in out_dtype): one skinny-GEMM kernel for M <= SKINNY_MAX_M, else cuBLAS."""
+        k = self._kernels("mm", x)
+        if k is not None and x.shape[0] <= SKINNY_MAX_M and x.stride(1) == 1:
+            return k.skinny_mm(x, w, out_dtype)
+        y = x @ w.t()
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def res_mix(self, base, delta, blocks, w, norm, eps: float, nb: int, reset: bool):
+        k = self._kernels("attn_res", delta)
+        if k is not None:
+            return k.attn_res(base.contiguous(), delta.contiguous(), blocks, w, norm, eps, nb, reset)
+        return self.fn["res_mix"](base, delta, blocks, w, norm, eps, nb, reset)
+
+    def attn_res_mix(self, prefix, blocks, w, norm, eps: float, nb: int):
+        k = self._kernels("attn_res", prefix)
+        if k is not None:
+            p = prefix.contiguous()
+            return k.attn_res(p, p, blocks, w, norm, eps, nb, True)[1]
+        return self.fn["attn_res_mix"](prefix, blocks, w, norm, eps, nb)
+
+    def conv_(self, conv_state, qkv, conv_w, batch: int) -> torch.Tensor:
+        """conv_update, the new state copied into conv_state; returns act [B, T, C] fp32."""
+        k = self._kernels("conv", qkv)
+        if k is not None:
+            return k.conv_update_(conv_state, qkv, conv_w, batch)
+        act, new = self.fn["conv_update"](conv_state, qkv, conv_w, batch)
+        conv_state.copy_(new)
+        return act
+
+    def kda_(self, act, f_b, beta_in, dt_bias, a_log, state, lower_bound: float, heads: int) -> torch.Tensor:
+        """kda_recurrence, the new state copied into `state`; returns o [M, H, d] fp32."""
+        k = self._kernels("kda", f_b)
+        if k is not None:
+            return k.kda_recurrence_(act, f_b, beta_in, dt_bias, a_log, state, lower_bound, heads)
+        o, S = self.fn["kda_recurrence"](act, f_b, beta_in, dt_bias, a_log, state, lower_bound, heads)
+        state.copy_(S)
+        return o
+
+    def gated_rms_norm(self, o, weight, gate, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        return self.fn["gated_rms_norm"](o, weight, gate, eps, dtype)
+
+    def route(self, logits, bias, top_k: int, scaling: float):
+        k = self._kernels("route", logits, any_dtype=True)
+        if k is not None and logits.is_contiguous():
+            return k.route(logits, bias, top_k, scaling)
+        return self.fn["route"](logits, bias, top_k, scaling)
+
+    def situ(self, h, inter: int, beta: float, lin_beta: float) -> torch.Tensor:
+        return self.fn["situ_glu"](h, inter, beta, lin_beta)
+
+    def experts(self, z, idx, w, w13, w2, beta: float, lin_beta: float) -> torch.Tensor:
+        k = self._kernels("experts", z)
+        if k is not None:
+            return k.experts(z, idx.contiguous(), w, w13, w2, beta, lin_beta)
+        return self.experts_fn(z, idx, w, w13, w2, beta, lin_beta)
+
+    def up(self, r, norm, up_rows, shared, eps: float) -> torch.Tensor:
+        """latent_up: one skinny GEMM with the RMSNorm as prologue and the shared add as epilogue."""
+        k = self._kernels("up", r)
+        if k is not None and r.shape[0] <= SKINNY_MAX_M:
+            return k.skinny_mm(r.contiguous(), up_rows, add=shared.contiguous(), norm_w=norm, eps=eps)
+        return self.fn["latent_up"](r, norm, up_rows, shared, eps)

@@ -1,0 +1,136 @@
+"""The stock path's Triton kernels against the torch functions they stand for (stock_ops.py).
+
+Oracle: each torch function of stock_ops is the definition; the kernel must give the same
+numbers on random inputs of small shapes (odd sizes, padding, several rows per expert). Runs
+on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), so
+it needs the `triton` package: skipped where it is not installed (the device job runs the same
+comparison on the GPU at the real shapes). Tolerances: fp32 inputs, so differences are summation
+order only (1e-5 relative); the bf16 AttnRes case allows one bf16 rounding of the output (1e-2).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":  # imported earlier without the interpreter
+    pytest.skip("triton already imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from kimi_decode import stock_ops as ops  # noqa: E402
+from kimi_decode import stock_triton as kt  # noqa: E402
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    a, b = a.double(), b.double()
+    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 40, 70), (5, 33, 256), (20, 48, 100)])
+def test_skinny_mm(M, N, K):
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K + 3, generator=g)[:, 2:K + 2]          # strided rows, as z slices are
+    w = torch.randn(N, K, generator=g)
+    close(kt.skinny_mm(x, w), x @ w.t(), 1e-5)
+    add = torch.randn(M, N, generator=g)
+    nw = torch.rand(K, generator=g) + 0.5
+    ref = ops.latent_up(x, nw, w, add, 1e-5)
+    close(kt.skinny_mm(x, w, add=add, norm_w=nw, eps=1e-5), ref, 1e-5)
+    # (bf16 tl.dot is not emulated by the interpreter: bf16 GEMMs are checked on the device)
+
+
+@pytest.mark.parametrize("nb,reset", [(0, False), (3, False), (2, True)])
+def test_attn_res(nb, reset):
+    g = torch.Generator().manual_seed(nb)
+    M, S, D = 3, 5, 1500
+    base, delta = torch.randn(M, D, generator=g), torch.randn(M, D, generator=g)
+    blocks = torch.randn(M, S, D, generator=g)
+    w, norm = torch.randn(D, generator=g) * 0.05, torch.rand(D, generator=g) + 0.5
+    p, x = kt.attn_res(base, delta, blocks, w, norm, 1e-5, nb, reset)
+    rp, rx = ops.res_mix(base, delta, blocks, w, norm, 1e-5, nb, reset)
+    close(p, rp, 1e-6)
+    close(x, rx, 1e-5)
+    bf = [t.bfloat16() for t in (base, delta, blocks)]
+    p, x = kt.attn_res(*bf, w, norm, 1e-5, nb, reset)
+    rp, rx = ops.res_mix(*bf, w, norm, 1e-5, nb, reset)
+    close(p, rp, 1e-2)      # within one bf16 step (the interpreter truncates fp32 -> bf16)
+    close(x, rx, 1e-2)
+
+
+@pytest.mark.parametrize("B,T", [(2, 1), (1, 3)])
+def test_conv_update(B, T):
+    g = torch.Generator().manual_seed(B * 10 + T)
+    C, R = 300, 310
+    state = torch.randn(B, C, 3, generator=g)
+    z = torch.randn(B * T, R, generator=g)
+    w = torch.randn(C, 4, generator=g)
+    ref_act, ref_state = ops.conv_update(state.clone(), z[:, :C], w, B)
+    act = kt.conv_update_(state, z[:, :C], w, B)
+    close(act, ref_act, 1e-6)
+    close(state, ref_state, 1e-7)
+
+
+@pytest.mark.parametrize("B,T", [(2, 1), (1, 3)])
+def test_kda_recurrence(B, T):
+    g = torch.Generator().manual_seed(B + 7 * T)
+    H, d = 2, 16
+    P = H * d
+    act = torch.randn(B, T, 3 * P, generator=g)
+    z = torch.randn(B * T, P + H + 5, generator=g)
+    f_b, beta_in = z[:, :P], z[:, P + 1:P + 1 + H]
+    dt_bias, a_log = torch.randn(P, generator=g) * 0.5, torch.rand(H, generator=g) * 2
+    state = torch.randn(B, H, d, d, generator=g) * 0.1
+    ro, rs = ops.kda_recurrence(act, f_b, beta_in, dt_bias, a_log, state.clone(), -5.0, H)
+    o = kt.kda_recurrence_(act, f_b, beta_in, dt_bias, a_log, state, -5.0, H)
+    close(o, ro, 1e-5)
+    close(state, rs, 1e-5)
+
+
+def test_route():
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(5, 40, generator=g), torch.randn(40, generator=g) * 0.1
+    ri, rw = ops.route(logits, bias, 6, 2.5)
+    idx, w = kt.route(logits, bias, 6, 2.5)
+    assert torch.equal(idx, ri)
+    close(w, rw, 1e-6)
+
+
+@pytest.mark.parametrize("M", [1, 7])
+def test_experts(M):
+    """7 rows x top-4 of 6 experts: experts hold several rows, some none (empty segments)."""
+    g = torch.Generator().manual_seed(M)
+    E, K, L, I = 6, 4, 40, 24
+    z = torch.randn(M, L, generator=g)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(M)])  # expert 5 unused
+    w = torch.rand(M, K, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, L, generator=g) * 0.3, torch.randn(E, L, I, generator=g) * 0.3
+    ref_e = ops.expert_outputs_gathered(z, idx, w13, w2, 4.0, 25.0)
+    close(kt.expert_outputs(z, idx, w13, w2, 4.0, 25.0), ref_e, 1e-5)
+    close(kt.experts(z, idx, w, w13, w2, 4.0, 25.0), ops.experts_gathered(z, idx, w, w13, w2, 4.0, 25.0), 1e-5)
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_tiny_model_with_kernels_matches_reference(monkeypatch, spec):
+    """The whole tiny stock step (fp32, 5 layers: dense, KDA, MLA; 2 steps, state included) with
+    every Triton op group, against the float64 reference: same bar as the torch path (1e-4)."""
+    from kimi_decode.config import tiny
+    from kimi_decode.stock import StockDecoder
+    from tests.kimi_decode.k3_reference import Reference
+
+    monkeypatch.setattr(ops.OpSet, "force_triton", True)
+    model = StockDecoder(tiny(batch=2, spec_tokens=spec))
+    assert model.layers[1].attn.k.triton == set(ops.TRITON_OPS)
+    ref = Reference(model)
+    for s in range(2):
+        m, prefix, blocks = model.make_inputs(seed=5 + s)
+        r_m, r_prefix, r_blocks = ref.step(m, prefix, blocks)
+        with torch.no_grad():
+            o_m, o_prefix = model(m, prefix, blocks)
+        for a, b in ((o_m, r_m), (o_prefix, r_prefix), (blocks, r_blocks)):
+            close(a, b, 1e-4)
+    for layer, (_, _, _, st) in zip(model.layers, ref.layers):
+        for name, buf in layer.named_buffers():
+            close(buf, st[name], 1e-4)
