@@ -23,7 +23,7 @@ import flask
 
 from analyzers import timeline
 from analyzers.views import load_views
-from tracer.errors import BadInput  # noqa: F401  (pages catch data.BadInput)
+from tracer.errors import BadInput
 from tracer.store import open_store
 
 CONFIG_KEY = "DECODESCOPE_STORE"
@@ -116,7 +116,12 @@ def analyzer(module: str, function: str) -> Callable[..., Any] | None:
 
 
 def call(module: str, function: str, *args: Any, **kwargs: Any) -> Any:
-    """Call an analyzer on a pooled cursor; raises NotAvailable when the build lacks it."""
+    """Call an analyzer on a pooled cursor.
+
+    Raises NotAvailable when this build lacks the analyzer (or one it builds on), and
+    AnalyzerFailed with the one-line reason when it refuses the run (BadInput) or the store
+    query fails, so the page shows that line instead of a broken view.
+    """
     fn = analyzer(module, function)
     if fn is None:
         raise NotAvailable(f"analyzers.{module}.{function}: {NOT_AVAILABLE}")
@@ -127,6 +132,11 @@ def call(module: str, function: str, *args: Any, **kwargs: Any) -> Any:
             if not (exc.name or "").startswith("analyzers."):
                 raise
             raise NotAvailable(f"analyzers.{module}.{function} needs {exc.name}: {NOT_AVAILABLE}") from None
+        except BadInput as exc:
+            raise AnalyzerFailed(f"error: {exc}") from None
+        except duckdb.Error as exc:
+            raise AnalyzerFailed(f"error: analyzers.{module}.{function}: store error: "
+                                 f"{str(exc).strip().splitlines()[0]}") from None
 
 
 def definition(module: str) -> str | None:
@@ -138,8 +148,16 @@ def definition(module: str) -> str | None:
     return mod.__doc__.strip() if mod.__doc__ else None
 
 
-class NotAvailable(Exception):
+class PageDataError(Exception):
+    """Why a page section has no data; its text is shown in the page as one line."""
+
+
+class NotAvailable(PageDataError):
     """An analyzer this page needs does not exist in this build."""
+
+
+class AnalyzerFailed(PageDataError):
+    """The analyzer refused the run or its query failed."""
 
 
 # -- runs ----------------------------------------------------------------------------------

@@ -4,11 +4,12 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import click
 
-from cli.common import bundled_trace_paths, open_input, verbose_option, with_boundary
+from cli.common import bundled_trace_paths, is_database, open_input, verbose_option, with_boundary
 from tracer.errors import BadInput
 
 
@@ -73,6 +74,8 @@ def command(traces: tuple[str, ...], db: str | None, host: str, port: int, verbo
 
     if db and traces:
         raise BadInput(db, "pass either --db or trace files, not both")
+    if len(traces) == 1 and Path(traces[0]).is_file() and is_database(Path(traces[0])):
+        db, traces = traces[0], ()  # a store given as the argument is served like --db
     deferred = _Deferred()
     server = bind(host, port, deferred)
     log = lambda m: click.echo(m, err=True)  # noqa: E731

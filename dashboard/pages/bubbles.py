@@ -30,7 +30,7 @@ def layout(run: str | None = None, **_: Any) -> html.Div:
         body.append(html.Div(dcc.Markdown(doc), className="definition", id="bubbles-definition"))
     try:
         result = data.call("bubbles", "bubbles", run_id, top=TOP)
-    except data.NotAvailable as exc:
+    except data.PageDataError as exc:
         return html.Div([*body, c.notice(str(exc))])
     if isinstance(result, dict) and result.get("not_applicable"):
         return html.Div([*body, c.notice(f"not applicable: {result['not_applicable']}")])

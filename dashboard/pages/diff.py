@@ -37,10 +37,8 @@ def layout(base: str | None = None, cand: str | None = None, metric: str | None 
     ]
     try:
         report = data.call("diff", "diff_runs", base_id, cand_id, threshold_pct=thr, metric=metric).to_dict()
-    except data.NotAvailable as exc:
+    except data.PageDataError as exc:
         return html.Div([*body, c.notice(str(exc))])
-    except data.BadInput as exc:
-        return html.Div([*body, c.notice(f"error: {exc}", "error")])
     verdict = report["verdict"]
     body += [
         html.P(f"verdict: {verdict} · mode: {report['mode']} · {len(report['regressions'])} regressions, "

@@ -39,7 +39,7 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
             body += [c.seed_table(layer_figs.seed_rows(result), data.run_label(_run(all_runs, base_id)),
                                   data.run_label(_run(all_runs, cand_id)), id="home-seed-table"),
                      dcc.Graph(id="home-chart", figure=layer_figs.compare_bars(result))]
-    except data.NotAvailable as exc:
+    except data.PageDataError as exc:
         body.append(c.notice(str(exc)))
     body.append(html.Div([
         dcc.Link("layers side by side", href=c.href("/layers", base=base_id, cand=cand_id)),

@@ -55,6 +55,6 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
             cmp = data.call("layers", "compare", base_id, cand_id)
             body += [html.H2("Per layer kind"),
                      c.seed_table(figs.seed_rows(cmp), labels[base_id], labels[cand_id], id="layers-seed-table")]
-    except data.NotAvailable as exc:
+    except data.PageDataError as exc:
         body.append(c.notice(str(exc)))
     return html.Div(body)

@@ -39,7 +39,7 @@ def _section(module: str, function: str, run_id: int, render: Any) -> list[Any]:
         out.append(html.Div(dcc.Markdown(doc), className="definition", id=f"overlap-{module}-definition"))
     try:
         result = data.call(module, function, run_id)
-    except data.NotAvailable as exc:
+    except data.PageDataError as exc:
         return [*out, c.notice(str(exc))]
     na = figs.not_applicable(result)
     if na:

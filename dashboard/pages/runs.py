@@ -89,19 +89,22 @@ def _update_pair(base: int | None, cand: int | None) -> list[Any]:
     return _pair_links(base, cand)
 
 
-@callback(Output("runs-upload-result", "children"),
+@callback(Output("runs-upload-result", "children"), Output("runs-upload", "contents"),
           Input("runs-upload", "contents"), Input("runs-path-go", "n_clicks"),
           State("runs-upload", "filename"), State("runs-path", "value"),
           prevent_initial_call=True)
 def _ingest(contents: str | None, _clicks: int | None, filename: str | None, path: str | None) -> Any:
-    """Ingest the uploaded file (under its own name) or the typed server path."""
+    """Ingest the uploaded file (under its own name) or the typed server path. The upload is
+    cleared afterwards, so choosing the same file again is a new upload."""
     if dash.ctx.triggered_id == "runs-upload":
-        if not contents or not filename:
-            return c.notice("error: nothing was uploaded", "error")
-        return _ingest_upload(contents, filename)
+        if not contents:
+            return dash.no_update, dash.no_update
+        if not filename:
+            return c.notice("error: the upload has no file name", "error"), None
+        return _ingest_upload(contents, filename), None
     if not path:
-        return c.notice("error: type a path first", "error")
-    return _ingest_file(Path(path).expanduser(), Path(path).name, shown=path)
+        return c.notice("error: type a path first", "error"), dash.no_update
+    return _ingest_file(Path(path).expanduser(), Path(path).name, shown=path), dash.no_update
 
 
 def _ingest_upload(contents: str, filename: str) -> Any:

@@ -14,7 +14,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.dashboard.conftest import FUSED, STOCK
-from tests.dashboard.decode_traces import OPS
+from tests.dashboard.decode_traces import OPS, DecodeSpec, write_decode_trace
 
 pytestmark = pytest.mark.browser
 
@@ -113,6 +113,30 @@ def test_bad_upload_shows_one_line_and_leaves_store_unchanged(page: Any, live_se
     text = err.inner_text()
     assert text.startswith("error: broken.json: ") and "\n" not in text
     assert snapshot() == before
+    assert page.errors == []
+
+
+def test_good_upload_adds_one_run_and_a_repeat_is_recognised(page: Any, live_server: dict[str, Any],
+                                                            tmp_path: Path) -> None:
+    """A valid upload becomes one new run with exactly its kernels; ingesting the same bytes
+    again (here by server path) finds that run (content hash) and adds nothing."""
+    spec = DecodeSpec("stock", steps=1, layers=2, kernels_per_op=1)
+    trace = write_decode_trace(tmp_path / "small.json", spec)
+    with live_server["pool"].cursor() as cur:
+        runs_before = cur.execute("SELECT count(*), max(run_id) FROM runs").fetchall()[0]
+    _load(page, f"{live_server['url']}/runs")
+    page.locator("#runs-upload input[type=file]").set_input_files(str(trace))
+    ok = page.locator("#runs-upload-ok")
+    expect(ok).to_contain_text(f"small.json: ingested as run {runs_before[1] + 1} ", timeout=20_000)
+    with live_server["pool"].cursor() as cur:
+        n, kernels = cur.execute("SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM kernels WHERE run_id = ?)",
+                                 [runs_before[1] + 1]).fetchall()[0]
+    assert (n, kernels) == (runs_before[0] + 1, spec.steps * spec.layers * _kernels_per_layer(spec))
+    page.locator("#runs-path").fill(str(trace))  # the same bytes again, by server path this time
+    page.locator("#runs-path-go").click()
+    expect(ok).to_contain_text(f"already in the store as run {runs_before[1] + 1}", timeout=20_000)
+    with live_server["pool"].cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM runs").fetchall()[0][0] == runs_before[0] + 1
     assert page.errors == []
 
 
