@@ -38,6 +38,20 @@ def log(*a: Any) -> None:
 
 T0 = time.time()
 RESULTS: dict[str, Any] = {}
+DEVICE = "cuda"      # the CPU dry run of this job (tests/kimi_decode/test_fused_device.py)
+LAYERS = (4, 5, 6, 7)
+REF_LAYERS = (6, 7)  # one KDA and one MLA layer
+
+
+def make_cfg(**kw: Any) -> Any:
+    """The config of every run here: K3 TP16 rank 0 (the dry run swaps in a tiny one)."""
+    from kimi_decode.config import k3_tp16
+    return k3_tp16(**kw)
+
+
+def _free() -> None:
+    if DEVICE == "cuda":
+        _free()
 
 
 def save(out: Path, key: str, value: Any) -> None:
@@ -114,15 +128,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
     """Fused vs stock over 3 steps per shape (outputs, blocks, all state buffers)."""
-    from kimi_decode.config import k3_tp16
     from kimi_decode.fused import FusedDecoder
     from kimi_decode.runner import build
     res = []
     for b, k in STEP_SHAPES:
         t0 = time.time()
         try:
-            cfg = k3_tp16(batch=b, spec_tokens=k, tp_sim=True, **base)
-            stock, _ = build("stock", cfg, "cuda")
+            cfg = make_cfg(batch=b, spec_tokens=k, layers=LAYERS, tp_sim=True, **base)
+            stock, _ = build("stock", cfg, DEVICE)
             fused = FusedDecoder.from_stock(stock, kernels)
             errs: dict[str, float] = {}
             same_routes, rows = 0, 0
@@ -150,22 +163,21 @@ def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
             del stock, fused
         except Exception:
             res.append({"B": b, "k": k, "ok": False, "error": traceback.format_exc()})
-        torch.cuda.empty_cache()
+        _free()
         log("step", json.dumps(res[-1])[:600])
     return res
 
 
 def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
     """Stock and fused against the float64 reference: layers 6 (KDA) and 7 (MLA), 2 steps."""
-    from kimi_decode.config import k3_tp16
     from kimi_decode.fused import FusedDecoder
     from kimi_decode.runner import build
     from tests.kimi_decode.k3_reference import Reference
     res = []
     for b, k in ((1, 0), (1, 7)):
         try:
-            cfg = k3_tp16(batch=b, spec_tokens=k, layers=(6, 7), tp_sim=True, **base)
-            stock, _ = build("stock", cfg, "cuda")
+            cfg = make_cfg(batch=b, spec_tokens=k, layers=REF_LAYERS, tp_sim=True, **base)
+            stock, _ = build("stock", cfg, DEVICE)
             fused = FusedDecoder.from_stock(stock, kernels)
             ref = Reference(stock, sim_world=cfg.sim_world, rank=cfg.rank)
             row: dict[str, Any] = {"B": b, "k": k, "steps": []}
@@ -183,7 +195,7 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
             del stock, fused, ref
         except Exception:
             res.append({"B": b, "k": k, "ok": False, "error": traceback.format_exc()})
-        torch.cuda.empty_cache()
+        _free()
         log("reference", json.dumps(res[-1])[:600])
     return res
 
@@ -199,7 +211,6 @@ def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops:
 def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: int,
              budget_s: float) -> list[dict]:
     import kimi_decode.fused as fused_mod
-    from kimi_decode.config import k3_tp16
     from kimi_decode.device_job import pack
     from tracer.capture import capture, kernels_with_ops
     fused_mod.VERIFIED = kernels
@@ -214,8 +225,10 @@ def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: in
                 done.append({"file": name, "error": "skipped: device-time budget"})
                 continue
             try:
-                cfg = k3_tp16(batch=b, spec_tokens=k, tp_sim=True, **base)
-                meta = capture("fused", cfg, graph=graph, steps=steps, out=tmp / name)
+                if graph and DEVICE != "cuda":
+                    continue
+                cfg = make_cfg(batch=b, spec_tokens=k, layers=LAYERS, tp_sim=True, **base)
+                meta = capture("fused", cfg, graph=graph, steps=steps, out=tmp / name, device=DEVICE)
                 with gzip.open(tmp / name, "rb") as fh:
                     trace = json.loads(fh.read())
                 ks = kernels_with_ops(trace)
@@ -235,7 +248,7 @@ def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: in
             log("capture", json.dumps(info)[:500])
             done.append(info)
             save(out, "captures", done)
-            torch.cuda.empty_cache()
+            _free()
     pack(tmp, out)
     for f in tmp.glob("*"):
         f.unlink()
@@ -246,7 +259,7 @@ def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: in
 def report(kernel_rows: list[dict], steps: list[dict], refs: list[dict], passed: frozenset[str]) -> str:
     """bench/fused_correctness.md."""
     L = ["# Fused vs stock correctness (GPU)", "",
-         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+         f"- GPU: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'none (dry run)'}; torch {torch.__version__}; "
          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
          f"- kernels that passed every check (used by `fused.py`): {', '.join(sorted(passed)) or 'none'}",
          "- tolerances: see kimi_decode/kernels/checks.py (kernels) and bench/fused_device.py "

@@ -1,0 +1,72 @@
+"""A CPU dry run of the fused GPU job (bench/fused_device.py) on the tiny config, with the
+kernels emulated in torch (the emulations of test_fused.py) and switched on everywhere.
+
+Why: the job gets one device call; its step-parity, reference, report and capture code must
+not be the thing that fails there. Oracle: with faithful emulations every phase must report
+"ok" (fused matches stock and the float64 reference), the markdown report must say pass for
+every row, and the fused eager trace must carry the fused variant, kernels on, and the
+prefetch op name with at least one kernel launched under it.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+import bench.fused_device as fd  # noqa: E402
+import kimi_decode.fused as fused_mod  # noqa: E402
+import kimi_decode.kernels as kernels_pkg  # noqa: E402
+import kimi_decode.kernels.attn_res as k_ar  # noqa: E402
+import kimi_decode.kernels.gemv as k_gemv  # noqa: E402
+import kimi_decode.kernels.kda_decode as k_kda  # noqa: E402
+import kimi_decode.kernels.l2_prefetch as k_pf  # noqa: E402
+import kimi_decode.kernels.router as k_router  # noqa: E402
+from kimi_decode.config import tiny  # noqa: E402
+from tests.kimi_decode.test_fused import _emulate_attn_res, _emulate_kda, _emulate_route  # noqa: E402
+
+ALL = frozenset({"attn_res", "kda", "router", "gemv", "prefetch"})
+
+
+@pytest.fixture
+def dry(monkeypatch, tmp_path):
+    monkeypatch.setattr(fd, "DEVICE", "cpu")
+    monkeypatch.setattr(fd, "make_cfg", lambda **kw: tiny(sim_world=1, **kw))   # tp_sim over 1 rank
+    monkeypatch.setattr(fd, "STEP_SHAPES", [(1, 0), (3, 7)])
+    monkeypatch.setattr(fd, "CAPTURE_SHAPES", [(2, 0)])
+    monkeypatch.setattr(fd, "RESULTS", {})
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
+    monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res)
+    monkeypatch.setattr(k_kda, "kda_decode", _emulate_kda)
+    monkeypatch.setattr(k_router, "route", _emulate_route)
+    monkeypatch.setattr(k_gemv, "can_implement", lambda *a: True)
+    monkeypatch.setattr(k_gemv, "gemv", lambda x, w: x @ w.t())
+    # the prefetch 'kernel' must leave a kernel-like trace of itself: a tiny op under the range
+    monkeypatch.setattr(k_pf, "prefetch_l2", lambda t, n=None: t.reshape(-1)[:16].sum())
+    monkeypatch.setattr(fused_mod, "VERIFIED", ALL)
+    return tmp_path
+
+
+def test_dry_run_of_the_gpu_job(dry: Path) -> None:
+    base = {"expert_impl": "gather_bmm", "compile_ops": False}
+    steps = fd.step_parity(ALL, base)
+    assert all(r["ok"] for r in steps), steps
+    assert all(set(r["kernels"]) == ALL for r in steps)
+    refs = fd.reference_check(ALL, base)
+    assert all(r["ok"] for r in refs), refs
+    md = fd.report([{"kernel": "gemv", "M": 1, "ok": True, "stock_us": 2.0, "kernel_us": 1.0}], steps, refs, ALL)
+    assert "FAIL" not in md and md.count("| pass |") == 1 + len(steps) + sum(len(r["steps"]) for r in refs)
+    info = fd.captures(dry, ALL, base, steps=1, budget_s=1e9)
+    assert [i["file"] for i in info if "error" not in i] == ["k3_fused_b2_k0_eager.json.gz"], info
+    with tarfile.open(next(dry.glob("traces*.tar"))) as tar:
+        raw = tar.extractfile("k3_fused_b2_k0_eager.json.gz").read()
+    meta = json.loads(gzip.decompress(raw))["decodescope"]
+    assert meta["variant"] == "fused" and meta["prefetch_ops"] == "^prefetch$"
+    assert sorted(meta["fused_kernels"]) == sorted(ALL)
+    assert json.loads((dry / "results.json").read_text())["captures"][0]["file"].startswith("k3_fused")
