@@ -23,7 +23,7 @@ and the kernel is in `VERIFIED`):
 - Projections at M ≤ 8 (the per-M table): a CuTe DSL GEMV streaming each weight once
   (kernels/gemv.py) for in_proj, o_proj, qkv_a, g_proj, q_b, latent_down, shared gate_up;
   cuBLAS above M = 8 and where K is not a multiple of 256 (shared down, K = 384).
-- MLA: g_proj stays on the side stream until the gate multiply (stock joins at once).
+- MLA: qkv_a and g_proj merged into one GEMV (weights concatenated at load).
 - `prefetch`: after the routed experts are issued, a side-stream kernel pulls the first
   `PREFETCH_BYTES` of the next layer's first attention weight into L2 (kernels/l2_prefetch.py).
 
@@ -171,10 +171,11 @@ class KDAAttention(stock.KDAAttention):
 
 
 class MLAAttention(stock.MLAAttention):
-    """The stock op sequence with GEMVs for the projections, and g_proj on the side stream
-    until the gate multiply needs it (stock joins right after issuing it)."""
+    """The stock op sequence with GEMVs for the projections; qkv_a and g_proj merged into one
+    GEMV over [qkv_a; g_proj] (re-packed at load, SGLang #33623), since both read x."""
 
     use_gemv = False
+    qkv_a_g: torch.Tensor | None = None     # [ql + c + rope + H·vd, D], set by FusedDecoder.enable
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if not self.use_gemv:
@@ -182,10 +183,9 @@ class MLAAttention(stock.MLAAttention):
         cfg, fx, lin = self.cfg, self.fx, self.use_gemv
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
-        with _on_side(self.rt, x), op_range("g_proj"):
-            g = _linear(x, self.g_proj, lin)                                           # [M, H*vd]
         with op_range("qkv_a"):
-            a = _linear(x, self.qkv_a, lin)                                            # [M, ql+c+rope]
+            ag = _linear(x, self.qkv_a_g, lin)                                         # [M, 2112 + H*vd]
+            a, g = ag[:, :cfg.qkv_a_rows], ag[:, cfg.qkv_a_rows:]
         with op_range("qkv_norm"):
             qa, ckv = fx["norms"](a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
@@ -200,7 +200,6 @@ class MLAAttention(stock.MLAAttention):
             o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
         with op_range("uv_bmm"):
             o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
-        _join(self.rt, g)
         with op_range("gate_mul"):
             o = fx["gate"](o.reshape(B * T, -1), g)
         with op_range("o_proj"):
@@ -321,6 +320,9 @@ class FusedDecoder(StockDecoder):
                 layer.attn.use_kernel = "kda" in on
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
+            if isinstance(layer.attn, MLAAttention):
+                a = layer.attn   # a plain tensor (not a Parameter): the byte counts stay per weight
+                a.qkv_a_g = torch.cat([a.qkv_a, a.g_proj]).detach() if "gemv" in on else None
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.use_router_kernel = "router" in on
                 layer.mlp.use_gemv = "gemv" in on
