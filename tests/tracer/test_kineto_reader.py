@@ -120,7 +120,7 @@ def test_failure_inside_transaction_leaves_store_unchanged(tmp_path: Path, monke
 def test_negative_duration_is_bad_input(tmp_path: Path) -> None:
     b = KinetoTraceBuilder()
     b.kernel("bad", 1_000, -5)
-    with pytest.raises(BadInput, match=r"negative duration \(-5 ns\)"):
+    with pytest.raises(BadInput, match=r"traceEvents\[1\] \(.bad.\) has a negative duration \(-5 ns\)"):
         ingest_path(open_store(None), b.write(tmp_path / "neg.json"), progress=False)
 
 
@@ -153,3 +153,17 @@ def test_any_timestamp_is_stored_exactly(tmp_path_factory, base, starts, durs, g
     con = open_store(None)
     ingest_path(con, path, progress=False)
     assert sorted(_rows(con, "SELECT start_ns, end_ns FROM kernels")) == sorted(expected)
+
+
+def test_bad_event_in_second_rank_file_names_that_file(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    good = KinetoTraceBuilder(rank=0, world_size=2)
+    good.launch("g", 0, 10, 100, 50)
+    good.write(folder / "r0.json")
+    bad = KinetoTraceBuilder(rank=1, world_size=2)
+    bad.launch("g", 0, 10, 100, 50)      # events [1] runtime, [2] kernel
+    bad.kernel("neg", 500, -1)           # event [3]
+    bad.write(folder / "r1.json")
+    with pytest.raises(BadInput, match=r"traceEvents\[3\] \('neg'\) has a negative duration") as err:
+        ingest_path(open_store(None), folder, progress=False)
+    assert err.value.path == str(folder / "r1.json")

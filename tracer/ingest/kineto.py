@@ -118,9 +118,9 @@ def _declared_rank(doc: DocFacts) -> int | None:
 def _check_events(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
     bad = con.execute(q.BAD_EVENT_SQL).fetchall()
     if bad:
-        file_idx, seq, name, dur_ns, no_ts = bad[0]
+        file_idx, idx, name, dur_ns, no_ts = bad[0]
         what = "has no ts" if no_ts else f"has a negative duration ({dur_ns} ns)"
-        raise BadInput(files[file_idx], f"traceEvents[{seq - 1}] ({name!r}) {what}")
+        raise BadInput(files[file_idx], f"traceEvents[{idx}] ({name!r}) {what}")
 
 
 def _nest_ranges(con: duckdb.DuckDBPyConnection) -> None:

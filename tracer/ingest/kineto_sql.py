@@ -20,7 +20,7 @@ EVENT_COLUMNS = ("{'ph': 'VARCHAR', 'cat': 'VARCHAR', 'name': 'VARCHAR', 'ts': '
                  "'dur': 'DECIMAL(38,3)', 'pid': 'VARCHAR', 'tid': 'VARCHAR', 'args': 'JSON'}")
 INSERT_CHUNK_EVENTS_SQL = f"""
 INSERT INTO _kineto_ev
-SELECT ? AS file_idx, ? AS rank, row_number() OVER () AS seq, ph, lower(cat), coalesce(name, ''),
+SELECT ? AS file_idx, ? AS rank, ph, lower(cat), coalesce(name, ''),
        ? + CAST(ts * 1000 AS BIGINT), CAST(dur * 1000 AS BIGINT), pid, tid, args
 FROM read_json(?, format='array', records=true, maximum_object_size=134217728, columns={EVENT_COLUMNS})
 """
@@ -46,7 +46,7 @@ FROM _kineto_doc
 
 CREATE_EVENTS_SQL = """
 CREATE OR REPLACE TEMP TABLE _kineto_ev (
-  file_idx INTEGER, rank INTEGER, seq BIGINT, ph VARCHAR, cat VARCHAR, name VARCHAR,
+  file_idx INTEGER, rank INTEGER, ph VARCHAR, cat VARCHAR, name VARCHAR,
   start_ns BIGINT, dur_ns BIGINT, pid VARCHAR, tid VARCHAR, args JSON
 )
 """
@@ -54,18 +54,19 @@ CREATE OR REPLACE TEMP TABLE _kineto_ev (
 # All events of one file, in file order; `cat` lower-cased (versions differ in case).
 INSERT_EVENTS_SQL = """
 INSERT INTO _kineto_ev
-SELECT ? AS file_idx, ? AS rank, e.seq, e.ev.ph, lower(e.ev.cat), coalesce(e.ev.name, ''),
+SELECT ? AS file_idx, ? AS rank, e.ev.ph, lower(e.ev.cat), coalesce(e.ev.name, ''),
        ? + CAST(e.ev.ts * 1000 AS BIGINT), CAST(e.ev.dur * 1000 AS BIGINT),
        e.ev.pid, e.ev.tid, e.ev.args
-FROM (SELECT unnest(events) AS ev, generate_subscripts(events, 1) AS seq FROM _kineto_doc) AS e
+FROM (SELECT unnest(events) AS ev FROM _kineto_doc) AS e
 """
 
 # Complete events that break the format: negative duration, or no timestamp.
 BAD_EVENT_SQL = """
-SELECT file_idx, seq, name, dur_ns, start_ns IS NULL AS no_ts
-FROM _kineto_ev
+SELECT file_idx, rowid - (SELECT min(rowid) FROM _kineto_ev AS f WHERE f.file_idx = b.file_idx) AS idx,
+       name, dur_ns, start_ns IS NULL AS no_ts
+FROM _kineto_ev AS b
 WHERE ph = 'X' AND (dur_ns < 0 OR start_ns IS NULL)
-ORDER BY file_idx, seq
+ORDER BY rowid
 LIMIT 1
 """
 
@@ -144,35 +145,35 @@ _K = ArgsPlan(("device", "stream", "correlation", "grid", "block", "registers", 
                "graph_node_id"))
 INSERT_KERNELS_SQL = f"""
 INSERT INTO kernels
-SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
+SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, seq) - 1, rank,
        {_K.int('device', 'INTEGER')}, {_K.int('stream')}, {_K.int('correlation')}, name,
        start_ns, start_ns + coalesce(dur_ns, 0),
        {_K.int('grid0', 'INTEGER')}, {_K.int('grid1', 'INTEGER')}, {_K.int('grid2', 'INTEGER')},
        {_K.int('block0', 'INTEGER')}, {_K.int('block1', 'INTEGER')}, {_K.int('block2', 'INTEGER')},
        {_K.int('registers', 'INTEGER')}, {_K.int('shared_mem')},
        {_K.int('graph_id')}, {_K.int('graph_node_id')}, 'compute'
-FROM (SELECT *, {_K.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(KERNEL_CATS)})
+FROM (SELECT *, rowid AS seq, {_K.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(KERNEL_CATS)})
 """
 
 _M = ArgsPlan(("device", "stream", "correlation", "bytes", "graph_id", "graph_node_id"))
 INSERT_MEMOPS_SQL = f"""
 INSERT INTO memops
-SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
+SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, seq) - 1, rank,
        {_M.int('device', 'INTEGER')}, {_M.int('stream')}, {_M.int('correlation')},
        CASE WHEN cat IN {_in(MEMSET_CATS)} THEN 'memset' ELSE 'memcpy' END, name,
        start_ns, start_ns + coalesce(dur_ns, 0), {_M.int('bytes')},
        {_M.int('graph_id')}, {_M.int('graph_node_id')}, 'memory'
-FROM (SELECT *, {_M.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(MEMCPY_CATS + MEMSET_CATS)})
+FROM (SELECT *, rowid AS seq, {_M.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(MEMCPY_CATS + MEMSET_CATS)})
 """
 
 _C = ArgsPlan(("correlation",))
 INSERT_API_CALLS_SQL = f"""
 INSERT INTO api_calls
-SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, file_idx, seq) - 1, rank,
+SELECT ?, row_number() OVER (ORDER BY rank, start_ns, dur_ns, seq) - 1, rank,
        TRY_CAST(pid AS BIGINT), TRY_CAST(tid AS BIGINT),
        CASE WHEN cat IN {_in(DRIVER_CATS)} THEN 'driver' ELSE 'runtime' END, name,
        start_ns, start_ns + coalesce(dur_ns, 0), {_C.int('correlation')}
-FROM (SELECT *, {_C.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(RUNTIME_CATS + DRIVER_CATS)})
+FROM (SELECT *, rowid AS seq, {_C.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(RUNTIME_CATS + DRIVER_CATS)})
 """
 
 _RANGE_KIND = "CASE cat " + " ".join(f"WHEN '{c}' THEN '{k}'" for c, k in RANGE_CATS.items()) + " END"
@@ -188,10 +189,10 @@ SELECT row_number() OVER w - 1 AS range_id, dense_rank() OVER (ORDER BY rank, pi
 FROM (
   SELECT rank, TRY_CAST(pid AS BIGINT) AS pid_i, TRY_CAST(tid AS BIGINT) AS tid_i, {_RANGE_KIND} AS kind,
          name, start_ns, start_ns + coalesce(dur_ns, 0) AS end_ns, {_R.int('external_id')} AS external_id,
-         file_idx, seq
-  FROM (SELECT *, {_R.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(tuple(RANGE_CATS))})
+         seq
+  FROM (SELECT *, rowid AS seq, {_R.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(tuple(RANGE_CATS))})
 )
-WINDOW w AS (ORDER BY rank, pid_i, tid_i, start_ns, end_ns DESC, file_idx, seq)
+WINDOW w AS (ORDER BY rank, pid_i, tid_i, start_ns, end_ns DESC, seq)
 ORDER BY range_id
 """
 
@@ -210,7 +211,7 @@ INSERT_GPU_ANNOTATIONS_SQL = f"""
 INSERT INTO gpu_annotations
 SELECT ?, rank, {_A.int('device', 'INTEGER')}, {_A.int('stream')}, name,
        start_ns, start_ns + coalesce(dur_ns, 0), {_A.int('external_id')}
-FROM (SELECT *, {_A.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(GPU_ANNOTATION_CATS)})
+FROM (SELECT *, rowid AS seq, {_A.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(GPU_ANNOTATION_CATS)})
 ORDER BY rank, start_ns
 """
 
@@ -219,7 +220,7 @@ INSERT_GPU_SYNCS_SQL = f"""
 INSERT INTO gpu_syncs
 SELECT ?, rank, {_S.int('device', 'INTEGER')}, {_S.int('stream')}, name,
        start_ns, start_ns + coalesce(dur_ns, 0), {_S.int('correlation')}, {_S.int('wait_on_stream')}
-FROM (SELECT *, {_S.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(SYNC_CATS)})
+FROM (SELECT *, rowid AS seq, {_S.select()} FROM _kineto_ev WHERE ph = 'X' AND cat IN {_in(SYNC_CATS)})
 ORDER BY rank, start_ns
 """
 
