@@ -184,7 +184,8 @@ def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
 
 
 def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
-    """Stock and fused against the float64 reference: layers 6 (KDA) and 7 (MLA), 2 steps."""
+    """Stock and fused against the float64 reference: layers 6 (KDA) and 7 (MLA), 2 steps.
+    Pass: fused's relative error at most twice stock's own bf16 error (+1e-3)."""
     from kimi_decode.fused import FusedDecoder
     from kimi_decode.runner import build
     from tests.kimi_decode.k3_reference import Reference
@@ -198,10 +199,13 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
             row: dict[str, Any] = {"B": b, "k": k, "steps": []}
             for s in range(2):
                 m, prefix, blocks = stock.make_inputs(seed=10 + s)
-                r_m, r_prefix, _ = ref.step(m, prefix, blocks.clone())
                 with torch.no_grad():
                     o_s = stock(m, prefix, blocks.clone())
                     o_f = fused(m, prefix, blocks.clone())
+                # the reference takes stock's expert choice (fused's is the same but for
+                # near-ties), so the errors measure numerics, not bf16-vs-fp64 routing splits
+                ref.forced = [r.clone() for layer in stock.layers for r in layer.mlp.last_idx]
+                r_m, r_prefix, _ = ref.step(m, prefix, blocks.clone())
                 row["steps"].append({"stock_rel_m": rel(o_s[0], r_m), "fused_rel_m": rel(o_f[0], r_m),
                                      "stock_rel_prefix": rel(o_s[1], r_prefix),
                                      "fused_rel_prefix": rel(o_f[1], r_prefix)})
