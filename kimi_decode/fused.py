@@ -45,7 +45,7 @@ from torch import nn
 
 from kimi_decode import stock
 from kimi_decode.config import KimiConfig
-from kimi_decode.ranges import layer_range, op_range, step_range
+from kimi_decode.ranges import layer_range, op_range
 from kimi_decode.stock import Runtime, StockDecoder
 
 # Kernels that passed their device check (bench/fused_correctness.md); others stay stock.
