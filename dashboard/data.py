@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import json
 import queue
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,10 +62,17 @@ class StorePool:
             return cls(open_store(None), ":memory:", writable=True)
         try:
             return cls(open_store(path, read_only=False), str(path), writable=True)
-        except BadInput:
+        except BadInput as exc:
             if not Path(path).exists():
                 raise
-            return cls(open_store(path, read_only=True), str(path), writable=False)
+            try:
+                return cls(open_store(path, read_only=True), str(path), writable=False)
+            except BadInput:
+                if "lock" in exc.problem.lower():  # DuckDB: one writing process excludes all others
+                    pid = re.search(r"PID (\d+)", exc.problem)
+                    who = f"PID {pid.group(1)}" if pid else "another process"
+                    raise BadInput(path, f"in use by {who}; stop it, or serve another store with --db") from None
+                raise
 
     @contextlib.contextmanager
     def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:

@@ -88,6 +88,8 @@ def command(traces: tuple[str, ...], db: str | None, host: str, port: int, verbo
         else:
             pool = StorePool.open(bundled_store(bundled_trace_paths(), log=log))
         deferred.app = create_app(pool).server
+        with pool.cursor():  # warm one connection (views loaded) before the first request
+            pass
     except BaseException:
         server.server_close()
         raise

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 
@@ -66,13 +67,17 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
-    """A fresh page that records console errors and failed requests in `page.errors`."""
+    """A fresh page that records console errors, failed requests and any request leaving the
+    machine in `page.errors`."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     pg = context.new_page()
     pg.errors = []  # type: ignore[attr-defined]
     pg.on("console", lambda m: pg.errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
     pg.on("pageerror", lambda e: pg.errors.append(f"pageerror: {e}"))
     pg.on("requestfailed", lambda r: pg.errors.append(f"requestfailed: {r.url}"))
+    # offline: every request goes to the app itself (no CDN, no external URL)
+    pg.on("request", lambda r: None if urlparse(r.url).hostname in ("127.0.0.1", None) or r.url.startswith("data:")
+          else pg.errors.append(f"external request: {r.url}"))
     yield pg
     context.close()
 
