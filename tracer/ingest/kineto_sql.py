@@ -44,6 +44,10 @@ SELECT count(*) AS n_rows,
 FROM _kineto_doc
 """
 
+# Every event of the run. Files are appended one statement each, in order, and DuckDB keeps
+# insertion order, so `rowid` is the event's position: it breaks ties between equal times and
+# names the offending event in errors (a row_number() window here would make the parallel
+# JSON read single-threaded).
 CREATE_EVENTS_SQL = """
 CREATE OR REPLACE TEMP TABLE _kineto_ev (
   file_idx INTEGER, rank INTEGER, ph VARCHAR, cat VARCHAR, name VARCHAR,
