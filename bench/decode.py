@@ -147,7 +147,8 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"- **{variant}**: {m['date']}, commit `{m['commit']}`, {m['gpu']}, torch {m['torch']} "
                      f"(CUDA {m['cuda']}), copy bandwidth {m['copy_bw_tbs']:.2f} TB/s, {m['reps']} replays, "
                      f"layers {m['layers']}, tp_sim={m['tp_sim']}, experts {m['expert_impl']}, "
-                     f"compile_ops={m.get('compile_ops')}")
+                     f"compile_ops={m.get('compile_ops')}"
+                     + (f", Triton op groups kept torch: {m['triton_off'] or 'none'}" if "triton_off" in m else ""))
     lines += ["", "| variant | B | k | M | kind | layers | median us | p10 us | p90 us | kernels/layer | MB read/layer | floor us | step median us |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["spec_tokens"], r["batch"], r["variant"])):
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--expert-impl", default="auto", choices=["auto", "grouped_mm", "gather_bmm"])
     ap.add_argument("--eager-ops", action="store_true", help="no torch.compile of the op groups")
+    ap.add_argument("--triton-off", nargs="*", default=[], help="op groups kept torch (stock_ops.TRITON_OPS)")
     ap.add_argument("--json", type=Path, help="write results here (GPU run)")
     ap.add_argument("--render", type=Path, help="merge this results JSON into decode.md")
     args = ap.parse_args(argv)
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     for variant in args.variant:
         for b, k in shapes:
             cfg = k3_tp16(batch=b, spec_tokens=k, layers=parse_layers(args.layers), tp_sim=True,
-                          expert_impl=args.expert_impl, compile_ops=not args.eager_ops)
+                          expert_impl=args.expert_impl, compile_ops=not args.eager_ops,
+                          triton_off=tuple(args.triton_off))
             r = bench_config(variant, cfg, args.reps)
             results.append(r)
             for kind, s in by_kind(r, bw).items():
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                          "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                          "copy_bw_tbs": bw / 1e12, "reps": args.reps, "layers": args.layers, "tp_sim": True,
                          "expert_impl": k3_tp16(expert_impl=args.expert_impl).expert_impl,
-                         "compile_ops": not args.eager_ops}
+                         "compile_ops": not args.eager_ops, "triton_off": list(args.triton_off)}
     out = {"results": results, "meta": meta}
     if args.json:
         args.json.write_text(json.dumps(out))

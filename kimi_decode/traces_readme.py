@@ -30,11 +30,17 @@ def describe(path: Path) -> dict:
         ks = [k for k in kernels_with_ops(trace) if k["step"]]
         per_layer = Counter(k["layer"] for k in ks)
         steps = meta["steps"]
+        per_op = Counter((k["layer"].split(".")[1], k["op"]) for k in ks if k["layer"])
     kinds: dict[str, list[float]] = {}
     for layer, n in per_layer.items():
         if layer:
             kinds.setdefault(layer.split(".")[1], []).append(n / steps)
-    return {"file": path.name, "meta": meta, "cfg": cfg, "size": path.stat().st_size,
+    ops: dict[str, dict[str, float]] = {}
+    if not meta["graph_mode"]:
+        layers_of = Counter(layer.split(".")[1] for layer in per_layer if layer)
+        for (kind, op), n in per_op.items():
+            ops.setdefault(kind, {})[op] = n / steps / layers_of[kind]
+    return {"file": path.name, "meta": meta, "cfg": cfg, "size": path.stat().st_size, "ops_per_layer": ops,
             "kernels_per_layer": {k: statistics.median(v) for k, v in sorted(kinds.items())},
             "kernels_per_step": sum(per_layer.values()) / steps}
 
@@ -54,7 +60,7 @@ def render(rows: list[dict], extra: str) -> str:
              f"- captured: {first.get('captured_at')}; commit `{first['commit']}`",
              f"- context: {first['config']['context_len']} cached MLA tokens per sequence; seed {first['config']['seed']};"
              f" experts via `{first['config']['expert_impl']}`; op fusion: "
-             f"{'torch.compile per op' if first['config'].get('compile_ops') else 'none (plain eager PyTorch ops)'}", "",
+             f"{op_fusion(first['config'])}", "",
              "| file | B | k | M | mode | profiled steps | kernels/step | kernels per KDA / MLA layer | comm_streams | map matched | size |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -63,8 +69,37 @@ def render(rows: list[dict], extra: str) -> str:
                      f"{'graph' if m['graph_mode'] else 'eager'} | {m['steps']} | {r['kernels_per_step']:.0f} | "
                      f"{kpl.get('kda', 0):.0f} / {kpl.get('mla', 0):.0f} | {m['comm_streams']} | "
                      f"{m['graph_capture_map_matched']} | {r['size'] / 1e3:.0f} kB |")
+    lines += op_table(rows)
     lines += ["", extra.strip(), ""] if extra.strip() else [""]
     return "\n".join(lines)
+
+
+def op_fusion(cfg: dict) -> str:
+    if not cfg.get("compile_ops"):
+        return "none (plain eager PyTorch ops)"
+    if not cfg.get("triton_ops", False):
+        return "torch.compile per op"
+    off = cfg.get("triton_off") or []
+    return ("Triton kernels of `kimi_decode/stock_triton.py` for skinny GEMMs, AttnRes, conv, recurrent KDA, "
+            "routing, experts and latent up-proj, torch.compile per op elsewhere"
+            + (f"; op groups kept torch after their device check failed: {', '.join(off)}" if off else ""))
+
+
+def op_table(rows: list[dict]) -> list[str]:
+    """Kernels per op and layer (per step) in the eager traces, one column per (B, k)."""
+    eager = [r for r in rows if r["ops_per_layer"]]
+    if not eager:
+        return []
+    cols = [(r["cfg"]["batch"], r["cfg"]["spec_tokens"]) for r in eager]
+    lines = ["", "Kernels per op and layer, one eager step (counted from the annotations):", "",
+             "| layer kind | op | " + " | ".join(f"B={b} k={k}" for b, k in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    keys = sorted({(kind, op) for r in eager for kind, d in r["ops_per_layer"].items() for op in d},
+                  key=lambda ko: (ko[0], ko[1] or ""))
+    for kind, op in keys:
+        cells = " | ".join(f"{r['ops_per_layer'].get(kind, {}).get(op, 0):g}" for r in eager)
+        lines.append(f"| {kind} | {op or '(none)'} | {cells} |")
+    return lines
 
 
 def main() -> None:
