@@ -1,0 +1,65 @@
+"""The store accessor: which runs are compared by default, and how a missing or refusing
+analyzer reaches the page (one line, never a broken view)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import flask
+import pytest
+
+from dashboard import data
+
+
+def _run(run_id: int, variant: str | None, graph: bool | None, batch: int | None, spec: int = 0) -> dict[str, Any]:
+    cfg = None if batch is None else json.dumps({"variant": variant, "config": {"batch": batch, "spec_tokens": spec}})
+    return {"run_id": run_id, "name": f"r{run_id}", "variant": variant, "graph_mode": graph, "config": cfg}
+
+
+def test_default_pair_same_workload_stock_and_fused() -> None:
+    runs = [_run(1, "stock", False, 1), _run(2, "stock", True, 8), _run(3, "stock", True, 1),
+            _run(4, "fused", True, 8), _run(5, "fused", True, 1)]
+    assert data.default_pair(runs) == (3, 5)  # graph, B=1 on both sides
+
+
+def test_default_pair_without_fused_prefers_graph_replays_by_batch() -> None:
+    runs = [_run(1, "stock", False, 1), _run(2, "stock", True, 64), _run(3, "stock", True, 1, spec=7),
+            _run(4, "stock", True, 1), _run(5, "stock", True, 8)]
+    assert data.default_pair(runs) == (4, 5)  # stock B=1 vs stock B=8, graph, no speculation
+
+
+def test_default_pair_foreign_and_single_runs() -> None:
+    assert data.default_pair([_run(7, None, None, None), _run(3, None, None, None)]) == (3, 7)
+    assert data.default_pair([_run(7, None, None, None)]) == (7, None)
+    assert data.default_pair([]) == (None, None)
+
+
+@pytest.fixture
+def app_context() -> Any:
+    app = flask.Flask(__name__)
+    pool = data.StorePool.open(None)
+    app.config[data.CONFIG_KEY] = pool
+    with app.app_context():
+        yield pool
+    pool.close()
+
+
+def test_missing_analyzer_is_not_available(app_context: Any) -> None:
+    with pytest.raises(data.NotAvailable, match="not available in this build"):
+        data.call("no_such_analyzer", "run")
+
+
+def test_refused_run_is_one_line(app_context: Any) -> None:
+    with pytest.raises(data.AnalyzerFailed) as info:
+        data.call("layers", "layer_breakdown", 999)
+    text = str(info.value)
+    assert text.startswith("error: ") and "999" in text and "\n" not in text
+
+
+def test_cursors_are_reused_and_share_the_store(app_context: Any) -> None:
+    pool = app_context
+    with pool.cursor() as a:
+        a.execute("INSERT INTO runs (run_id, name, source, path, file_hash, world_size) VALUES (1, 'x', 't', 'p', 'h', 1)")
+    with pool.cursor() as b:
+        assert b is a  # the same connection comes back (views already loaded)
+        assert data.store_fingerprint() == (1, 1)
