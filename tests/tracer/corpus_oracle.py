@@ -30,6 +30,8 @@ class Expected:
     gpu_syncs: int = 0
     events: int = 0
     kernel_times: Counter = field(default_factory=Counter)  # (rank, name, start_ns, end_ns) -> n
+    memop_times: Counter = field(default_factory=Counter)
+    api_times: Counter = field(default_factory=Counter)
 
 
 def trace_files(folder: Path) -> list[Path]:
@@ -61,14 +63,17 @@ def expected_for(folder: Path) -> Expected:
             if ev.get("ph") != "X":
                 continue
             cat = str(ev.get("cat", "")).lower()
+            start = base + to_ns(ev["ts"])
+            key = (rank, ev["name"], start, start + to_ns(ev.get("dur", 0)))
             if cat in KERNEL:
                 exp.kernels[rank] += 1
-                start = base + to_ns(ev["ts"])
-                exp.kernel_times[(rank, ev["name"], start, start + to_ns(ev.get("dur", 0)))] += 1
+                exp.kernel_times[key] += 1
             elif cat in MEMOP:
                 exp.memops[rank] += 1
+                exp.memop_times[key] += 1
             elif cat in API:
                 exp.api_calls[rank] += 1
+                exp.api_times[key] += 1
             elif cat in RANGE:
                 exp.ranges[rank] += 1
             elif cat == "gpu_user_annotation":

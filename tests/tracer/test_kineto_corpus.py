@@ -1,8 +1,9 @@
 """Every public corpus trace ingests completely and exactly, checked against a plain-json reading.
 
 The oracle (corpus_oracle.py) parses each file with json + Decimal and counts kernels, memops,
-runtime/driver calls and host ranges per rank, and lists every kernel's (rank, name, start,
-end) in exact ns. The store must hold the same multiset: no kernel dropped, none rounded.
+runtime/driver calls and host ranges per rank, and lists every kernel's, memop's and API call's
+(rank, name, start, end) in exact ns. The store must hold the same multisets: nothing dropped,
+nothing rounded.
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def test_counts_and_exact_kernel_times(corpus_store, corpus: Path, folder: str) 
     assert _per_rank(con, "memops", run_id) == +exp.memops
     assert _per_rank(con, "api_calls", run_id) == +exp.api_calls
     assert _per_rank(con, "ranges", run_id) == +exp.ranges
-    got = Counter(con.execute("SELECT rank, name, start_ns, end_ns FROM kernels WHERE run_id = ?", [run_id]).fetchall())
-    assert got == exp.kernel_times
+    for table, expected in (("kernels", exp.kernel_times), ("memops", exp.memop_times), ("api_calls", exp.api_times)):
+        got = Counter(con.execute(f"SELECT rank, name, start_ns, end_ns FROM {table} WHERE run_id = ?", [run_id]).fetchall())
+        assert got == expected, table
     n_ann, n_sync = con.execute(
         "SELECT (SELECT count(*) FROM gpu_annotations WHERE run_id = $1), "
         "(SELECT count(*) FROM gpu_syncs WHERE run_id = $1)", [run_id]).fetchall()[0]
