@@ -140,8 +140,7 @@ class CallbackClient:
         ms, _ = self.post("timeline-graph.figure",
                           [("timeline-graph", "figure"), ("timeline-info", "children"),
                            ("timeline-permalink", "href"), ("timeline-state", "data")],
-                          [("timeline-graph", "relayoutData", relayout), ("timeline-step", "value", state["step"]),
-                           ("timeline-rank", "value", state["rank"])],
+                          [("timeline-graph", "relayoutData", relayout), ("timeline-step", "value", state["step"])],
                           "timeline-graph.relayoutData", [("timeline-state", "data", state)])
         return ms
 

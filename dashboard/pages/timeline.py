@@ -45,9 +45,8 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
     return html.Div([
         html.H1("Timeline"),
         c.run_links(all_runs, "/timeline", run_id),
+        _rank_links(run_id, ranks, rank_id),
         html.Div([
-            html.Label(["rank", dcc.Dropdown([{"label": str(r), "value": r} for r in ranks], rank_id,
-                                             id="timeline-rank", clearable=False, className="dropdown")]),
             html.Label(["step", dcc.Dropdown(step_options, step_idx, id="timeline-step", className="dropdown",
                                              placeholder="whole run" if steps else "no step ranges in this run")]),
             html.A("link to this view", id="timeline-permalink", href=_permalink(state)),
@@ -61,6 +60,15 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
                "Red segments: device-idle intervals (no kernel or memop on any stream); bands: layers.",
                className="note"),
     ])
+
+
+def _rank_links(run_id: int, ranks: list[int], current: int) -> html.Div:
+    """One link per rank (a rank has its own clock, steps and streams: a new view)."""
+    items: list[Any] = [html.Span("rank: ", className="note")]
+    for r in ranks:
+        items.append(html.B(str(r)) if r == current else dcc.Link(str(r), href=c.href("/timeline", run=run_id, rank=r)))
+        items.append(" ")
+    return html.Div(items, className="links runlinks", id="timeline-ranks")
 
 
 def _initial_window(extent: dict[str, int], steps: list[dict[str, Any]], step: int | None,
@@ -96,20 +104,12 @@ def _permalink(state: dict[str, Any]) -> str:
 @callback(Output("timeline-graph", "figure"), Output("timeline-info", "children"),
           Output("timeline-permalink", "href"), Output("timeline-state", "data"),
           Input("timeline-graph", "relayoutData"), Input("timeline-step", "value"),
-          Input("timeline-rank", "value"), State("timeline-state", "data"), prevent_initial_call=True)
-def _update(relayout: dict[str, Any] | None, step: int | None, rank: int, state: dict[str, Any]) -> Any:
-    """Zoom, step or rank changed: fetch the new window from the store and redraw."""
-    trigger = dash.ctx.triggered_id
+          State("timeline-state", "data"), prevent_initial_call=True)
+def _update(relayout: dict[str, Any] | None, step: int | None, state: dict[str, Any]) -> Any:
+    """Zoom or step changed: fetch the new window from the store and redraw."""
     cur = unpack_state(state)
     new = dict(cur)
-    if trigger == "timeline-rank" and rank != cur["rank"]:
-        extent = data.timeline_extent(cur["run"], rank)
-        if extent is None:
-            return dash.no_update, f"rank {rank} has no kernels", dash.no_update, dash.no_update
-        new.update(rank=rank, origin=extent["first_start_ns"], step=None, mark=None,
-                   t0=extent["first_start_ns"], t1=extent["last_end_ns"],
-                   extent=(extent["first_start_ns"], extent["last_end_ns"]))
-    elif trigger == "timeline-step":
+    if dash.ctx.triggered_id == "timeline-step":
         steps = data.timeline_steps(cur["run"], cur["rank"])
         chosen = next((s for s in steps if s["step_index"] == step), None)
         new["step"] = step
