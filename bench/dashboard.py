@@ -279,12 +279,14 @@ def main() -> None:
         bundled_ms += [client.timeline_zoom(st, a, b) for a, b in windows(b0, b1)[::3]]
     results["bundled"] = percentiles(bundled_ms) if bundled_ms else None
 
+    results["load_before"] = os.getloadavg()[0]
     srv, url = serve(app)
     try:
         results["load_synthetic"] = percentiles(first_load_ms(f"{url}/timeline?run={synth}"))
         results["load_bundled"] = percentiles(first_load_ms(f"{url}/timeline?run={bundled[0]}")) if bundled else None
     finally:
         srv.shutdown()
+    results["load_after"] = os.getloadavg()[0]
     pool.close()
     write_report(Path(args.out), args.kernels, build_s, results, len(bundled), bundled_error)
     print(Path(args.out).read_text())
@@ -330,7 +332,8 @@ def write_report(out: Path, n: int, build_s: float, r: dict[str, Any], n_bundled
         row("first timeline request on a fresh connection (synthetic; includes attribution)",
             {"n": 1, "p50": r["cold_first_zoom_ms"], "p95": r["cold_first_zoom_ms"], "max": r["cold_first_zoom_ms"]}),
         "",
-        "First page load in headless Chromium (goto until the timeline graph is drawn, fresh context each):",
+        "First page load in headless Chromium (goto until the timeline graph is drawn, fresh context each; "
+        f"1-min load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on 2 cores):",
         "",
         "| page | loads | p50 ms | p95 ms | max ms | notes |",
         "|---|---|---|---|---|---|",
