@@ -177,6 +177,22 @@ def kernel_checks(impl: str, cfg=None, dev: str = "cuda", bf: torch.dtype = torc
             ro, rs = ops.kda_recurrence(act, fb, beta, dtb, alog, S0, -5.0, H)
             return max(_rel(o, ro), _rel(S, rs))
         record("kda", f"B={B} T={T}", kda)
+    ql, c, rope, H = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.mla_local_heads
+    for B, T in ((1, 1), (8, 1), (64, 1), (1, 8)):
+        M = B * T
+        a = rnd(M, cfg.qkv_a_rows)
+        qn, kvn = rnd(ql).abs() + 0.5, rnd(c).abs() + 0.5
+        record("mla_norms", f"M={M}", lambda: max(_rel(x, y) for x, y in zip(
+            kt.mla_norms(a, qn, kvn, ql, c, 1e-5), ops.mla_norms(a, qn, kvn, ql, c, 1e-5))))
+        q_lat, q = rnd(H, M, c).transpose(0, 1), rnd(M, H, cfg.qk_head_dim)
+        ckv, cache, pos = rnd(M, c), rnd(B, 64, c + rope), torch.tensor([40], device=dev)
+
+        def kv() -> float:
+            mine, ref = cache.clone(), cache.clone()
+            got = kt.kv_insert(q_lat, q, ckv, a, ql + c, mine, pos, T)
+            want = ops.OpSet(cfg).kv_insert(q_lat, q, ckv, a, ql + c, ref, pos, T)  # compile_ops off: torch
+            return 0.0 if torch.equal(got, want) and torch.equal(mine, ref) else 1.0
+        record("kv_insert", f"B={B} T={T}", kv)
     E, Ip = cfg.num_experts, cfg.expert_local_inter_padded
     w13, w2 = rnd(E, 2 * Ip, L, s=L ** -0.5), rnd(E, L, Ip, s=Ip ** -0.5)
     for M in (1, 8, 64):

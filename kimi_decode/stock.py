@@ -145,6 +145,7 @@ class MLAAttention(nn.Module):
         cache[:, :, :c] = F.rms_norm(cache[:, :, :c], (c,), self.kv_a_norm.float(), cfg.rms_eps)
         cache[:, cfg.context_len:] = 0                                 # not yet written
         self.register_buffer("cache", cache.to(dt))
+        self.t_off = torch.arange(cfg.tokens_per_seq, device=seed.device)             # not state: no buffer
         self.fx = {name: ops.maybe_compiled(fn, cfg.compile_ops) for name, fn in
                    (("norms", ops.mla_norms), ("attend", ops.mla_attend), ("gate", ops.sigmoid_gate))}
         self.k = ops.OpSet(cfg)
@@ -159,16 +160,15 @@ class MLAAttention(nn.Module):
         with op_range("qkv_a"):
             a = self.k.linear(x, self.qkv_a)                                           # [M, ql+c+rope]
         with op_range("qkv_norm"):
-            qa, ckv = fx["norms"](a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
+            qa, ckv = self.k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
             q = self.k.linear(qa, self.q_b).reshape(-1, H, nope + rope)                # [M, H, 192]
         with op_range("uk_bmm"):
             q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)  # [M, H, c]
         with op_range("kv_insert"):
-            q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).reshape(B, T * H, c + rope)
-            last = pos + torch.arange(T, device=x.device)                              # [T] positions
-            self.cache.index_copy_(1, last, torch.cat([ckv, a[:, ql + c:]], dim=-1).reshape(B, T, c + rope))
+            q_full = self.k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)    # [B, T*H, c+rope]
         with op_range("mla_decode"):
+            last = pos + self.t_off                                                    # [T] positions
             o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)  # [B, T*H, c]
         with op_range("uv_bmm"):
             o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)  # [M, H, vd]

@@ -185,7 +185,7 @@ def latent_up(r: torch.Tensor, norm: torch.Tensor, up_rows: torch.Tensor, shared
 
 
 # Op groups that have a Triton kernel (stock_triton.py); config.triton_off names any to skip.
-TRITON_OPS = ("mm", "attn_res", "conv", "kda", "route", "experts", "up")
+TRITON_OPS = ("mm", "attn_res", "conv", "kda", "route", "experts", "up", "mla_norms", "kv_insert")
 SKINNY_MAX_M = 64   # rows up to which a GEMM is one skinny-GEMM kernel (vLLM's low-latency GEMM)
 
 
@@ -204,7 +204,7 @@ class OpSet:
         self.triton = set(TRITON_OPS) - set(cfg.triton_off) if on else set()
         self.fn = {f.__name__: maybe_compiled(f, cfg.compile_ops) for f in
                    (res_mix, attn_res_mix, conv_update, kda_recurrence, route, situ_glu, latent_up,
-                    experts_grouped, experts_gathered, gated_rms_norm)}
+                    experts_grouped, experts_gathered, gated_rms_norm, mla_norms)}
         self.experts_fn = self.fn[EXPERTS[cfg.expert_impl].__name__]
 
     def _kernels(self, op: str, t: torch.Tensor, any_dtype: bool = False) -> ModuleType | None:
@@ -277,3 +277,21 @@ class OpSet:
         if k is not None and r.shape[0] <= SKINNY_MAX_M:
             return k.skinny_mm(r.contiguous(), up_rows, add=shared.contiguous(), norm_w=norm, eps=eps)
         return self.fn["latent_up"](r, norm, up_rows, shared, eps)
+
+    def mla_norms(self, a, q_norm, kv_norm, q_rank: int, kv_rank: int, eps: float):
+        k = self._kernels("mla_norms", a)
+        if k is not None:
+            return k.mla_norms(a, q_norm, kv_norm, q_rank, kv_rank, eps)
+        return self.fn["mla_norms"](a, q_norm, kv_norm, q_rank, kv_rank, eps)
+
+    def kv_insert(self, q_lat, q, ckv, a, rope_off: int, cache, pos, T: int) -> torch.Tensor:
+        """q_full [B, T·H, c + rope] = [q_lat | q[..., nope:]]; cache[:, pos + t] = [ckv | a[:, rope_off:]]."""
+        k = self._kernels("kv_insert", q_lat)
+        if k is not None:
+            return k.kv_insert(q_lat, q, ckv, a, rope_off, cache, pos, T)
+        M, H, c = q_lat.shape
+        rope = cache.shape[-1] - c
+        q_full = torch.cat([q_lat, q[..., q.shape[-1] - rope:]], dim=-1).reshape(M // T, T * H, c + rope)
+        last = pos + torch.arange(T, device=q.device)
+        cache.index_copy_(1, last, torch.cat([ckv, a[:, rope_off:]], dim=-1).reshape(M // T, T, c + rope))
+        return q_full

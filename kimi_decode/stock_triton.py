@@ -222,7 +222,7 @@ def conv_update_(conv_state: torch.Tensor, qkv: torch.Tensor, conv_w: torch.Tens
 
 @triton.jit
 def _kda_kernel(act_ptr, fb_ptr, beta_ptr, dtb_ptr, alog_ptr, s_ptr, o_ptr,
-                stride_fb, stride_beta, P, lower_bound,
+                stride_fb, stride_beta, P, lower_bound, q_scale,
                 T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr):
     """Grid (B, H, D/BV): the fp32 state block S[:, value block] in registers, T tokens in turn:
     S ← S·e^g (key rows), S ← S + β k ⊗ (v − kᵀS), o = qᵀS."""
@@ -240,7 +240,7 @@ def _kda_kernel(act_ptr, fb_ptr, beta_ptr, dtb_ptr, alog_ptr, s_ptr, o_ptr,
         q = tl.load(base + rk)
         k = tl.load(base + P + rk)
         v = tl.load(base + 2 * P + rv)
-        q = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-6) * (D ** -0.5)
+        q = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-6) * q_scale
         k = k / tl.maximum(tl.sqrt(tl.sum(k * k, 0)), 1e-6)
         g = lower_bound * tl.sigmoid((tl.load(fb_ptr + row * stride_fb + h * D + rk).to(tl.float32) + dtb) * A)
         beta = tl.sigmoid(tl.load(beta_ptr + row * stride_beta + h).to(tl.float32))
@@ -261,7 +261,7 @@ def kda_recurrence_(act: torch.Tensor, f_b: torch.Tensor, beta_in: torch.Tensor,
     o = torch.empty(B * T, heads, d, dtype=torch.float32, device=act.device)
     bv = min(32, d)
     _kda_kernel[(B, heads, d // bv)](act, f_b, beta_in, dt_bias, a_log, state, o, f_b.stride(0),
-                                     beta_in.stride(0), P, lower_bound, T=T, H=heads, D=d, BV=bv, num_warps=4)
+                                     beta_in.stride(0), P, lower_bound, d ** -0.5, T=T, H=heads, D=d, BV=bv, num_warps=4)
     return o
 
 
@@ -455,3 +455,73 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     out = torch.empty(M, L, dtype=z.dtype, device=z.device)
     _moe_finalize_kernel[(M, triton.cdiv(L, 512))](e, w.contiguous(), out, L, K=K, BLOCK=512, num_warps=4)
     return out
+
+
+# --- MLA: the two latent RMSNorms, and q-concat + latent-cache insert ------------------------
+
+@triton.jit
+def _mla_norms_kernel(a_ptr, qw_ptr, kvw_ptr, qa_ptr, ckv_ptr, stride_am, QR, KR, eps, BLOCK: tl.constexpr):
+    """Grid (M, 2): program 0 normalises a[:, :QR] (weight qw), program 1 a[:, QR:QR+KR] (kvw)."""
+    m = tl.program_id(0)
+    j = tl.program_id(1)
+    width = tl.where(j == 0, QR, KR)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < width
+    x = tl.load(a_ptr + m * stride_am + j * QR + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / width + eps)
+    if j == 0:
+        w = tl.load(qw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(qa_ptr + m * QR + offs, (x * rstd * w).to(qa_ptr.dtype.element_ty), mask=mask)
+    else:
+        w = tl.load(kvw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ckv_ptr + m * KR + offs, (x * rstd * w).to(ckv_ptr.dtype.element_ty), mask=mask)
+
+
+def mla_norms(a: torch.Tensor, q_norm: torch.Tensor, kv_norm: torch.Tensor, q_rank: int, kv_rank: int,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """stock_ops.mla_norms in one kernel: (qa [M, q_rank], ckv [M, kv_rank])."""
+    M = a.shape[0]
+    assert a.stride(1) == 1
+    qa = torch.empty(M, q_rank, dtype=a.dtype, device=a.device)
+    ckv = torch.empty(M, kv_rank, dtype=a.dtype, device=a.device)
+    _mla_norms_kernel[(M, 2)](a, q_norm, kv_norm, qa, ckv, a.stride(0), q_rank, kv_rank, eps,
+                              BLOCK=_pow2(max(q_rank, kv_rank)), num_warps=4)
+    return qa, ckv
+
+
+@triton.jit
+def _kv_insert_kernel(qlat_ptr, q_ptr, ckv_ptr, a_ptr, cache_ptr, pos_ptr, qfull_ptr,
+                      s_lm, s_lh, s_qm, s_qh, s_am, s_cb, s_cp, H, T, C, ROPE, NOPE, ROPE_OFF,
+                      BLOCK: tl.constexpr):
+    """Grid (M, H + 1): program (m, h < H) writes q_full row m·H + h = [q_lat[m, h], q_rope[m, h]];
+    program (m, H) writes cache[m // T, pos + m % T] = [ckv[m], k_rope[m]]."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    lat = offs < C
+    rope = (offs >= C) & (offs < C + ROPE)
+    if h < H:
+        x = tl.load(qlat_ptr + m * s_lm + h * s_lh + offs, mask=lat, other=0.0)
+        r = tl.load(q_ptr + m * s_qm + h * s_qh + NOPE + offs - C, mask=rope, other=0.0)
+        tl.store(qfull_ptr + (m * H + h) * (C + ROPE) + offs, tl.where(lat, x, r), mask=lat | rope)
+    else:
+        x = tl.load(ckv_ptr + m * C + offs, mask=lat, other=0.0)
+        r = tl.load(a_ptr + m * s_am + ROPE_OFF + offs - C, mask=rope, other=0.0)
+        p = tl.load(pos_ptr) + m % T
+        tl.store(cache_ptr + (m // T) * s_cb + p * s_cp + offs, tl.where(lat, x, r), mask=lat | rope)
+
+
+def kv_insert(q_lat: torch.Tensor, q: torch.Tensor, ckv: torch.Tensor, a: torch.Tensor, rope_off: int,
+              cache: torch.Tensor, pos: torch.Tensor, T: int) -> torch.Tensor:
+    """q_full [B, T·H, c + rope] = [q_lat | q[..., nope:]], and the new tokens' [ckv | a[:, rope_off:]]
+    written into cache at positions pos .. pos + T - 1, in one kernel."""
+    M, H, C = q_lat.shape
+    ROPE = cache.shape[-1] - C
+    NOPE = q.shape[-1] - ROPE
+    assert q_lat.stride(2) == 1 and q.stride(2) == 1 and ckv.is_contiguous() and a.stride(1) == 1
+    assert cache.stride(2) == 1
+    q_full = torch.empty(M // T, T * H, C + ROPE, dtype=q_lat.dtype, device=q_lat.device)
+    _kv_insert_kernel[(M, H + 1)](q_lat, q, ckv, a, cache, pos, q_full, q_lat.stride(0), q_lat.stride(1),
+                                  q.stride(0), q.stride(1), a.stride(0), cache.stride(0), cache.stride(1),
+                                  H, T, C, ROPE, NOPE, rope_off, BLOCK=_pow2(C + ROPE), num_warps=4)
+    return q_full

@@ -112,6 +112,33 @@ def test_experts(M):
     close(kt.experts(z, idx, w, w13, w2, 4.0, 25.0), ops.experts_gathered(z, idx, w, w13, w2, 4.0, 25.0), 1e-5)
 
 
+def test_mla_norms():
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(3, 70, generator=g)[:, 2:62]                   # q 40 + kv 12 + rope 8
+    qw, kvw = torch.rand(40, generator=g) + 0.5, torch.rand(12, generator=g) + 0.5
+    for got, want in zip(kt.mla_norms(a, qw, kvw, 40, 12, 1e-5), ops.mla_norms(a, qw, kvw, 40, 12, 1e-5)):
+        close(got, want, 1e-6)
+
+
+@pytest.mark.parametrize("B,T", [(2, 1), (1, 3)])
+def test_kv_insert(B, T):
+    """Oracle: the torch path of OpSet.kv_insert (cat + index_copy_ at pos .. pos+T-1)."""
+    g = torch.Generator().manual_seed(B + T)
+    M, H, c, rope, nope, ql = B * T, 3, 16, 8, 8, 20
+    q_lat = torch.randn(H, M, c, generator=g).transpose(0, 1)      # bmm output, transposed view
+    q = torch.randn(M, H, nope + rope, generator=g)
+    ckv = torch.randn(M, c, generator=g)
+    a = torch.randn(M, ql + c + rope, generator=g)
+    cache = torch.randn(B, 12, c + rope, generator=g)
+    pos = torch.tensor([5])
+    from kimi_decode.config import tiny
+    torch_ops = ops.OpSet(tiny())                                  # compile_ops off: the torch path
+    want_cache = cache.clone()
+    want = torch_ops.kv_insert(q_lat, q, ckv, a, ql + c, want_cache, pos, T)
+    got = kt.kv_insert(q_lat, q, ckv, a, ql + c, cache, pos, T)
+    assert torch.equal(got, want) and torch.equal(cache, want_cache)
+
+
 @pytest.mark.parametrize("spec", [0, 3])
 def test_tiny_model_with_kernels_matches_reference(monkeypatch, spec):
     """The whole tiny stock step (fp32, 5 layers: dense, KDA, MLA; 2 steps, state included) with
