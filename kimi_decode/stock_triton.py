@@ -66,12 +66,14 @@ def _skinny_mm_kernel(x_ptr, w_ptr, out_ptr, add_ptr, normw_ptr, M, N, K,
 
 
 def skinny_mm_config(M: int, N: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): the fewest rows that cover M, then as wide a column block
-    as still gives about two CTAs per SM (132 on H200), so the weight stream fills the GPU."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K): the fewest rows that cover M. Up to 16 rows, the narrowest
+    column block (16) unless N gives two CTAs per SM (132 on H200) anyway, and long K steps
+    (512: many weight bytes in flight per CTA). Past 16 rows every CTA re-reads the rows of x
+    from L2, so columns go 32 wide to halve that traffic."""
     bm = min(_pow2(M), 64)
-    bn = 64 if N >= 64 * 264 else 32 if N >= 32 * 132 else 16
-    bk = 256 if bm <= 16 else 128
-    return bm, bn, bk
+    if bm <= 16:
+        return bm, (64 if N >= 64 * 264 else 32 if N >= 32 * 264 else 16), 512
+    return bm, 32, 128
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
