@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -298,7 +300,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "check", "capture", "bench"])
     ap.add_argument("--eager-ops", action="store_true", help="no torch.compile of the op groups")
+    ap.add_argument("--kernels-only", action="store_true", help="only the Triton kernel checks (a child process)")
     args = ap.parse_args()
+    if args.kernels_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kernels.json").write_text(json.dumps(kernel_checks(probe_grouped_mm()), indent=1))
+        return
     compile_ops = not args.eager_ops
     if compile_ops:  # a function inductor cannot compile runs eagerly instead of failing the job
         torch._dynamo.config.suppress_errors = True
@@ -308,12 +315,19 @@ def main() -> None:
     t0 = time.time()
     triton_off: tuple[str, ...] = ()
     if compile_ops and "kernels" not in args.skip:
+        # in a child process: a kernel that faults leaves this process's CUDA context usable
         try:
-            kres = kernel_checks(impl)
+            proc = subprocess.run([sys.executable, "-m", "kimi_decode.device_job", "--out", str(args.out),
+                                   "--kernels-only"], capture_output=True, text=True, timeout=240)
+            tail = f"exit {proc.returncode}: {proc.stderr[-4000:]}"
+        except subprocess.TimeoutExpired:
+            tail = "timed out after 240 s"
+        try:
+            kres = json.loads((args.out / "kernels.json").read_text())
             triton_off = tuple(kres["triton_off"])
-        except Exception:
-            kres = {"error": traceback.format_exc()}
+        except (OSError, ValueError, KeyError):
             from kimi_decode.stock_ops import TRITON_OPS
+            kres = {"error": f"kernel checks failed: {tail}"}
             triton_off = TRITON_OPS
         print("kernels:", json.dumps(kres, indent=1), f"({time.time() - t0:.0f} s)", flush=True)
         (args.out / "kernels.json").write_text(json.dumps(kres, indent=1))
