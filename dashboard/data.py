@@ -45,6 +45,11 @@ class StorePool:
 
     `writable` is False when the store could only be opened read-only (another process holds
     it); uploads are then refused with a message instead of failing half-way.
+
+    DuckDB refuses concurrent catalog changes from two connections ("write-write conflict"),
+    and loading views, analyzer calls (they (re)create their macros and TEMP tables) and
+    ingests all change the catalog; they run one at a time under `exclusive()`. The timeline
+    and kernel-table queries only read and run concurrently.
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, label: str, writable: bool, size: int = 8) -> None:
@@ -52,7 +57,7 @@ class StorePool:
         self.label = label
         self.writable = writable
         self._free: queue.LifoQueue[duckdb.DuckDBPyConnection] = queue.LifoQueue(maxsize=size)
-        self._write_lock = threading.Lock()
+        self._catalog_lock = threading.RLock()
         load_views(con)
 
     @classmethod
@@ -81,7 +86,8 @@ class StorePool:
             cur = self._free.get_nowait()
         except queue.Empty:
             cur = self._con.cursor()
-            load_views(cur)
+            with self._catalog_lock:
+                load_views(cur)
         try:
             yield cur
         finally:
@@ -90,13 +96,19 @@ class StorePool:
             except queue.Full:
                 cur.close()
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the catalog lock (see the class docstring)."""
+        with self._catalog_lock:
+            yield
+
     def ingest(self, path: Path, name: str | None = None) -> list[Any]:
         """Ingest a trace into the store (one transaction per run; BadInput leaves it unchanged)."""
         if not self.writable:
             raise BadInput(self.label, "the store is open read-only (another process holds it)")
         from tracer.ingest import ingest_path
 
-        with self._write_lock, self.cursor() as cur:
+        with self._catalog_lock, self.cursor() as cur:
             return ingest_path(cur, path, name=name, progress=False)
 
     def close(self) -> None:
@@ -133,7 +145,8 @@ def call(module: str, function: str, *args: Any, **kwargs: Any) -> Any:
     fn = analyzer(module, function)
     if fn is None:
         raise NotAvailable(f"analyzers.{module}.{function}: {NOT_AVAILABLE}")
-    with pool().cursor() as cur:
+    store = pool()
+    with store.cursor() as cur, store.exclusive():
         try:
             return fn(cur, *args, **kwargs)
         except ModuleNotFoundError as exc:  # the analyzer is here, one it builds on is not
@@ -243,9 +256,11 @@ def timeline_ranks(run_id: int) -> list[int]:
 def timeline_window(run_id: int, rank: int, start_ns: int, end_ns: int,
                     cap: int = timeline.DEFAULT_CAP) -> tuple[timeline.Window, Any]:
     """The window's kernels (or bins) and its layer bands."""
-    with pool().cursor() as cur:
+    store = pool()
+    with store.cursor() as cur:
         win = timeline.window(cur, run_id, rank, start_ns, end_ns, cap=cap)
-        bands = timeline.layer_bands(cur, run_id, rank, start_ns, end_ns)
+        with store.exclusive():  # may build the run's attribution (TEMP table, macros) on this cursor
+            bands = timeline.layer_bands(cur, run_id, rank, start_ns, end_ns)
     return win, bands
 
 

@@ -63,3 +63,38 @@ def test_cursors_are_reused_and_share_the_store(app_context: Any) -> None:
     with pool.cursor() as b:
         assert b is a  # the same connection comes back (views already loaded)
         assert data.store_fingerprint() == (1, 1)
+
+
+def test_concurrent_analyzer_calls_do_not_conflict(tmp_path: Any) -> None:
+    """Analyzers (re)create macros and TEMP tables; DuckDB refuses concurrent catalog changes
+    from two connections. Four threads rendering the layers of one run at once must all get
+    the same answer, none a write-write conflict."""
+    import threading
+
+    from tests.dashboard.decode_traces import DecodeSpec, write_decode_trace
+    from tracer.ingest import ingest_path
+
+    app = flask.Flask(__name__)
+    pool = data.StorePool.open(None)
+    app.config[data.CONFIG_KEY] = pool
+    with pool.cursor() as cur:
+        run = ingest_path(cur, write_decode_trace(tmp_path / "t.json", DecodeSpec("stock", steps=2, layers=2)),
+                          progress=False)[0].run_id
+    results: list[Any] = []
+
+    def render() -> None:
+        with app.app_context():
+            try:
+                results.append(data.call("layers", "layer_breakdown", run))
+            except data.PageDataError as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=render) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool.close()
+    assert not [r for r in results if isinstance(r, Exception)], results
+    assert len(results) == 4 and all(r == results[0] for r in results)
+    assert [layer["layer"] for layer in results[0]["layers"]] == ["L0.kda", "L1.kda"]
