@@ -196,7 +196,7 @@ def store_fingerprint() -> tuple[int, int]:
     return int(n), int(top)
 
 
-def _workload(r: dict[str, Any]) -> tuple[Any, Any]:
+def workload(r: dict[str, Any]) -> tuple[Any, Any]:
     """(batch, speculative tokens) from our capture metadata; (None, None) for foreign traces."""
     try:
         cfg = (json.loads(r.get("config") or "{}") or {}).get("config") or {}
@@ -208,7 +208,7 @@ def _workload(r: dict[str, Any]) -> tuple[Any, Any]:
 def _preference(r: dict[str, Any]) -> tuple[Any, ...]:
     """Order in which runs are offered by default: CUDA-graph replays first (what decode
     serves), then no speculation, then small batches, then oldest."""
-    batch, spec = _workload(r)
+    batch, spec = workload(r)
     return (not r.get("graph_mode"), spec or 0, batch if batch is not None else 1 << 30, r["run_id"])
 
 
@@ -220,7 +220,7 @@ def default_pair(all_runs: list[dict[str, Any]]) -> tuple[int | None, int | None
     fused = sorted((r for r in all_runs if r.get("variant") == "fused"), key=_preference)
     for s in stock:
         for f in fused:
-            if (_workload(s), bool(s.get("graph_mode"))) == (_workload(f), bool(f.get("graph_mode"))):
+            if (workload(s), bool(s.get("graph_mode"))) == (workload(f), bool(f.get("graph_mode"))):
                 return s["run_id"], f["run_id"]
     if stock and fused:
         return stock[-1]["run_id"], fused[-1]["run_id"]

@@ -57,7 +57,8 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
 
 
 def _runs_table(all_runs: list[dict[str, Any]]) -> html.Table:
-    header = ["run", "name", "source", "variant", "gpu", "ranks", "graph", "tp_sim", "kernels", "created", "views"]
+    header = ["run", "name", "source", "variant", "gpu", "B / k", "ranks", "graph", "tp_sim", "kernels", "created",
+              "views"]
     rows = []
     for r in all_runs:
         rid = r["run_id"]
@@ -67,9 +68,11 @@ def _runs_table(all_runs: list[dict[str, Any]]) -> html.Table:
             dcc.Link("layers", href=c.href("/layers", base=rid)), " ",
             dcc.Link("bubbles", href=c.href("/bubbles", run=rid)),
         ], className="links")
-        rows.append([rid, r["name"], r["source"], r["variant"], r["gpu"], r["world_size"],
+        batch, spec = data.workload(r)
+        rows.append([rid, r["name"], r["source"], r["variant"], r["gpu"],
+                     "" if batch is None else f"{batch} / {spec or 0}", r["world_size"],
                      _yes_no(r["graph_mode"]), _yes_no(r["tp_sim"]), f"{r['kernels']:,}", r["created_at"], views])
-    return c.table(header, rows, text_cols=6, id="runs-table")
+    return c.table(header, rows, text_cols=5, id="runs-table")
 
 
 def _yes_no(v: Any) -> str:

@@ -50,6 +50,8 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
             html.Label(["step", dcc.Dropdown(step_options, step_idx, id="timeline-step", className="dropdown",
                                              placeholder="whole run" if steps else "no step ranges in this run")]),
             html.A("link to this view", id="timeline-permalink", href=_permalink(state)),
+            dcc.Link("bubbles of this run, by cause", href=c.href("/bubbles", run=run_id)),
+            dcc.Link("kernels table", href=c.href("/kernels", run=run_id)),
         ], className="controls"),
         html.Div(info, id="timeline-info", className="note"),
         dcc.Graph(id="timeline-graph", figure=figure, config={"scrollZoom": True, "displaylogo": False}),
