@@ -3,7 +3,7 @@
 Pages never write SQL and never hold data between requests. Each request borrows a cursor
 from a small per-process pool (`StorePool`, kept in the Flask app config, not in a module
 global): DuckDB cursors of one connection share the database but each has its own TEMP
-schema, so every pooled cursor gets the analyzer views loaded once. Analyzer functions that
+schema, so every pooled cursor gets the timeline macros loaded once. Analyzer functions that
 other engineers own are looked up when called; one that does not exist yet makes the page
 say "not available in this build" instead of showing made-up data.
 """
@@ -23,11 +23,14 @@ import duckdb
 import flask
 
 from analyzers import timeline
-from analyzers.views import load_views
+from analyzers.attribution import load_sql
 from tracer.errors import BadInput
 from tracer.store import open_store
 
 CONFIG_KEY = "DECODESCOPE_STORE"
+# The only SQL this module queries itself; each analyzer loads its own area when called, so a
+# colleague's broken view elsewhere cannot take the whole dashboard down.
+TIMELINE_SQL_AREA = "timeline"
 NOT_AVAILABLE = "not available in this build"
 
 RUNS_SQL = """
@@ -41,7 +44,7 @@ STORE_FINGERPRINT_SQL = "SELECT count(*), coalesce(max(run_id), 0) FROM runs"
 
 
 class StorePool:
-    """One DuckDB database for this process, lent out as cursors with the analyzer views loaded.
+    """One DuckDB database for this process, lent out as cursors with the timeline macros loaded.
 
     `writable` is False when the store could only be opened read-only (another process holds
     it); uploads are then refused with a message instead of failing half-way.
@@ -58,7 +61,7 @@ class StorePool:
         self.writable = writable
         self._free: queue.LifoQueue[duckdb.DuckDBPyConnection] = queue.LifoQueue(maxsize=size)
         self._catalog_lock = threading.RLock()
-        load_views(con)
+        load_sql(con, TIMELINE_SQL_AREA)
 
     @classmethod
     def open(cls, path: str | Path | None) -> StorePool:
@@ -87,7 +90,7 @@ class StorePool:
         except queue.Empty:
             cur = self._con.cursor()
             with self._catalog_lock:
-                load_views(cur)
+                load_sql(cur, TIMELINE_SQL_AREA)
         try:
             yield cur
         finally:
