@@ -128,6 +128,41 @@ def _has_layers(con: duckdb.DuckDBPyConnection, run_id: int, layer_regex: str) -
     return bool(con.execute(HAS_LAYERS_SQL, {"run": run_id, "re": layer_regex}).fetchall()[0][0])
 
 
+# Bubbles (analyzers.bubbles: device-idle intervals inside a step, each with its cause) that
+# overlap the window. bubbles_in_steps classifies a whole run, so it is only asked for runs up
+# to MAX_KERNELS_FOR_CAUSES kernels; larger runs show plain device-idle intervals.
+BUBBLES_IN_WINDOW_SQL = """
+SELECT start_ns, end_ns, gap_ns, cause, prev_name, next_name, layer, op
+FROM bubbles_in_steps('kernel_attribution')
+WHERE run_id = $run AND rank = $rank AND end_ns > $t0 AND start_ns < $t1
+ORDER BY start_ns
+"""
+RUN_KERNELS_SQL = "SELECT count(*) FROM kernels WHERE run_id = $run"
+HAS_MACRO_SQL = "SELECT count(*) FROM duckdb_functions() WHERE function_name = $name"
+MAX_KERNELS_FOR_CAUSES = 200_000
+
+
+def bubble_causes(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_ns: int,
+                  end_ns: int) -> pd.DataFrame | None:
+    """The run's bubbles with their cause that overlap the window (start_ns, end_ns, gap_ns,
+    cause, prev_name, next_name, layer, op), or None when they cannot be had cheaply: the
+    bubbles analyzer is missing from this build, or the run is larger than
+    MAX_KERNELS_FOR_CAUSES. Builds the run's attribution on `con` if it is not there yet."""
+    try:
+        import analyzers.bubbles  # noqa: F401  (its SQL area is what we query)
+        from analyzers.attribution import attribute, load_sql
+    except ImportError:
+        return None
+    if con.execute(RUN_KERNELS_SQL, {"run": run_id}).fetchall()[0][0] > MAX_KERNELS_FOR_CAUSES:
+        return None
+    if not con.execute(HAS_MACRO_SQL, {"name": "bubbles_in_steps"}).fetchall()[0][0]:
+        load_sql(con, "temporal", "launch", "bubbles")
+    if not _attributed(con, run_id):
+        attribute(con, run_ids=[run_id])
+    return con.execute(BUBBLES_IN_WINDOW_SQL, {"run": run_id, "rank": rank, "t0": int(start_ns),
+                                               "t1": int(end_ns)}).df()
+
+
 def _attributed(con: duckdb.DuckDBPyConnection, run_id: int) -> bool:
     """Whether `con` already holds kernel_attribution rows of this run."""
     if not _has_table(con, "kernel_attribution"):

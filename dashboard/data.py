@@ -257,14 +257,17 @@ def timeline_ranks(run_id: int) -> list[int]:
 
 
 def timeline_window(run_id: int, rank: int, start_ns: int, end_ns: int,
-                    cap: int = timeline.DEFAULT_CAP) -> tuple[timeline.Window, Any]:
-    """The window's kernels (or bins) and its layer bands."""
+                    cap: int = timeline.DEFAULT_CAP) -> tuple[timeline.Window, Any, Any]:
+    """The window's kernels (or bins), its layer bands, and its bubbles with their cause (None
+    when not available: see analyzers.timeline.bubble_causes; only for drawn kernels)."""
     store = pool()
     with store.cursor() as cur:
         win = timeline.window(cur, run_id, rank, start_ns, end_ns, cap=cap)
         with store.exclusive():  # may build the run's attribution (TEMP table, macros) on this cursor
             bands = timeline.layer_bands(cur, run_id, rank, start_ns, end_ns)
-    return win, bands
+            causes = (timeline.bubble_causes(cur, run_id, rank, start_ns, end_ns)
+                      if win.mode == "kernels" else None)
+    return win, bands, causes
 
 
 def kernel_rows(run_id: int, offset: int, limit: int, sort: list[dict[str, str]] | None,

@@ -18,6 +18,9 @@ CATEGORY_COLORS = {"compute": "#2f6fb0", "communication": "#d9822b", "memory": "
                    "prefetch": "#2f9e6e"}
 IDLE_ROW = "idle"
 IDLE_COLOR = "#d64545"
+BUBBLE_ROW = "bubbles"
+CAUSE_COLORS = {"launch_bound": "#d64545", "graph_boundary": "#9446ed", "host_sync": "#d9822b",
+                "event_wait": "#2f6fb0", "other": "#7b8794"}
 MAX_BAND_LABELS = 40
 MAX_BANDS = 400
 
@@ -47,16 +50,20 @@ def segment_traces(starts: list[int], ends: list[int], row: list[int], origin_ns
 
 def timeline_figure(rows: pd.DataFrame, mode: str, idle: pd.DataFrame, bands: pd.DataFrame,
                     origin_ns: int, start_ns: int, end_ns: int,
-                    mark: tuple[int, int] | None = None) -> dict[str, Any]:
+                    mark: tuple[int, int] | None = None, bubbles: pd.DataFrame | None = None) -> dict[str, Any]:
     """The figure (a plotly figure dict) for one window.
 
     rows: kernels (stream, name, category, start_ns, end_ns, dur_ns) when mode == 'kernels', or
     bins (stream, bin, kernels, start_ns, end_ns, busy_ns, longest_name) when mode == 'binned'.
     idle: device-idle intervals (start_ns, end_ns, gap_ns). bands: layers (layer, start_ns, end_ns).
     mark: an interval to highlight (e.g. the bubble a link came from), absolute ns.
+    bubbles: when given (start_ns, end_ns, gap_ns, cause, prev_name, next_name, layer, op), the
+    bottom row shows these bubbles coloured by cause instead of the plain idle intervals.
     """
     streams = sorted(rows["stream"].dropna().unique().tolist()) if len(rows) else []
-    labels = [stream_label(s) for s in streams] + ([IDLE_ROW] if len(idle) else [])
+    bottom = BUBBLE_ROW if bubbles is not None else IDLE_ROW
+    has_bottom = len(bubbles) > 0 if bubbles is not None else len(idle) > 0
+    labels = [stream_label(s) for s in streams] + ([bottom] if has_bottom else [])
     # top to bottom: streams in order, idle last
     y_of = {s: len(labels) - 1 - i for i, s in enumerate(streams)}
     data: list[dict[str, Any]] = []
@@ -73,7 +80,14 @@ def timeline_figure(rows: pd.DataFrame, mode: str, idle: pd.DataFrame, bands: pd
         data += segment_traces(rows["start_ns"].clip(lower=start_ns).tolist(), rows["end_ns"].clip(upper=end_ns).tolist(),
                                [y_of[s] for s in rows["stream"]], origin_ns,
                                "kernels (binned: zoom in for single kernels)", "#52606d", texts)
-    if len(idle):
+    if bubbles is not None:
+        for cause, part in bubbles.groupby("cause", sort=True):
+            texts = [f"bubble {g:,} ns: {cause}<br>{p} → {n}<br>{lay or ''} {op or ''}"
+                     for g, p, n, lay, op in zip(part["gap_ns"], part["prev_name"], part["next_name"],
+                                                 part["layer"], part["op"])]
+            data += segment_traces(part["start_ns"].tolist(), part["end_ns"].tolist(), [0] * len(part), origin_ns,
+                                   f"bubble: {cause}", CAUSE_COLORS.get(str(cause), IDLE_COLOR), texts, width=10)
+    elif len(idle):
         texts = [f"device idle {g:,} ns" for g in idle["gap_ns"]]
         data += segment_traces(idle["start_ns"].tolist(), idle["end_ns"].tolist(), [0] * len(idle), origin_ns,
                                "device idle (bubble)", IDLE_COLOR, texts, width=10)

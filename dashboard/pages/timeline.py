@@ -59,7 +59,9 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
         dcc.Store(id="timeline-url-sync"),
         html.P("Drag to zoom (the server sends only the kernels of the visible window; above "
                f"{data.timeline.DEFAULT_CAP:,} kernels they come aggregated per stream), double-click to reset. "
-               "Red segments: device-idle intervals (no kernel or memop on any stream); bands: layers.",
+               "Bottom row: bubbles coloured by cause (device idle inside a step, from the Bubbles analysis), or "
+               "plain device-idle intervals (no kernel or memop on any stream) where causes are not available; "
+               "bands: layers.",
                className="note"),
     ])
 
@@ -87,9 +89,9 @@ def _initial_window(extent: dict[str, int], steps: list[dict[str, Any]], step: i
 
 def _render(packed: dict[str, Any]) -> tuple[Any, str]:
     state = unpack_state(packed)
-    win, bands = data.timeline_window(state["run"], state["rank"], state["t0"], state["t1"])
+    win, bands, causes = data.timeline_window(state["run"], state["rank"], state["t0"], state["t1"])
     fig = timeline_figure(win.rows, win.mode, win.idle, bands, state["origin"], win.start_ns, win.end_ns,
-                          state["mark"])
+                          state["mark"], bubbles=causes)
     shown = "each kernel" if win.mode == "kernels" else f"binned per stream ({len(win.rows):,} bins)"
     idle_ns = int(win.idle["gap_ns"].sum()) if len(win.idle) else 0
     info = (f"window [{win.start_ns}, {win.end_ns}) ns = {win.end_ns - win.start_ns:,} ns · "

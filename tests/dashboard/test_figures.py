@@ -120,3 +120,20 @@ def test_op_colors_are_shared_across_runs() -> None:
     a = {t.name: t.marker.color for t in layer_figs.breakdown_bars(BREAKDOWN, "a", colors).data}
     b = {t.name: t.marker.color for t in layer_figs.breakdown_bars(other, "b", colors).data}
     assert a["attn"] == b["attn"] == colors["attn"]
+
+
+def test_bubbles_replace_idle_row_one_trace_per_cause() -> None:
+    bubbles = pd.DataFrame({"start_ns": [ORIGIN + 350, ORIGIN + 420], "end_ns": [ORIGIN + 400, ORIGIN + 500],
+                            "gap_ns": [50, 80], "cause": ["launch_bound", "host_sync"],
+                            "prev_name": ["gemm", "norm"], "next_name": ["norm", "x"], "layer": ["L0.kda", None],
+                            "op": ["attn", None]})
+    idle = pd.DataFrame({"start_ns": [ORIGIN + 350], "end_ns": [ORIGIN + 400], "gap_ns": [50]})
+    fig = timeline_figure(_kernels(), "kernels", idle, _empty(["layer", "start_ns", "end_ns"]), ORIGIN, ORIGIN,
+                          ORIGIN + 600, bubbles=bubbles)
+    lines = _lines(fig)
+    assert "device idle (bubble)" not in lines
+    assert lines["bubble: launch_bound"]["x"] == [350, 400, None]
+    assert lines["bubble: host_sync"]["x"] == [420, 500, None]
+    assert fig["layout"]["yaxis"]["ticktext"][0] == "bubbles"
+    hover = [t for t in fig["data"] if t["mode"] == "markers" and t["name"] == "bubble: host_sync"][0]
+    assert hover["text"][0].startswith("bubble 80 ns: host_sync")

@@ -139,3 +139,29 @@ def test_kernel_rows_refuses_unknown_identifiers() -> None:
         timeline.kernel_rows(con, 1, 0, 10, [{"colId": "name; DROP TABLE runs", "sort": "asc"}], {})
     with pytest.raises(ValueError):
         timeline.kernel_rows(con, 1, 0, 10, [], {"nope": {"filterType": "text", "type": "contains", "filter": "x"}})
+
+
+def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any) -> None:
+    """In the hand-made decode trace each kernel's launch call starts when its slot starts and
+    ends launch_ns later, when the kernel starts, i.e. after the previous kernel ended: every gap
+    inside a step is launch-bound. So the window's bubbles are exactly its device-idle intervals
+    that lie inside a step range, each with cause launch_bound. Gaps: gap_ns between kernels of
+    an op; between layers, from the all-reduce's end (slot end - gap_ns + 100 + 500) to the next
+    layer's first kernel (slot end + launch_ns): launch_ns + gap_ns - 600."""
+    from tests.dashboard.decode_traces import DecodeSpec, write_decode_trace
+    from tracer.ingest import ingest_path
+
+    spec = DecodeSpec("stock", steps=2, layers=2)
+    con = open_store(None)
+    _load_timeline_sql(con)
+    run = ingest_path(con, write_decode_trace(tmp_path / "t.json", spec), progress=False)[0].run_id
+    first, last = con.execute("SELECT min(start_ns), max(end_ns) FROM kernels").fetchall()[0]
+    steps = con.execute("SELECT start_ns, end_ns FROM ranges WHERE name = 'step'").fetchall()
+    win = timeline.window(con, run, 0, first, last)
+    inside = [(s, e) for s, e in zip(win.idle["start_ns"], win.idle["end_ns"])
+              if any(a <= s and e <= b for a, b in steps)]
+    bubbles = timeline.bubble_causes(con, run, 0, first, last)
+    assert bubbles is not None and len(inside) > 0
+    assert list(zip(bubbles["start_ns"], bubbles["end_ns"])) == inside
+    assert set(bubbles["cause"]) == {"launch_bound"}
+    assert set(bubbles["gap_ns"]) == {spec.gap_ns, spec.launch_ns + spec.gap_ns - 600}
