@@ -14,16 +14,16 @@ and the kernel is in `VERIFIED`):
   gated RMSNorm for the local heads, one kernel (kernels/kda_decode.py) under op
   `kda_recurrence`; the stock ops `f_b_proj`, `conv`, `o_norm` disappear.
 - MoE router: GEMV (fp32 accumulation) + sigmoid + correction-bias top-k + renormalisation,
-  one kernel for M ≤ 16 (cuBLAS logits + one kernel above), op `router`; the stock op
-  `routing` disappears. The logits are rounded to bf16 as the stock GEMM's output is, so the
-  two paths route alike (KIMI_K3.md asks for fp32 logits: `logits_bf16=False` in
-  kernels/router.py gives those, for both paths to change together).
+  one kernel for M ≤ 16 (above: the stock router GEMM's fp32 logits + one kernel), op
+  `router`; the stock op `routing` disappears. fp32 logits, as KIMI_K3.md asks and as the
+  stock skinny GEMM gives them.
 - Shared expert on the side stream, next to the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts).
 - Projections at M ≤ 8 (the per-M table): a CuTe DSL GEMV streaming each weight once
   (kernels/gemv.py) for in_proj, o_proj, qkv_a, g_proj, q_b, latent_down, shared gate_up;
-  cuBLAS above M = 8 and where K is not a multiple of 256 (shared down, K = 384).
-- MLA: qkv_a and g_proj merged into one GEMV (weights concatenated at load).
+  the stock GEMM op (its skinny GEMM or cuBLAS) above M = 8 and where K is not a multiple
+  of 256 (shared down, K = 384).
+- MLA: g_proj stays on the side stream until the gate multiply (stock joins at once).
 - `prefetch`: after the routed experts are issued, a side-stream kernel pulls the first
   `PREFETCH_BYTES` of the next layer's first attention weight into L2 (kernels/l2_prefetch.py).
 
@@ -57,14 +57,14 @@ def _kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool, k: object) -> torch.Tensor:
     """x @ wᵀ. The per-M table: the CuTe GEMV (kernels/gemv.py) for M ≤ 8 where its shape
-    rules hold, cuBLAS otherwise."""
+    rules hold, else the stock path's own GEMM op `k.linear` (its skinny GEMM or cuBLAS)."""
     if use_gemv:
         from kimi_decode.kernels.gemv import can_implement, gemv
         if x.is_contiguous() and can_implement(x.shape[0], w.shape[0], w.shape[1], (x.dtype, w.dtype)):
             return gemv(x, w)
-    return x @ w.t()
+    return k.linear(x, w)
 
 
 def _restate(module: nn.Module, cls: type) -> nn.Module:
@@ -139,10 +139,10 @@ class KDAAttention(stock.KDAAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.use_kernel or self.use_gemv):
             return super().forward(x)
-        cfg, fx = self.cfg, self.fx
+        cfg, k = self.cfg, self.k
         H, d, P = cfg.kda_local_heads, cfg.kda_head_dim, cfg.kda_local_dim
         with op_range("in_proj"):
-            z = _linear(x, self.in_proj, self.use_gemv)                                # [M, R]
+            z = _linear(x, self.in_proj, self.use_gemv, k)                             # [M, R]
         if self.use_kernel:
             from kimi_decode.kernels.kda_decode import KDAConfig, kda_decode
             with op_range("kda_recurrence"):
@@ -154,56 +154,54 @@ class KDAAttention(stock.KDAAttention):
             qkv, gate_out = z[:, :3 * P], z[:, 3 * P:4 * P]
             f_a, beta_in = z[:, 4 * P:4 * P + d], z[:, 4 * P + d:4 * P + d + H]
             with op_range("f_b_proj"):
-                f_b = f_a @ self.f_b.t()
+                f_b = k.linear(f_a, self.f_b)
             with op_range("conv"):
-                act, conv_state = fx["conv"](self.conv_state, qkv, self.conv_w, cfg.batch)
-                self.conv_state.copy_(conv_state)
+                act = k.conv_(self.conv_state, qkv, self.conv_w, cfg.batch)
             with op_range("kda_recurrence"):
-                o, S = fx["rec"](act, f_b, beta_in, self.dt_bias, self.a_log, self.rec_state,
-                                 cfg.gate_lower_bound, H)
-                self.rec_state.copy_(S)
+                o = k.kda_(act, f_b, beta_in, self.dt_bias, self.a_log, self.rec_state,
+                           cfg.gate_lower_bound, H)
             with op_range("o_norm"):
-                o = fx["norm"](o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)
+                o = k.gated_rms_norm(o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)
         with op_range("o_proj"):
-            out = _linear(o, self.o_proj, self.use_gemv)
+            out = _linear(o, self.o_proj, self.use_gemv, k)
         with op_range("all_reduce"):
             return self.rt.comm.all_reduce(out)
 
 
 class MLAAttention(stock.MLAAttention):
-    """The stock op sequence with GEMVs for the projections; qkv_a and g_proj merged into one
-    GEMV over [qkv_a; g_proj] (re-packed at load, SGLang #33623), since both read x."""
+    """The stock op sequence with GEMVs for the projections, and g_proj on the side stream
+    until the gate multiply needs it (stock joins right after issuing it)."""
 
     use_gemv = False
-    qkv_a_g: torch.Tensor | None = None     # [ql + c + rope + H·vd, D], set by FusedDecoder.enable
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if not self.use_gemv:
             return super().forward(x, pos)
-        cfg, fx, lin = self.cfg, self.fx, self.use_gemv
+        cfg, fx, k, lin = self.cfg, self.fx, self.k, self.use_gemv
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+        with _on_side(self.rt, x), op_range("g_proj"):
+            g = _linear(x, self.g_proj, lin, k)                                        # [M, H*vd]
         with op_range("qkv_a"):
-            ag = _linear(x, self.qkv_a_g, lin)                                         # [M, 2112 + H*vd]
-            a, g = ag[:, :cfg.qkv_a_rows], ag[:, cfg.qkv_a_rows:]
+            a = _linear(x, self.qkv_a, lin, k)                                         # [M, ql+c+rope]
         with op_range("qkv_norm"):
-            qa, ckv = fx["norms"](a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
+            qa, ckv = k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
-            q = _linear(qa, self.q_b, lin).reshape(-1, H, nope + rope)                 # [M, H, 192]
+            q = _linear(qa, self.q_b, lin, k).reshape(-1, H, nope + rope)              # [M, H, 192]
         with op_range("uk_bmm"):
             q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)
         with op_range("kv_insert"):
-            q_full = torch.cat([q_lat, q[..., nope:]], dim=-1).reshape(B, T * H, c + rope)
-            last = pos + torch.arange(T, device=x.device)
-            self.cache.index_copy_(1, last, torch.cat([ckv, a[:, ql + c:]], dim=-1).reshape(B, T, c + rope))
+            q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
         with op_range("mla_decode"):
+            last = pos + self.t_off
             o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
         with op_range("uv_bmm"):
             o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
+        _join(self.rt, g)
         with op_range("gate_mul"):
             o = fx["gate"](o.reshape(B * T, -1), g)
         with op_range("o_proj"):
-            out = _linear(o, self.o_proj, lin)
+            out = _linear(o, self.o_proj, lin, k)
         with op_range("all_reduce"):
             return self.rt.comm.all_reduce(out)
 
@@ -219,9 +217,12 @@ class LatentMoE(stock.LatentMoE):
     def _route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         if self.use_router_kernel:
-            from kimi_decode.kernels.router import route
-            return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
-        logits = (y @ self.router.t()).float()                                         # stock ops
+            from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
+            # past the GEMV rows the logits come from the stock path's router GEMM
+            logits = None if y.shape[0] <= GEMV_MAX_ROWS else self.k.linear(y, self.router, torch.float32)
+            return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter,
+                         logits=logits)
+        logits = self.k.linear(y, self.router, torch.float32)                         # stock ops
         return self.fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
@@ -229,11 +230,11 @@ class LatentMoE(stock.LatentMoE):
         Is, n = cfg.shared_local_inter, cfg.row_shard
         with _on_side(self.rt, y):
             with op_range("latent_down"):
-                z = _linear(y, self.down, self.use_gemv)                               # [M, L]
+                z = _linear(y, self.down, self.use_gemv, self.k)                       # [M, L]
             with op_range("shared_expert"):
-                h = _linear(y, self.shared_gate_up, self.use_gemv)
+                h = _linear(y, self.shared_gate_up, self.use_gemv, self.k)
                 sh = fx["situ"](h, Is, cfg.situ_beta, cfg.situ_linear_beta)
-                sh = _linear(sh, self.shared_down, self.use_gemv)                      # [M, D] partial
+                sh = _linear(sh, self.shared_down, self.use_gemv, self.k)              # [M, D] partial
         with op_range("router"):
             idx, w = self._route(y)                                                    # [M, K]
             self.last_idx = idx
@@ -320,9 +321,6 @@ class FusedDecoder(StockDecoder):
                 layer.attn.use_kernel = "kda" in on
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
-            if isinstance(layer.attn, MLAAttention):
-                a = layer.attn   # a plain tensor (not a Parameter): the byte counts stay per weight
-                a.qkv_a_g = torch.cat([a.qkv_a, a.g_proj]).detach() if "gemv" in on else None
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.use_router_kernel = "router" in on
                 layer.mlp.use_gemv = "gemv" in on

@@ -2,8 +2,7 @@
 (KIMI_K3.md §1.6 step 1; the stock path issues a GEMM, a cast, sigmoid, add, topk, gather,
 sum and divide, 7–8 kernels).
 
-    logits[m, e] = <y[m], W_gate[e]>            bf16 inputs, fp32 accumulation (then rounded
-                                                 to bf16 as the stock GEMM's output, by default)
+    logits[m, e] = <y[m], W_gate[e]>            bf16 inputs, fp32 accumulation and output
     s = sigmoid(logits)                          fp32
     ids[m] = top-k of (s + bias)                 the bias only chooses (ties: lower index)
     w[m, j] = s[m, ids[m, j]] / Σ_j s[m, ids[m, j]] · routed_scaling
@@ -15,8 +14,9 @@ Two configurations (the per-M table in `config_for`):
   Each CTA then bumps a global counter (release/acquire at GPU scope); the CTA that sees
   gridDim - 1 runs the top-k for every row and resets the counter to 0 (CUDA-graph replays
   find it zeroed). One launch in all.
-- `topk` (larger M): logits come from one cuBLAS GEMM (tensor cores win once W_gate is
-  re-used by many rows); this kernel does the rest, one warp per row.
+- `topk` (larger M): the caller passes fp32 logits from its own GEMM (the stock path's
+  router GEMM: tensor cores win once W_gate is re-used by many rows); this kernel does the
+  rest, one warp per row.
 
 Top-k, one warp per row: lane l holds experts l, l+32, ... (E/32 values each) in registers;
 each of k rounds takes the lane-local maximum, then a butterfly argmax over the warp (value,
@@ -56,14 +56,13 @@ class RouterConfig:
     gemv: bool
     rows: int = 0          # M, compile-time in gemv mode only (registers per lane)
     scaling: float = 1.0
-    # Round logits to bf16 before the sigmoid, as the stock path does (`(y @ W.t()).float()`
-    # is a bf16 GEMM): routing then matches stock; False keeps KIMI_K3.md's fp32 logits.
-    # In `topk` mode the logits buffer itself is bf16 (the stock GEMM's output) when set.
-    logits_bf16: bool = True
+    # gemv mode: round the logits to bf16 before the sigmoid (a path whose router GEMM has a
+    # bf16 output); False keeps KIMI_K3.md's fp32 logits, as the stock skinny GEMM does.
+    logits_bf16: bool = False
 
 
 def config_for(m: int, hidden: int, experts: int, top_k: int, scaling: float,
-               logits_bf16: bool = True) -> RouterConfig:
+               logits_bf16: bool = False) -> RouterConfig:
     """Per-M table: the one-kernel GEMV path for small M, cuBLAS logits + top-k beyond."""
     if m <= GEMV_MAX_ROWS:
         return RouterConfig(hidden, experts, top_k, True, m, scaling, logits_bf16)
@@ -203,37 +202,38 @@ def compile_for(cfg: RouterConfig) -> object:
     def build() -> object:
         bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
         i32, i64 = dummy_ptr(torch.int32), dummy_ptr(torch.int64)
-        lg = bf if cfg.logits_bf16 and not cfg.gemv else f32
-        return cute.compile(Router(cfg), bf, bf, f32, lg, i32, i64, f32, Int32(1), current_stream(), options=compile_options())
+        return cute.compile(Router(cfg), bf, bf, f32, f32, i32, i64, f32, Int32(1), current_stream(), options=compile_options())
     return compiled(("router", cfg), build)
 
 
 def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
-          scaling: float, counter: torch.Tensor,
-          logits_bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          scaling: float, counter: torch.Tensor, logits: torch.Tensor | None = None,
+          logits_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on the current stream. y [M, D] bf16, w_gate [E, D] bf16, bias [E] fp32,
-    counter: a zeroed int32 [1] buffer the caller keeps (the kernel leaves it zeroed).
-    Returns (ids [M, k] int64, weights [M, k] fp32), ordered by biased score, descending."""
+    counter: a zeroed int32 [1] buffer the caller keeps (the kernel leaves it zeroed);
+    logits [M, E] fp32: the caller's router GEMM output, used (and required for speed) when
+    M > GEMV_MAX_ROWS. Returns (ids [M, k] int64, weights [M, k] fp32), ordered by biased
+    score, descending."""
     m, d = y.shape
     e = w_gate.shape[0]
     if not can_implement(d, e, top_k, (y.dtype, w_gate.dtype)) or bias.dtype != torch.float32:
         raise ValueError(f"router kernel cannot run D={d} E={e} k={top_k}")
     cfg = config_for(m, d, e, top_k, scaling, logits_bf16)
     if cfg.gemv:
-        logits = torch.empty(m, e, dtype=torch.float32, device=y.device)
-    elif logits_bf16:
-        logits = y @ w_gate.t()                                       # the stock GEMM, bf16 out
+        scratch = torch.empty(m, e, dtype=torch.float32, device=y.device)
     else:
-        logits = torch.mm(y.float(), w_gate.float().t())
+        if logits is None:
+            logits = torch.mm(y.float(), w_gate.float().t())
+        scratch = logits.float().contiguous()
     ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)
-    compile_for(cfg)(ptr(y), ptr(w_gate), ptr(bias), ptr(logits), ptr(counter), ptr(ids),
+    compile_for(cfg)(ptr(y), ptr(w_gate), ptr(bias), ptr(scratch), ptr(counter), ptr(ids),
                      ptr(weights), Int32(m), current_stream())
     return ids, weights
 
 
 def reference(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
-              scaling: float, logits_bf16: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scaling: float, logits_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 statement of the module docstring: (ids, weights, biased scores [M, E])."""
     logits = y.double() @ w_gate.double().t()
     if logits_bf16:

@@ -19,12 +19,9 @@ import kimi_decode.kernels.kda_decode as k_kda  # noqa: E402
 import kimi_decode.kernels.l2_prefetch as k_pf  # noqa: E402
 import kimi_decode.kernels.router as k_router  # noqa: E402
 from kimi_decode.kernels import checks  # noqa: E402
-from tests.kimi_decode.test_fused import _emulate_attn_res, _emulate_kda  # noqa: E402
+from tests.kimi_decode.test_fused import _emulate_attn_res, _emulate_kda, _emulate_route  # noqa: E402
 
 
-def _emulate_route_bf16(y, w_gate, bias, top_k, scaling, counter, logits_bf16=True):
-    ids, w, _ = k_router.reference(y, w_gate, bias, top_k, scaling, logits_bf16=logits_bf16)
-    return ids, w.float()
 
 
 @pytest.fixture
@@ -32,7 +29,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res)
     monkeypatch.setattr(k_kda, "kda_decode", _emulate_kda)
-    monkeypatch.setattr(k_router, "route", _emulate_route_bf16)
+    monkeypatch.setattr(k_router, "route", _emulate_route)
     monkeypatch.setattr(k_pf, "prefetch_l2", lambda t, n=None: None)
     monkeypatch.setattr(k_gemv, "gemv", lambda x, w: (x.double() @ w.double().t()).to(x.dtype))
     return monkeypatch
