@@ -284,11 +284,15 @@ def report(kernel_rows: list[dict], steps: list[dict], refs: list[dict], passed:
          "- tolerances: see kimi_decode/kernels/checks.py (kernels) and bench/fused_device.py "
          f"(step: relative L2 ≤ {STEP_TOL} for outputs, blocks and every state buffer)", "",
          "## Kernels against the stock ops they replace", "",
+         "Times: CUDA-graph replays of 20 calls, median; stock = the ops the kernel replaces as"
+         " plain eager torch (the whole-step comparison with stock's Triton/compiled ops is"
+         " bench/decode.md).", "",
          "| kernel | case | result | errors | stock µs | kernel µs |", "|---|---|---|---|---|---|"]
     for r in kernel_rows:
-        case = ", ".join(f"{k}={r[k]}" for k in ("M", "nb", "write", "B", "k") if k in r)
+        case = ", ".join(f"{k}={r[k]}" for k in ("op", "mode", "M", "N", "K", "nb", "write", "B", "k") if k in r)
         errs = ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
-                         if k not in ("kernel", "M", "nb", "write", "B", "k", "ok", "stock_us", "kernel_us", "error"))
+                         if k not in ("kernel", "op", "mode", "M", "N", "K", "nb", "write", "B", "k", "ok",
+                                      "stock_us", "kernel_us", "error"))
         if "error" in r:
             errs = "error: " + r["error"].strip().splitlines()[-1][:200]
         su, ku = r.get("stock_us"), r.get("kernel_us")
