@@ -129,16 +129,30 @@ def _has_layers(con: duckdb.DuckDBPyConnection, run_id: int, layer_regex: str) -
 
 
 # Bubbles (analyzers.bubbles: device-idle intervals inside a step, each with its cause) that
-# overlap the window. bubbles_in_steps classifies a whole run, so it is only asked for runs up
-# to MAX_KERNELS_FOR_CAUSES kernels; larger runs show plain device-idle intervals.
+# overlap the window. bubbles_in_steps classifies whole runs (~0.5 s for a bundled run), too slow
+# per zoom: a run's bubbles are copied once into a TEMP table of the connection (runs never
+# change after ingest), as attribution keeps kernel_attribution, and windows read that table.
+# Runs above MAX_KERNELS_FOR_CAUSES kernels show plain device-idle intervals instead.
+BUBBLE_CACHE_DDL = """
+CREATE TEMP TABLE IF NOT EXISTS _timeline_bubble_runs (run_id INTEGER);
+CREATE TEMP TABLE IF NOT EXISTS _timeline_bubbles (
+  run_id INTEGER, rank INTEGER, start_ns BIGINT, end_ns BIGINT, gap_ns BIGINT, cause VARCHAR,
+  prev_name VARCHAR, next_name VARCHAR, layer VARCHAR, op VARCHAR)
+"""
+BUBBLE_CACHED_SQL = "SELECT count(*) FROM _timeline_bubble_runs WHERE run_id = $run"
+BUBBLE_FILL_SQL = """
+INSERT INTO _timeline_bubbles
+SELECT run_id, rank, start_ns, end_ns, gap_ns, cause, prev_name, next_name, layer, op
+FROM bubbles_in_steps('kernel_attribution') WHERE run_id = $run
+"""
+BUBBLE_MARK_SQL = "INSERT INTO _timeline_bubble_runs VALUES ($run)"
 BUBBLES_IN_WINDOW_SQL = """
 SELECT start_ns, end_ns, gap_ns, cause, prev_name, next_name, layer, op
-FROM bubbles_in_steps('kernel_attribution')
+FROM _timeline_bubbles
 WHERE run_id = $run AND rank = $rank AND end_ns > $t0 AND start_ns < $t1
 ORDER BY start_ns
 """
 RUN_KERNELS_SQL = "SELECT count(*) FROM kernels WHERE run_id = $run"
-HAS_MACRO_SQL = "SELECT count(*) FROM duckdb_functions() WHERE function_name = $name"
 MAX_KERNELS_FOR_CAUSES = 200_000
 
 
@@ -147,7 +161,8 @@ def bubble_causes(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_
     """The run's bubbles with their cause that overlap the window (start_ns, end_ns, gap_ns,
     cause, prev_name, next_name, layer, op), or None when they cannot be had cheaply: the
     bubbles analyzer is missing from this build, or the run is larger than
-    MAX_KERNELS_FOR_CAUSES. Builds the run's attribution on `con` if it is not there yet."""
+    MAX_KERNELS_FOR_CAUSES. The first call for a run on `con` classifies the run (and builds
+    its attribution if needed); later windows read the connection's TEMP copy."""
     try:
         import analyzers.bubbles  # noqa: F401  (its SQL area is what we query)
         from analyzers.attribution import attribute, load_sql
@@ -155,10 +170,13 @@ def bubble_causes(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_
         return None
     if con.execute(RUN_KERNELS_SQL, {"run": run_id}).fetchall()[0][0] > MAX_KERNELS_FOR_CAUSES:
         return None
-    if not con.execute(HAS_MACRO_SQL, {"name": "bubbles_in_steps"}).fetchall()[0][0]:
+    con.execute(BUBBLE_CACHE_DDL)
+    if not con.execute(BUBBLE_CACHED_SQL, {"run": run_id}).fetchall()[0][0]:
         load_sql(con, "temporal", "launch", "bubbles")
-    if not _attributed(con, run_id):
-        attribute(con, run_ids=[run_id])
+        if not _attributed(con, run_id):
+            attribute(con, run_ids=[run_id])
+        con.execute(BUBBLE_FILL_SQL, {"run": run_id})
+        con.execute(BUBBLE_MARK_SQL, {"run": run_id})
     return con.execute(BUBBLES_IN_WINDOW_SQL, {"run": run_id, "rank": rank, "t0": int(start_ns),
                                                "t1": int(end_ns)}).df()
 

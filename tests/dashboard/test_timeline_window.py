@@ -165,3 +165,7 @@ def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any) -> Non
     assert list(zip(bubbles["start_ns"], bubbles["end_ns"])) == inside
     assert set(bubbles["cause"]) == {"launch_bound"}
     assert set(bubbles["gap_ns"]) == {spec.gap_ns, spec.launch_ns + spec.gap_ns - 600}
+    # a narrower window (read from the connection's copy) is the overlapping subset
+    mid = (first + last) // 2
+    part = timeline.bubble_causes(con, run, 0, first, mid)
+    assert list(zip(part["start_ns"], part["end_ns"])) == [(s, e) for s, e in inside if s < mid]
