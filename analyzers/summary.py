@@ -10,7 +10,10 @@ from typing import Any
 
 import duckdb
 
-from analyzers.views import load_views
+from analyzers.views import SQL_ROOT, _requires, ordered_sql_files
+
+# The one SQL file this module queries; load_summary_sql adds what it requires.
+SUMMARY_SQL = "summary/summary.sql"
 
 RUN_SQL = """
 SELECT run_id, name, ranks, kernels, memops, api_calls, span_ns, busy_ns
@@ -33,9 +36,37 @@ FROM runs AS r ORDER BY r.run_id
 """
 
 
+def load_summary_sql(con: duckdb.DuckDBPyConnection) -> None:
+    """Create the summary views and the SQL they require (intervals), nothing else.
+
+    Not analyzers.views.load_views: that creates every analysis's views, ~0.1 s of a
+    `decodescope summary` call that needs two files. TEMP objects on a read-only store, as
+    load_views does; view comments are load_views's job.
+    """
+    wanted: list[str] = []
+
+    def visit(rel: str) -> None:
+        if rel not in wanted:
+            for dep in _requires((SQL_ROOT / rel).read_text()):
+                visit(dep)
+            wanted.append(rel)
+
+    visit(SUMMARY_SQL)
+    paths = {SQL_ROOT / rel for rel in wanted}
+    read_only = bool(con.execute(
+        "SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()"
+    ).fetchall()[0][0])
+    for path in (p for p in ordered_sql_files() if p in paths):
+        text = path.read_text()
+        if read_only:
+            text = text.replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW")
+            text = text.replace("CREATE OR REPLACE MACRO", "CREATE OR REPLACE TEMP MACRO")
+        con.execute(text)
+
+
 def summarize(con: duckdb.DuckDBPyConnection, run_ids: list[int], top: int = 10) -> dict[str, Any]:
     """The summary of each run, as the JSON shape `decodescope summary --format json` prints."""
-    load_views(con)
+    load_summary_sql(con)
     runs = []
     for run_id in run_ids:
         row = con.execute(RUN_SQL, [run_id]).fetchall()
