@@ -21,6 +21,7 @@ import re
 import subprocess
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +126,16 @@ def comm_streams(kernels: list[dict[str, Any]], ops: tuple[str, ...] = COMM_OPS)
 
 
 def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
-            warmup: int = 3, device: str | None = None) -> dict[str, Any]:
+            warmup: int = 3, device: str | None = None,
+            profiler: Callable[[Step, int, bool], dict[str, Any]] | None = None,
+            backend: str = "pytorch") -> dict[str, Any]:
     """Build, warm up, (capture,) profile `steps` steps, write `out` (.json or .json.gz).
 
+    `profiler` turns (step, n, cuda) into a Kineto-format trace: the PyTorch profiler by
+    default; tracer.capture_cupti passes its CUPTI one (recorded as `backend`).
     Returns the `decodescope` metadata object written into the trace.
     """
+    profile = profiler or profile_trace
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     model, rt = build(variant, cfg, device)
@@ -140,14 +146,14 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
     if graph:
         prepare(model, inputs, graph=False, warmup=warmup)
         # Same process, same model and inputs: one eager step gives the launch order and ops.
-        eager_kernels = [k for k in kernels_with_ops(profile_trace(eager_step(model, inputs), 1, cuda))
+        eager_kernels = [k for k in kernels_with_ops(profile(eager_step(model, inputs), 1, cuda))
                          if k["step"] == STEP]
         cmap = [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"],
                  "op": k["op"]} for i, k in enumerate(eager_kernels)]
         step = prepare(model, inputs, graph=True, warmup=0)
     else:
         step = prepare(model, inputs, graph=False, warmup=warmup)
-    trace = profile_trace(step, steps, cuda)
+    trace = profile(step, steps, cuda)
     kernels = kernels_with_ops(trace)
     matched: bool | None = None
     if graph:
@@ -175,6 +181,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
     comm = rt.comm
     meta: dict[str, Any] = {
         "model": "kimi-k3",
+        "backend": backend,
         "variant": variant,
         "config": cfg.to_dict(),
         "gpu": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})",

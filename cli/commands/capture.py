@@ -30,12 +30,14 @@ def layers_option(text: str) -> tuple[int, ...]:
 @click.option("--tp-sim/--no-tp-sim", default=None, help="Simulate TP collectives (default: on when tp > 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
+@click.option("--backend", type=click.Choice(["pytorch", "cupti"]), default="pytorch", show_default=True,
+              help="Trace source: the PyTorch profiler, or CUPTI's activity API directly (cupti-python, GPU only).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="traces/NAME.json.gz")
 @verbose_option
 @with_boundary
 def command(variant: str, preset: str, batch: int, spec_tokens: int, layers: str, graph: bool,
-            steps: int, warmup: int, tp_sim: bool | None, seed: int, device: str | None, out: str,
-            verbose: bool) -> None:
+            steps: int, warmup: int, tp_sim: bool | None, seed: int, device: str | None, backend: str,
+            out: str, verbose: bool) -> None:
     """Profile STEPS decode steps of VARIANT and write a Kineto trace with a `decodescope` object.
 
     \b
@@ -47,6 +49,12 @@ def command(variant: str, preset: str, batch: int, spec_tokens: int, layers: str
     from kimi_decode.variants import VARIANTS
     from tracer.capture import capture
 
+    if backend == "cupti":  # fails fast (exit 2) without a GPU or cupti-python, before building
+        from tracer.capture_cupti import capture_cupti, load_cupti, require_gpu
+
+        require_gpu(device)
+        load_cupti()
+        capture = capture_cupti
     if variant not in VARIANTS:
         raise BadInput(variant, f"unknown variant; known: {', '.join(sorted(VARIANTS))}")
     try:

@@ -1,0 +1,166 @@
+"""CUPTI backend on the CPU: activity records (plain objects with cupti-python's field names)
+-> Kineto JSON -> the store's Kineto reader. The oracle is the hand-made record list itself:
+every kernel / memop / API call / NVTX range must come back with its exact absolute ns,
+correlation, stream and graph ids, and the NVTX ranges as nested user annotations that the
+attribution puts kernels under. Also: no `cupti` import at module import, and the CLI says
+in one line (exit 2) that `--backend cupti` needs a GPU.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cli.exit_codes import BAD_INPUT
+from cli.main import main
+from tracer.cupti_convert import (KIND_CONCURRENT_KERNEL, KIND_DRIVER, KIND_MARKER, KIND_MEMCPY, KIND_MEMSET,
+                                  KIND_RUNTIME, MARKER_END, MARKER_INSTANTANEOUS, MARKER_START, MAX_REL_NS, _us,
+                                  to_kineto)
+from tracer.ingest import ingest_path
+from tracer.store import open_store
+
+T0 = 1_764_680_000_123_456_789  # absolute CUPTI ns (epoch-scale: µs floats would lose ns here)
+PID, TID = 4242, 139_900_000_777
+API = {(KIND_RUNTIME, 211): "cudaLaunchKernel_v7000", (KIND_RUNTIME, 311): "cudaGraphLaunch_v10000",
+       (KIND_RUNTIME, 41): "cudaMemcpyAsync_v3020", (KIND_RUNTIME, 51): "cudaMemsetAsync_v3020",
+       (KIND_DRIVER, 307): "cuLaunchKernel"}
+
+
+def _kernel(name, start, end, corr, stream, graph_id=0, node=0):
+    return NS(kind=KIND_CONCURRENT_KERNEL, name=name, start=T0 + start, end=T0 + end, correlation_id=corr,
+              device_id=0, context_id=1, stream_id=stream, grid_x=132, grid_y=1, grid_z=1, block_x=256,
+              block_y=1, block_z=1, registers_per_thread=64, static_shared_memory=1024,
+              dynamic_shared_memory=2048, graph_id=graph_id, graph_node_id=node)
+
+
+def _api(kind, cbid, start, end, corr):
+    return NS(kind=kind, cbid=cbid, start=T0 + start, end=T0 + end, correlation_id=corr, process_id=PID,
+              thread_id=TID)
+
+
+def _marker(flags, ts, mid, name=None):
+    return NS(kind=KIND_MARKER, flags_=flags, timestamp=T0 + ts, id=mid, name=name, domain=None,
+              object_kind=2, object_id=NS(pt=NS(process_id=PID, thread_id=TID)))
+
+
+def records() -> list[NS]:
+    """One eager step: step > L4.kda > in_proj with a runtime launch, a Triton driver launch,
+    a memcpy and a memset, then a graph replay of two kernels inside a second `step` range.
+    Odd ns everywhere; records arrive out of time order, as CUPTI buffers deliver them."""
+    return [
+        _kernel("gemm_a", 1_501, 9_999, 1, 7),
+        _kernel("triton_b", 10_003, 12_347, 2, 7),
+        _kernel("graph_k0", 40_101, 45_003, 5, 13, graph_id=9, node=101),
+        _kernel("graph_k1", 45_007, 50_011, 5, 14, graph_id=9, node=102),
+        NS(kind=KIND_MEMCPY, start=T0 + 13_001, end=T0 + 13_999, correlation_id=3, device_id=0, context_id=1,
+           stream_id=7, bytes=4096, copy_kind=1, src_kind=2, dst_kind=3, graph_id=0, graph_node_id=0),
+        NS(kind=KIND_MEMSET, start=T0 + 14_001, end=T0 + 14_333, correlation_id=4, device_id=0, context_id=1,
+           stream_id=7, bytes=512, value=0, memory_kind=3, graph_id=0, graph_node_id=0),
+        _api(KIND_RUNTIME, 211, 1_001, 1_401, 1),
+        _api(KIND_DRIVER, 307, 1_601, 1_901, 2),
+        _api(KIND_RUNTIME, 41, 2_001, 2_201, 3),
+        _api(KIND_RUNTIME, 51, 2_301, 2_501, 4),
+        _api(KIND_RUNTIME, 311, 30_001, 30_501, 5),
+        _marker(MARKER_START, 11, 1, "step"), _marker(MARKER_START, 13, 2, "L4.kda"),
+        _marker(MARKER_START, 17, 3, "in_proj"), _marker(MARKER_END, 2_601, 3),
+        _marker(MARKER_END, 2_701, 2), _marker(MARKER_END, 2_801, 1),
+        _marker(MARKER_START, 29_999, 4, "step"), _marker(MARKER_END, 30_777, 4),
+        _marker(MARKER_INSTANTANEOUS, 500, 5, "a mark"),
+        _marker(MARKER_START, 60_000, 6, "never closed"),
+        _kernel("untimed", -T0, -T0, 6, 7),  # start = end = 0: CUPTI could not time it
+        NS(kind=99),
+    ]
+
+
+def _write(tmp_path: Path) -> tuple[Path, dict]:
+    trace, stats = to_kineto(records(), lambda kind, cbid: API[(kind, cbid)])
+    trace["decodescope"] = {"model": "kimi-k3", "variant": "stock", "backend": "cupti", "graph_mode": False,
+                            "graph_capture_map": []}
+    path = tmp_path / "cupti.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    return path, stats
+
+
+def test_conversion_counts_and_skips(tmp_path):
+    _, stats = _write(tmp_path)
+    assert stats["kernel"] == 4 and stats["gpu_memcpy"] == 1 and stats["gpu_memset"] == 1
+    assert stats["cuda_runtime"] == 4 and stats["cuda_driver"] == 1 and stats["user_annotation"] == 4
+    assert stats["markers_unpaired"] == 1 and stats["markers_instant"] == 1
+    assert stats["no_time"] == 1 and stats["skipped_kinds"] == 1
+
+
+def test_ingest_exact_ns_ids_and_names(tmp_path):
+    path, _ = _write(tmp_path)
+    con = open_store(None)
+    (info,) = ingest_path(con, path, progress=False)
+    rid = info.run_id
+    recs = records()
+    want_k = sorted((r.name, r.start, r.end, r.correlation_id, r.stream_id, r.graph_id or None, r.graph_node_id or None)
+                    for r in recs if r.kind == KIND_CONCURRENT_KERNEL and r.start)
+    got_k = sorted(con.execute("SELECT name, start_ns, end_ns, correlation, stream, graph_id, graph_node_id "
+                               "FROM kernels WHERE run_id = ?", [rid]).fetchall())
+    assert got_k == want_k
+    want_m = sorted((r.start, r.end, r.bytes, r.correlation_id) for r in recs if r.kind in (KIND_MEMCPY, KIND_MEMSET))
+    assert sorted(con.execute("SELECT start_ns, end_ns, bytes, correlation FROM memops WHERE run_id = ?",
+                              [rid]).fetchall()) == want_m
+    want_a = sorted((API[(r.kind, r.cbid)].split("_v")[0], "runtime" if r.kind == KIND_RUNTIME else "driver",
+                     r.start, r.end, r.correlation_id, PID, TID) for r in recs if r.kind in (KIND_RUNTIME, KIND_DRIVER))
+    assert sorted(con.execute("SELECT name, kind, start_ns, end_ns, correlation, pid, tid FROM api_calls "
+                              "WHERE run_id = ?", [rid]).fetchall()) == want_a
+
+
+def test_nvtx_ranges_become_nested_user_annotations(tmp_path):
+    path, _ = _write(tmp_path)
+    con = open_store(None)
+    (info,) = ingest_path(con, path, progress=False)
+    got = con.execute("SELECT name, kind, start_ns, end_ns, depth, pid, tid FROM ranges WHERE run_id = ? "
+                      "ORDER BY start_ns", [info.run_id]).fetchall()
+    assert got == [("step", "user_annotation", T0 + 11, T0 + 2_801, 0, PID, TID),
+                   ("L4.kda", "user_annotation", T0 + 13, T0 + 2_701, 1, PID, TID),
+                   ("in_proj", "user_annotation", T0 + 17, T0 + 2_601, 2, PID, TID),
+                   ("step", "user_annotation", T0 + 29_999, T0 + 30_777, 0, PID, TID)]
+
+
+def test_attribution_puts_launched_kernels_under_their_ranges(tmp_path):
+    """The two eager kernels were launched inside step > L4.kda > in_proj: the attribution
+    (which knows nothing of CUPTI) must say so; the replayed ones have no layer (no map)."""
+    from analyzers.attribution import attribute
+
+    path, _ = _write(tmp_path)
+    con = open_store(None)
+    (info,) = ingest_path(con, path, progress=False)
+    attribute(con, [info.run_id])
+    rows = dict(con.execute("SELECT k.name, a.layer || '/' || coalesce(a.op, '-') FROM kernel_attribution a "
+                            "JOIN kernels k ON k.run_id = a.run_id AND k.kernel_id = a.item_id "
+                            "WHERE a.item_kind = 'kernel'").fetchall())
+    assert rows["gemm_a"] == "L4.kda/in_proj" and rows["triton_b"] == "L4.kda/in_proj"
+    assert rows["graph_k0"] is None and rows["graph_k1"] is None
+
+
+@given(st.integers(min_value=0, max_value=MAX_REL_NS - 1))
+def test_us_text_is_exact_ns(n):
+    """The JSON text of every relative time is `{us}.{ns:03}`: Decimal(text) * 1000 == n."""
+    assert Decimal(json.dumps(_us(n))) * 1000 == n
+
+
+def test_module_does_not_import_cupti():
+    code = "import sys, tracer.capture_cupti, tracer.cupti_convert; print('cupti' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_backend_cupti_without_gpu_is_one_line_exit_2(tmp_path):
+    res = CliRunner().invoke(main, ["capture", "--backend", "cupti", "--preset", "tiny", "--device", "cpu",
+                                    "--out", str(tmp_path / "t.json.gz")])
+    assert res.exit_code == BAD_INPUT
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --backend cupti: needs a CUDA GPU")
+    assert not (tmp_path / "t.json.gz").exists()
