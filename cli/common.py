@@ -50,6 +50,34 @@ def error_boundary(verbose: bool = False) -> Iterator[None]:
         fail(f"store error: {str(exc).splitlines()[0]}")
 
 
+class OneLineUsageError(click.ClickException):
+    """A click usage mistake (unknown option, bad value, missing argument) shown as the same one
+    line as every other bad input, instead of click's usage block; exit 2 like BadInput."""
+
+    exit_code = BAD_INPUT
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+def usage_error_line(exc: click.UsageError) -> str:
+    """`<command path>: <click's message> (see --help)`, one line, for `error: ...`."""
+    where = exc.ctx.command_path if exc.ctx is not None else "decodescope"
+    message = " ".join(exc.format_message().split())
+    return f"{where}: {message} (see {where} --help)"
+
+
+@contextlib.contextmanager
+def one_line_usage_errors() -> Iterator[None]:
+    """Re-raise click usage errors as OneLineUsageError (used by the command groups)."""
+    try:
+        yield
+    except OneLineUsageError:
+        raise
+    except click.UsageError as exc:
+        raise OneLineUsageError(usage_error_line(exc)) from exc
+
+
 def format_option(*choices: str) -> Callable[[F], F]:
     """`--format` with the given choices, the first one the default."""
     return click.option("--format", "fmt", type=click.Choice(list(choices)), default=choices[0],

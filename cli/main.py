@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Any
 
 import click
 
 import cli.commands
+from cli.common import one_line_usage_errors
 
 
 def _module_names() -> list[str]:
@@ -42,6 +44,18 @@ class _LazyGroup(click.Group):
             if cmd is not None and cmd.name == cmd_name:
                 return cmd
         return super().get_command(ctx, cmd_name)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        """Usage mistakes on the group itself (`decodescope --bogus`) are one `error:` line."""
+        with one_line_usage_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Usage mistakes of a subcommand (unknown command or option, a value click rejects, a
+        missing argument) are one `error:` line and exit 2, like every other bad input."""
+        with one_line_usage_errors():
+            return super().invoke(ctx)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -16,7 +16,7 @@ import click
 import duckdb
 
 from analyzers.diff import METRICS, DiffReport, RunSample, collect, compare, is_graph_replay, is_read_only
-from cli.common import fail, open_input, verbose_option, with_boundary
+from cli.common import fail, open_input, usage_error_line, verbose_option, with_boundary
 from cli.exit_codes import BAD_INPUT, OK, REGRESSION
 from tracer.errors import BadInput
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.UsageError as exc:
-        fail(exc.format_message().splitlines()[0], BAD_INPUT)
+        fail(usage_error_line(exc), BAD_INPUT)
     sys.exit(OK)
 
 

@@ -1,65 +1,47 @@
 """`decodescope bubbles [TRACE_OR_DB...]`: device-idle bubbles per step and layer, by cause."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import click
 
 from analyzers.bubbles import CAUSES, bubbles
-from cli.common import emit, format_option, open_input, verbose_option, with_boundary
-from tracer.errors import BadInput
-
-
-def per_run(inputs: tuple[str, ...], run_id: int | None, analyse: Callable[[Any, int], dict[str, Any]]) -> dict[str, Any]:
-    """Open TRACE_OR_DB, pick `--run` (or every run) and analyse each: one run gives its dict,
-    several give {"runs": [...]}. Shared by the bubbles/overlap/prefetch/launch/temporal commands."""
-    con, ids = open_input(inputs, progress=False)
-    if run_id is not None:
-        if run_id not in ids:
-            raise BadInput(inputs[0] if inputs else "traces/", f"no run {run_id} (runs: {ids})")
-        ids = [run_id]
-    docs = [analyse(con, i) for i in ids]
-    return docs[0] if len(docs) == 1 else {"runs": docs}
-
-
-def each_run(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return doc["runs"] if "runs" in doc else [doc]
+from cli.common import emit, format_option, verbose_option, with_boundary
+from cli.per_run import per_run, run_option, run_text, step_label
 
 
 def _causes(by_cause: dict[str, int]) -> str:
     return ", ".join(f"{c} {by_cause[c]}" for c in CAUSES if by_cause.get(c))
 
 
-def _text(doc: dict[str, Any]) -> str:
+def _lines(r: dict[str, Any]) -> list[str]:
     out: list[str] = []
-    for r in each_run(doc):
-        out.append(f"run {r['run_id']}")
-        if "not_applicable" in r:
-            out.append(f"  not applicable: {r['not_applicable']}")
-            continue
-        if r.get("note"):
-            out.append(f"  note: {r['note']}")
-        out.append("  per step (ns): rank step  span  busy  bubble  [by cause]")
-        for s in r["steps"]:
-            out.append(f"    r{s['rank']} {s['step']}: span {s['span_ns']} busy {s['busy_ns']} bubble {s['bubble_ns']}"
-                       f" ({s['bubbles']} bubbles) [{_causes(s['by_cause'])}]")
-        out.append(f"  per layer (bubbles >= {r['min_ns']} ns):")
-        for la in r["layers"]:
-            out.append(f"    {la['layer']}: {la['bubble_ns']} ns in {la['bubbles']} [{_causes(la['by_cause'])}]")
-        out.append("  longest bubbles:")
-        for b in r["top"]:
-            out.append(f"    {b['gap_ns']:>12} ns  {b['cause']:<14} r{b['rank']} {b['step']} layer={b['layer']} op={b['op']}"
-                       f"  {b['prev_name'][:40]} -> {b['next_name'][:40]}")
-        out.append("  stream gaps (per-stream idle as HTA counts it; NOT bubbles):")
-        for g in r["stream_gaps"]:
-            out.append(f"    r{g['rank']} stream {g['stream']}: {g['gaps']} gaps, {g['gap_ns']} ns, max {g['max_gap_ns']} ns")
-    return "\n".join(out)
+    if r.get("note"):
+        out.append(f"  note: {r['note']}")
+    out.append("  per step (ns): rank step  span  busy  bubble  [by cause]")
+    for s in r["steps"]:
+        out.append(f"    r{s['rank']} {step_label(s)}: span {s['span_ns']} busy {s['busy_ns']} bubble {s['bubble_ns']}"
+                   f" ({s['bubbles']} bubbles) [{_causes(s['by_cause'])}]")
+    out.append(f"  per layer (bubbles >= {r['min_ns']} ns):")
+    for la in r["layers"]:
+        out.append(f"    {la['layer']}: {la['bubble_ns']} ns in {la['bubbles']} [{_causes(la['by_cause'])}]")
+    out.append("  longest bubbles:")
+    for b in r["top"]:
+        out.append(f"    {b['gap_ns']:>12} ns  {b['cause']:<14} r{b['rank']} {step_label(b)} layer={b['layer'] or '-'}"
+                   f" op={b['op'] or '-'}  {b['prev_name'][:40]} -> {b['next_name'][:40]}")
+    out.append("  stream gaps (per-stream idle as HTA counts it; NOT bubbles):")
+    for g in r["stream_gaps"]:
+        out.append(f"    r{g['rank']} stream {g['stream']}: {g['gaps']} gaps, {g['gap_ns']} ns, max {g['max_gap_ns']} ns")
+    return out
+
+
+def _text(doc: dict[str, Any]) -> str:
+    return run_text(doc, _lines)
 
 
 @click.command("bubbles")
 @click.argument("inputs", nargs=-1)
-@click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
+@run_option
 @click.option("--step-pattern", default=None, help="Regex naming step ranges (default: `step`, else ProfilerStep#N).")
 @click.option("--min-ns", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave shorter bubbles out of the layer totals and the ranked list.")

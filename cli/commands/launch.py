@@ -6,8 +6,8 @@ from typing import Any
 import click
 
 from analyzers.launch import launch_stats
-from cli.commands.bubbles import each_run, per_run
 from cli.common import emit, format_option, verbose_option, with_boundary
+from cli.per_run import per_run, run_option, run_text
 
 
 def _line(d: dict[str, Any]) -> str:
@@ -15,27 +15,23 @@ def _line(d: dict[str, Any]) -> str:
             f" max {d['max_delay_ns']} ns, {d['shorter_than_launch']} shorter than their launch call")
 
 
+def _lines(r: dict[str, Any]) -> list[str]:
+    out = [f"  rank {k['rank']} {k['launch']}: {_line(k)}" for k in r["ranks"]]
+    out.append("  per layer:")
+    out.extend(f"    r{la['rank']} {la['layer']} {la['launch']}: {_line(la)}" for la in r["layers"])
+    out.append("  most often shorter than their launch call:")
+    out.extend(f"    {s['items']:>6}x  {s['name'][:70]}  (median {s['median_dur_ns']} ns vs launch "
+               f"{s['median_launch_dur_ns']} ns)" for s in r["shorter_than_launch"])
+    return out
+
+
 def _text(doc: dict[str, Any]) -> str:
-    out: list[str] = []
-    for r in each_run(doc):
-        out.append(f"run {r['run_id']}")
-        if "not_applicable" in r:
-            out.append(f"  not applicable: {r['not_applicable']}")
-            continue
-        for k in r["ranks"]:
-            out.append(f"  rank {k['rank']} {k['launch']}: {_line(k)}")
-        out.append("  per layer:")
-        for la in r["layers"]:
-            out.append(f"    r{la['rank']} {la['layer']} {la['launch']}: {_line(la)}")
-        out.append("  most often shorter than their launch call:")
-        for s in r["shorter_than_launch"]:
-            out.append(f"    {s['items']:>6}x  {s['name'][:70]}  (median {s['median_dur_ns']} ns vs launch {s['median_launch_dur_ns']} ns)")
-    return "\n".join(out)
+    return run_text(doc, _lines)
 
 
 @click.command("launch")
 @click.argument("inputs", nargs=-1)
-@click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
+@run_option
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="How many kernel names shorter than their launch to list.")
 @format_option("text", "json")

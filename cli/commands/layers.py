@@ -2,7 +2,6 @@
 span, busy and bubble ns (kernels attributed by analyzers.attribution)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
@@ -11,7 +10,7 @@ import duckdb
 from analyzers.attribution import attribute
 from analyzers.layers import layer_breakdown
 from cli.common import emit, format_option, open_input, verbose_option, with_boundary
-from tracer.errors import BadInput
+from cli.per_run import each_run, extra_run, one_or_many, pick_runs, run_option
 
 
 def pattern_options(fn: Any) -> Any:
@@ -28,20 +27,8 @@ def pattern_options(fn: Any) -> Any:
 
 
 def resolve_reference(con: duckdb.DuckDBPyConnection, ref: str | None) -> int | None:
-    """A run id in the store, or a trace file ingested into the (in-memory) store."""
-    if ref is None:
-        return None
-    if ref.isdigit():
-        return int(ref)
-    from tracer.ingest import ingest_path
-
-    read_only = con.execute("SELECT readonly FROM duckdb_databases() "
-                            "WHERE database_name = current_database()").fetchall()[0][0]
-    if read_only:
-        raise BadInput(ref, "cannot add a reference trace to a read-only store; pass its run id, "
-                            "or pass trace files instead of the store")
-    infos = ingest_path(con, Path(ref), progress=False)
-    return infos[0].run_id
+    """--graph-reference: a run id in the store, or a trace ingested into the in-memory store."""
+    return extra_run(con, ref, "--graph-reference")
 
 
 def attribution_kwargs(layer_pattern: str | None, step_pattern: str | None,
@@ -50,10 +37,9 @@ def attribution_kwargs(layer_pattern: str | None, step_pattern: str | None,
             "graph_reference": reference}
 
 
-def _text(doc: Any) -> str:
-    docs = doc if isinstance(doc, list) else [doc]
+def _text(doc: dict[str, Any]) -> str:
     out: list[str] = []
-    for d in docs:
+    for d in each_run(doc):
         out.append(f"run {d['run']}: {d['steps']} steps; medians over steps (lower median), ns")
         if not d["layers"]:
             out.append(f"  not applicable: {d.get('not_applicable', 'no layers')}")
@@ -83,7 +69,7 @@ def warn_mismatches(report: Any) -> None:
 
 @click.command("layers")
 @click.argument("inputs", nargs=-1)
-@click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
+@run_option
 @pattern_options
 @format_option("text", "json")
 @verbose_option
@@ -95,7 +81,8 @@ def command(inputs: tuple[str, ...], run_id: int | None, layer_pattern: str | No
     A kernel belongs to the innermost annotation range around the call that launched it
     (same thread, through the correlation id); CUDA-graph replays take their layers from the
     capture map, or from --graph-reference. Span: first kernel start to last kernel end;
-    busy: union of the kernel intervals; bubble: span - busy.
+    busy: union of the kernel intervals; bubble: span - busy. With several runs and no --run,
+    JSON is {"runs": [...]}.
 
     \b
     Examples:
@@ -105,12 +92,8 @@ def command(inputs: tuple[str, ...], run_id: int | None, layer_pattern: str | No
     """
     con, ids = open_input(inputs, progress=False)
     ref = resolve_reference(con, graph_reference)
-    if run_id is not None:
-        if run_id not in ids:
-            raise BadInput(inputs[0] if inputs else "traces/", f"no run {run_id} (runs: {ids})")
-        ids = [run_id]
-    ids = [i for i in ids if i != ref]
+    ids = [i for i in pick_runs(inputs, ids, run_id) if i != ref]
     kw = attribution_kwargs(layer_pattern, step_pattern, ref)
     warn_mismatches(attribute(con, ids, **kw))
     docs = [layer_breakdown(con, i, attributed=True, **kw) for i in ids]
-    emit(docs[0] if len(docs) == 1 else docs, fmt, _text)
+    emit(one_or_many(docs), fmt, _text)

@@ -6,32 +6,29 @@ from typing import Any
 import click
 
 from analyzers.prefetch import prefetch
-from cli.commands.bubbles import each_run, per_run
-from cli.common import emit, format_option, verbose_option, with_boundary
-from tracer.errors import BadInput
+from cli.common import emit, format_option, open_input, verbose_option, with_boundary
+from cli.per_run import extra_run, one_or_many, pick_runs, run_option, run_text
+
+
+def _lines(r: dict[str, Any]) -> list[str]:
+    s = r["summary"]
+    out = [f"  {s['count']} prefetches, {s['hidden_pct']:.1f}% of their time hidden, {s['late']} late, "
+           f"median lead {s['median_lead_ns']} ns"]
+    for p in r["prefetches"]:
+        change = p.get("consumer_dur_change_ns")
+        out.append(f"    r{p['rank']} {p['layer']} {p['name'][:40]}: {p['dur_ns']} ns, hidden {p['hidden_pct']:.1f}%,"
+                   f" lead {p['lead_ns']} ns{' LATE' if p['late'] else ''}, consumer {p['consumer_name']}"
+                   + ("" if change is None else f" ({change:+d} ns vs baseline)"))
+    return out
 
 
 def _text(doc: dict[str, Any]) -> str:
-    out: list[str] = []
-    for r in each_run(doc):
-        out.append(f"run {r['run_id']}")
-        if "not_applicable" in r:
-            out.append(f"  not applicable: {r['not_applicable']}")
-            continue
-        s = r["summary"]
-        out.append(f"  {s['count']} prefetches, {s['hidden_pct']:.1f}% of their time hidden, {s['late']} late, "
-                   f"median lead {s['median_lead_ns']} ns")
-        for p in r["prefetches"]:
-            change = p.get("consumer_dur_change_ns")
-            out.append(f"    r{p['rank']} {p['layer']} {p['name'][:40]}: {p['dur_ns']} ns, hidden {p['hidden_pct']:.1f}%,"
-                       f" lead {p['lead_ns']} ns{' LATE' if p['late'] else ''}, consumer {p['consumer_name']}"
-                       + ("" if change is None else f" ({change:+d} ns vs baseline)"))
-    return "\n".join(out)
+    return run_text(doc, _lines)
 
 
 @click.command("prefetch")
 @click.argument("inputs", nargs=-1)
-@click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
+@run_option
 @click.option("--baseline", default=None,
               help="The same workload without prefetch: a trace file or folder, or a run id of the given store.")
 @format_option("text", "json")
@@ -47,22 +44,7 @@ def command(inputs: tuple[str, ...], run_id: int | None, baseline: str | None, f
     Example:
       decodescope prefetch fused_prefetch.json.gz --baseline fused.json.gz --format json
     """
-    def analyse(con: Any, i: int) -> dict[str, Any]:
-        base = None
-        if baseline is not None and baseline.isdigit():
-            base = int(baseline)  # a run id of the same store
-        elif baseline is not None:
-            from tracer.ingest import ingest_path
-
-            read_only = con.execute("SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()"
-                                    ).fetchall()[0][0]
-            if read_only:
-                raise BadInput(baseline, "a store is opened read-only: give --baseline as a run id of that store,"
-                                         " or pass the run and the baseline both as trace files")
-            runs = ingest_path(con, baseline, progress=False)
-            if len(runs) != 1:
-                raise BadInput(baseline, "--baseline must be one run")
-            base = runs[0].run_id
-        return prefetch(con, i, baseline=base)
-
-    emit(per_run(inputs, run_id, analyse), fmt, _text)
+    con, ids = open_input(inputs, progress=False)
+    ids = pick_runs(inputs, ids, run_id)
+    base = extra_run(con, baseline, "--baseline")  # ingested once, after the runs it compares
+    emit(one_or_many([prefetch(con, i, baseline=base) for i in ids if i != base]), fmt, _text)

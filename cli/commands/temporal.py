@@ -6,26 +6,22 @@ from typing import Any
 import click
 
 from analyzers.temporal import temporal_breakdown
-from cli.commands.bubbles import each_run, per_run
 from cli.common import emit, format_option, verbose_option, with_boundary
+from cli.per_run import per_run, run_option, run_text
+
+
+def _lines(r: dict[str, Any]) -> list[str]:
+    return [f"  rank {k['rank']}: span {k['span_ns']} ns: idle {k['idle_pct']:.2f}%, compute "
+            f"{k['compute_pct']:.2f}%, non-compute {k['non_compute_pct']:.2f}%" for k in r["ranks"]]
 
 
 def _text(doc: dict[str, Any]) -> str:
-    out: list[str] = []
-    for r in each_run(doc):
-        out.append(f"run {r['run_id']}")
-        if "not_applicable" in r:
-            out.append(f"  not applicable: {r['not_applicable']}")
-            continue
-        for k in r["ranks"]:
-            out.append(f"  rank {k['rank']}: span {k['span_ns']} ns: idle {k['idle_pct']:.2f}%, compute "
-                       f"{k['compute_pct']:.2f}%, non-compute {k['non_compute_pct']:.2f}%")
-    return "\n".join(out)
+    return run_text(doc, _lines)
 
 
 @click.command("temporal")
 @click.argument("inputs", nargs=-1)
-@click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
+@run_option
 @format_option("text", "json")
 @verbose_option
 @with_boundary
