@@ -276,7 +276,8 @@ def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: 
 
     \b
     Example:
-      trace-diff traces/k3_stock_b1_k0_eager.json.gz traces/k3_fused_b1_k0_eager.json.gz --format markdown
+      trace-diff traces/k3_stock_b8_k0_eager.json.gz traces/k3_stock_b1_k0_eager.json.gz --format markdown
+      decodescope diff runs.duckdb:1 runs.duckdb:2 --metric busy --format json
     """
     if not threshold_pct > 0:
         fail(f"--threshold must be > 0 (got {threshold_pct})")

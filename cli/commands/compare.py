@@ -9,7 +9,7 @@ import click
 
 from analyzers.layers import compare
 from cli.commands.layers import attribution_kwargs, pattern_options, resolve_reference
-from cli.common import BUNDLED_TRACES, emit, format_option, open_input, verbose_option, with_boundary
+from cli.common import BUNDLED_TRACES, emit, format_option, is_database, open_input, verbose_option, with_boundary
 from tracer.errors import BadInput
 
 DEFAULT_PAIR = ("k3_stock_b1_k0_graph.json.gz", "k3_fused_b1_k0_graph.json.gz")
@@ -43,7 +43,8 @@ def _open_pair(base: str | None, cand: str | None) -> tuple[Any, int, int]:
         paths = [BUNDLED_TRACES / n for n in DEFAULT_PAIR]
         missing = [p for p in paths if not p.exists()]
         if missing:
-            raise BadInput(missing[0], "bundled trace not found; pass STOCK FUSED")
+            raise BadInput(missing[0], "not bundled (yet): pass STOCK FUSED, two traces or "
+                                       "runs.duckdb:1 runs.duckdb:2")
         base, cand = str(paths[0]), str(paths[1])
     if base is None or cand is None:
         raise BadInput(base or cand or "", "compare needs two runs: STOCK FUSED")
@@ -55,6 +56,10 @@ def _open_pair(base: str | None, cand: str | None) -> tuple[Any, int, int]:
             if r not in ids:
                 raise BadInput(db_a, f"no run {r} (runs: {ids})")
         return con, int(run_a), int(run_b)
+    for spec, db in ((base, db_a), (cand, db_b)):
+        if Path(db).is_file() and is_database(Path(db)):
+            raise BadInput(spec, "compare takes two runs of one store (STORE:1 STORE:2) or two trace "
+                                 "files, not a store and something else")
     con, ids = open_input([base, cand], progress=False)
     if len(ids) != 2:
         raise BadInput(base, f"expected one run per argument, got runs {ids}")
@@ -74,13 +79,16 @@ def command(base: str | None, cand: str | None, layer_pattern: str | None,
 
     µs per layer: the median over steps of each layer's span (first kernel start to last
     kernel end), averaged over the layers of that kind (ns shown too). With no argument:
-    the bundled traces/k3_stock_b1_k0_graph.json.gz and traces/k3_fused_b1_k0_graph.json.gz.
+    traces/k3_stock_b1_k0_graph.json.gz and traces/k3_fused_b1_k0_graph.json.gz (exit 2 while
+    the fused trace is not bundled). STOCK and FUSED may be any two runs (trace files, or
+    STORE:RUN of one store).
 
     \b
     Examples:
       decodescope compare
       decodescope compare stock.json.gz fused.json.gz --format json
       decodescope compare runs.duckdb:1 runs.duckdb:2
+      decodescope compare traces/k3_stock_b8_k0_graph.json.gz traces/k3_stock_b1_k0_graph.json.gz
     """
     con, b, c = _open_pair(base, cand)
     ref = resolve_reference(con, graph_reference)

@@ -244,3 +244,22 @@ def test_trace_diff_script_usage_mistake(capsys: pytest.CaptureFixture[str]) -> 
     assert exc.value.code == BAD_INPUT
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: trace-diff: Missing argument"), err
+
+
+def test_compare_refuses_runs_of_two_stores(store: dict[str, Any], tmp_path: Path) -> None:
+    """compare needs both runs in one store; a second store is refused in one line."""
+    other = tmp_path / "other.duckdb"
+    other.write_bytes(store["db"].read_bytes())
+    run = store["runs"]["own"]
+    assert_one_line(invoke("compare", f"{store['db']}:{run}", f"{other}:{run}"), f"{store['db']}:{run}")
+    assert_one_line(invoke("compare", f"{store['db']}:{run}", OWN), f"{store['db']}:{run}")
+
+
+def test_compare_without_argument_is_the_bundled_pair() -> None:
+    """The bundled stock/fused B=1 graph pair; while the fused trace is missing, one line naming it."""
+    fused = REPO / "traces" / "k3_fused_b1_k0_graph.json.gz"
+    res = invoke("compare", "--format", "json")
+    if fused.exists():
+        assert res.exit_code == OK and json.loads(res.stdout)["kinds"], res.output
+    else:
+        assert_one_line(res, str(fused))
