@@ -55,9 +55,12 @@ def test_chunked_ingest_equals_whole_document_ingest(tmp_path: Path, monkeypatch
     path.write_text(json.dumps(json.loads(b.to_json()), indent=indent))
     query = "SELECT rank, name, start_ns, end_ns, stream, correlation FROM kernels ORDER BY kernel_id"
     real_split = kineto_split.split_trace
-    monkeypatch.setattr("tracer.ingest.kineto.split_trace", lambda p, w: real_split(p, w, target_chunk_bytes=1_500))
+    splits: list = []
+    monkeypatch.setattr("tracer.ingest.kineto.split_trace",
+                        lambda p, w: splits.append(real_split(p, w, target_chunk_bytes=1_500)) or splits[-1])
     chunked = open_store(None)
     ingest_path(chunked, path, progress=False)
+    assert splits and splits[0] is not None and len(splits[0].chunks) > 1  # really read in chunks
     monkeypatch.setattr("tracer.ingest.kineto.split_trace", lambda p, w: None)
     whole = open_store(None)
     ingest_path(whole, path, progress=False)
