@@ -26,7 +26,9 @@ def format_run(info: RunInfo) -> str:
 @verbose_option
 @with_boundary
 def command(paths: tuple[Path, ...], db: Path, name: str | None, rules: Path | None, verbose: bool) -> None:
-    """Ingest Kineto traces (.json / .json.gz; a folder = one run, one file per rank).
+    """Ingest traces: Kineto / PyTorch profiler (.json, .json.gz) or Nsight Systems SQLite exports (.sqlite).
+
+    A folder is one run, one file per rank, all of one format.
 
     Every path becomes one run, written in one transaction; the same content ingested
     again is reported as already ingested. Every input is checked before the store is
@@ -36,6 +38,7 @@ def command(paths: tuple[Path, ...], db: Path, name: str | None, rules: Path | N
     Example:
       decodescope ingest traces/k3_stock_b1_k0_graph.json.gz trace_dir/ --db runs.duckdb
       decodescope ingest trace.json.gz --db runs.duckdb --rules my_rules.toml
+      decodescope ingest profile.sqlite --db runs.duckdb
     """
     for p in paths:
         resolve_files(p)

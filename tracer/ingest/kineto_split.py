@@ -21,6 +21,11 @@ from pathlib import Path
 
 import orjson
 
+try:  # ISA-L inflate: ~2.5x faster than zlib on a 62 MB trace (0.05 vs 0.12 CPU s); optional
+    from isal import isal_zlib as _fast_zlib
+except ImportError:  # pragma: no cover - the stdlib path below is the reference
+    _fast_zlib = None
+
 _KEY = b'"traceEvents"'
 
 
@@ -32,11 +37,28 @@ class Split:
     chunks: list[Path]    # files holding JSON arrays of consecutive events, in order
 
 
+def _gunzip(data: bytes) -> bytes:
+    """gzip.decompress(data), faster: one-member files (what profilers write) through ISA-L.
+
+    Anything else (several members, trailing bytes, a truncated stream) goes to
+    gzip.decompress, so the result and the errors are the stdlib's.
+    """
+    if _fast_zlib is not None:
+        try:
+            d = _fast_zlib.decompressobj(wbits=31)  # 31: gzip header and trailer, checked
+            out = d.decompress(data)
+            if d.eof and not d.unused_data:
+                return out
+        except _fast_zlib.error:
+            pass
+    return gzip.decompress(data)
+
+
 def _raw_text(path: Path) -> bytes | None:
     data = path.read_bytes()
     if data[:2] == b"\x1f\x8b":
         try:
-            return gzip.decompress(data)
+            return _gunzip(data)
         except (EOFError, OSError, zlib.error):
             return None
     if path.name.lower().endswith(".gz"):
@@ -47,6 +69,7 @@ def _raw_text(path: Path) -> bytes | None:
 _SEP = re.compile(rb"\}\s*,\s*\{")
 _CLOSE = re.compile(rb"\}\s*\]")
 _MAX_TAIL_TRIES = 64
+_LAST_CHUNK_BYTES = 1 << 16
 
 
 def _tail(raw: bytes, bracket: int, body_start: int) -> tuple[dict, int] | None:
@@ -85,6 +108,13 @@ def _cuts(raw: bytes, body_start: int, body_end: int, target: int) -> list[tuple
         ends.append(m.start() + 1)      # this chunk ends after "}"
         starts.append(m.end() - 1)      # the next starts at "{"
         pos = m.end() + target
+    # A short last chunk: split_trace parses the last chunk in Python to prove the list ends
+    # there, and 64 KiB parse in well under a millisecond where 8 MB took ~25 ms.
+    if body_end - starts[-1] > 2 * _LAST_CHUNK_BYTES:
+        m = _SEP.search(raw, body_end - _LAST_CHUNK_BYTES, body_end)
+        if m is not None:
+            ends.append(m.start() + 1)
+            starts.append(m.end() - 1)
     ends.append(body_end)
     return list(zip(starts, ends))
 
