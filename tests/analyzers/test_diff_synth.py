@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tests.interval_oracle import union_ns
 
 # (op, [(kernel name, duration ns)]) per layer kind. Fused: other names, fewer, shorter kernels.
 STOCK = {
@@ -71,19 +72,6 @@ def kernel_rows(s: Synth) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _union_ns(iv: list[tuple[int, int]]) -> int:
-    """Brute-force |∪ intervals| by a sorted sweep (test oracle, independent of the SQL macros)."""
-    total, cur_s, cur_e = 0, None, None
-    for s, e in sorted(iv):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (cur_e - cur_s if cur_e is not None else 0)
-
-
 def layer_steps_stub(k: pd.DataFrame, run_id: int = 1) -> pd.DataFrame:
     """The documented layer_steps contract, recomputed by brute force from kernel rows."""
     out = []
@@ -92,7 +80,7 @@ def layer_steps_stub(k: pd.DataFrame, run_id: int = 1) -> pd.DataFrame:
         for op, h in parts:
             iv = list(zip(h["start_ns"], h["end_ns"]))
             span = int(h["end_ns"].max() - h["start_ns"].min())
-            busy = _union_ns(iv)
+            busy = union_ns(iv)
             out.append({"run_id": run_id, "rank": rank, "step_index": step, "layer": layer, "layer_index": idx,
                         "layer_kind": kind, "op": op, "kernels": len(h), "span_ns": span, "busy_ns": busy,
                         "bubble_ns": span - busy})

@@ -31,6 +31,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from tests.interval_oracle import merge_intervals as merge
 from tracer.ingest import ingest_path
 from tracer.store import open_store
 
@@ -52,17 +53,6 @@ def hta_type(name: str) -> str:
     if HTA_MEMORY.match(name):
         return "memory"
     return "other" if HTA_NOT_COMPUTE.match(name) else "compute"
-
-
-def merge(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Union of [s, e) intervals by the plain sort-and-sweep (independent of our SQL macros)."""
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(rows):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def length(rows: list[tuple[int, int]]) -> int:

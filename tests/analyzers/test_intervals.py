@@ -13,6 +13,7 @@ from pathlib import Path
 import duckdb
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.interval_oracle import point_runs as runs
 
 INTERVALS_SQL = Path(__file__).resolve().parents[2] / "analyzers" / "sql" / "intervals" / "intervals.sql"
 
@@ -27,17 +28,6 @@ def cells(rows: list[tuple[int, int, int]]) -> dict[int, set[int]]:
     for key, start, length in rows:
         out.setdefault(key, set()).update(range(start, start + length))
     return {k: v for k, v in out.items() if v}
-
-
-def runs(points: set[int]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive integers as [start, end) pairs, sorted."""
-    out: list[tuple[int, int]] = []
-    for p in sorted(points):
-        if out and out[-1][1] == p:
-            out[-1] = (out[-1][0], p + 1)
-        else:
-            out.append((p, p + 1))
-    return out
 
 
 def store(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> duckdb.DuckDBPyConnection:

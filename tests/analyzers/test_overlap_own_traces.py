@@ -17,6 +17,7 @@ import pytest
 
 from analyzers.attribution import attribute
 from analyzers.overlap import overlap
+from tests.interval_oracle import merge_intervals
 from tracer.ingest import ingest_path
 from tracer.store import open_store
 
@@ -28,16 +29,6 @@ def params() -> list:
         return [pytest.param(None, marks=pytest.mark.skip(reason="no bundled traces under traces/ yet"))]
     # Graph replays too: their collectives are classified through the capture map (tracer/classify).
     return [pytest.param(p, id=p.name) for p in TRACES]
-
-
-def union(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(rows):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 @pytest.mark.parametrize("trace", params())
@@ -54,8 +45,8 @@ def test_simulated_collectives_are_communication(trace: Path) -> None:
     collectives = [(s, e, c) for s, e, c, op in rows if op is not None and comm_ops.search(op)]
     assert collectives, "the capture ran collectives (tp_sim), attribution must find their ops"
     assert {c for _, _, c in collectives} == {"communication"}
-    comm = union([(s, e) for s, e, c, _ in rows if c == "communication"])
-    comp = union([(s, e) for s, e, c, _ in rows if c == "compute"])
+    comm = merge_intervals([(s, e) for s, e, c, _ in rows if c == "communication"])
+    comp = merge_intervals([(s, e) for s, e, c, _ in rows if c == "compute"])
     both = sum(max(0, min(e, e2) - max(s, s2)) for s, e in comm for s2, e2 in comp)
     [r] = overlap(con, run.run_id)["ranks"]
     assert (r["comm_ns"], r["overlap_ns"]) == (sum(e - s for s, e in comm), both)

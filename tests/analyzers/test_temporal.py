@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.interval_oracle import point_runs as runs
 from tracer.store import open_store
 
 SQL = Path(__file__).resolve().parents[2] / "analyzers" / "sql"
@@ -40,16 +41,6 @@ def make_store(items: list[tuple]) -> duckdb.DuckDBPyConnection:
             con.execute("INSERT INTO kernels (run_id, kernel_id, rank, stream, name, start_ns, end_ns, category)"
                         " VALUES (1, ?, ?, ?, 'k', ?, ?, ?)", [i, rank, stream, s, s + n, cat])
     return con
-
-
-def runs(points: set[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for p in sorted(points):
-        if out and out[-1][1] == p:
-            out[-1] = (out[-1][0], p + 1)
-        else:
-            out.append((p, p + 1))
-    return out
 
 
 @given(st.lists(item, max_size=30))

@@ -20,23 +20,12 @@ from hypothesis import strategies as st
 
 from analyzers.overlap import overlap
 from analyzers.views import load_views
+from tests.interval_oracle import merge_intervals as merge
 from tests.nsys_builder import NsysExportBuilder
 from tracer.ingest import ingest_path
 from tracer.store import open_store
 
 PAIR = ("nsys-ai/mfu_2gpu_before.sqlite", "nsys-ai/mfu_2gpu_after.sqlite")
-
-
-def merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
 
 
 def overlap_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:

@@ -7,20 +7,7 @@ from collections import defaultdict
 import pytest
 
 from analyzers.summary import summarize
-
-
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    total, cur_s, cur_e = 0, None, None
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + ((cur_e - cur_s) if cur_e is not None else 0)
+from tests.interval_oracle import union_ns
 
 
 @pytest.mark.parametrize("folder", ["param_dlrm_8rank_v100", "hta_negative_queue_a100_rank0", "tracelens_mi300x_xdit_sd3.5"])
@@ -36,11 +23,11 @@ def test_summary_matches_python_sweep(corpus_store, folder: str) -> None:
         by_stream[(rank, stream)].append((s, e))
         by_cat[(rank, cat)].append((s, e))
     (run,) = summarize(con, [run_id])["runs"]
-    assert run["busy_ns"] == sum(_union_ns(v) for v in by_rank.values())
+    assert run["busy_ns"] == sum(union_ns(v) for v in by_rank.values())
     assert run["span_ns"] == max(max(e for _, e in v) - min(s for s, _ in v) for v in by_rank.values())
-    assert {(x["rank"], x["stream"]): x["busy_ns"] for x in run["streams"]} == {k: _union_ns(v) for k, v in by_stream.items()}
+    assert {(x["rank"], x["stream"]): x["busy_ns"] for x in run["streams"]} == {k: union_ns(v) for k, v in by_stream.items()}
     cats: dict[str, int] = defaultdict(int)
     for (_, cat), v in by_cat.items():
-        cats[cat] += _union_ns(v)
+        cats[cat] += union_ns(v)
     assert run["categories"] == {c: n for c, n in cats.items() if n}
     assert run["ranks"] == len(by_rank)
