@@ -4,13 +4,18 @@
 seconds, so the first start writes `<cache>/bundled-<hash>.duckdb` (hash over the files' names
 and bytes) and later starts open it at once; changed traces get a new hash, hence a new file.
 The store is built under a temporary name and renamed when complete, so an interrupted first
-start never leaves a half-filled cache behind.
+start never leaves a half-filled cache behind. The dashboard then serves a per-process working
+copy of it (`working_copy`): the cache stays exactly as built, several dashboards can serve the
+bundled traces at once (DuckDB lets one process write a file), and uploads go to the copy.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tracer.errors import BadInput
@@ -66,3 +71,12 @@ def bundled_store(paths: list[Path], directory: Path | None = None,
     con.close()
     os.replace(partial, target)
     return target
+
+
+@contextlib.contextmanager
+def working_copy(store: Path) -> Iterator[Path]:
+    """A private copy of `store` (a few MB for the bundled traces), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="decodescope-dashboard-") as tmp:
+        copy = Path(tmp) / store.name
+        shutil.copyfile(store, copy)
+        yield copy

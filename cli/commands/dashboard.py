@@ -1,8 +1,11 @@
 """`decodescope dashboard`: serve the dashboard over a store, the bundled traces by default."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import signal
 import socket
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -69,7 +72,7 @@ def command(traces: tuple[str, ...], db: str | None, host: str, port: int, verbo
       decodescope dashboard --port 8051
     """
     from dashboard.app import create_app
-    from dashboard.bundled import bundled_store
+    from dashboard.bundled import bundled_store, working_copy
     from dashboard.data import StorePool
 
     if db and traces:
@@ -79,27 +82,25 @@ def command(traces: tuple[str, ...], db: str | None, host: str, port: int, verbo
     deferred = _Deferred()
     server = bind(host, port, deferred)
     log = lambda m: click.echo(m, err=True)  # noqa: E731
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(server.server_close)
         if db:
             pool = StorePool.open(db)
         elif traces:
             con, _ids = open_input(traces, progress=True)
-            pool = StorePool(con, "in-memory: " + ", ".join(traces), writable=True)
+            pool = StorePool(con, "in memory: " + ", ".join(traces), writable=True)
         else:
-            pool = StorePool.open(bundled_store(bundled_trace_paths(), log=log))
+            cached = bundled_store(bundled_trace_paths(), log=log)
+            pool = StorePool.open(stack.enter_context(working_copy(cached)))
+            pool.label = f"bundled traces ({cached.name}; uploads last until this dashboard stops)"
+        stack.callback(pool.close)
         deferred.app = create_app(pool).server
-        with pool.cursor():  # warm one connection (views loaded) before the first request
+        with pool.cursor():  # warm one connection (timeline macros loaded) before the first request
             pass
-    except BaseException:
-        server.server_close()
-        raise
-    if not pool.writable:
-        log(f"note: {pool.label} is held by another process; serving it read-only (uploads disabled)")
-    log(f"decodescope dashboard on http://{host}:{server.port}/  (store: {pool.label}; Ctrl-C stops)")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        pool.close()
+        if not pool.writable:
+            log(f"note: {pool.label} is held by another process; serving it read-only (uploads disabled)")
+        log(f"decodescope dashboard on http://{host}:{server.port}/  (store: {pool.label}; Ctrl-C stops)")
+        # SIGTERM (kill, timeout, systemd) unwinds like Ctrl-C, so the working copy is removed
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.serve_forever()

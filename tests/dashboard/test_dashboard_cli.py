@@ -48,3 +48,20 @@ def test_bundled_store_is_built_once_per_content(tmp_path: Path) -> None:
     second = bundled_store([a, b], tmp_path / "cache", log=logs.append)
     assert second != first and second.exists()
     assert not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_working_copy_keeps_the_cache_as_built(tmp_path: Path) -> None:
+    """The dashboard writes (macros, uploads) only to its private copy, removed afterwards."""
+    from dashboard.bundled import working_copy
+
+    a = write_decode_trace(tmp_path / "k3_stock.json", DecodeSpec("stock", steps=1, layers=1))
+    cached = bundled_store([a], tmp_path / "cache")
+    before = cached.read_bytes()
+    with working_copy(cached) as copy:
+        assert copy != cached and copy.read_bytes() == before
+        con = duckdb.connect(str(copy))
+        con.execute("DELETE FROM kernels")
+        con.close()
+    assert not copy.exists() and not copy.parent.exists()
+    assert cached.read_bytes() == before
+    assert not list(cached.parent.glob("*.wal"))
