@@ -5,12 +5,6 @@ SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns
 FROM device_items
 WHERE category = 'communication';
 
--- Private: compute items (category 'compute') keyed by (run, rank).
-CREATE OR REPLACE VIEW _overlap_compute AS
-SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns
-FROM device_items
-WHERE category = 'compute';
-
 -- Compute-communication overlap per rank, as HTA's get_comm_comp_overlap: comm_ns is the
 -- union of communication items, overlap_ns = |comm ∩ compute| (compute = union of compute
 -- kernels on any stream of the rank), exposed_comm_ns = |comm \ compute| = comm_ns -
@@ -29,4 +23,4 @@ CREATE OR REPLACE VIEW overlap_per_rank(
   overlap_pct
 ) AS
 SELECT key.run_id, key.rank, a_ns, both_ns, a_only_ns, 100.0 * both_ns / nullif(a_ns, 0)
-FROM intervals_overlap_totals('_overlap_comm', '_overlap_compute');
+FROM intervals_overlap_totals('_overlap_comm', 'device_compute_by_rank');

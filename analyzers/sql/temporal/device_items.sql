@@ -23,3 +23,23 @@ UNION ALL
 SELECT run_id, rank, 'memop', memop_id, stream, correlation, name, category, start_ns, end_ns,
        graph_id
 FROM memops;
+
+-- Every device item keyed by (run, rank), in the shape the interval macros take.
+CREATE OR REPLACE VIEW device_items_by_rank(
+  -- {run_id, rank}.
+  key,
+  -- Device start and end, ns.
+  start_ns, end_ns
+) AS
+SELECT {'run_id': run_id, 'rank': rank}, start_ns, end_ns FROM device_items;
+
+-- Compute items (classifier category 'compute') keyed by (run, rank): the one "compute" side
+-- of the temporal breakdown and of compute-communication overlap.
+CREATE OR REPLACE VIEW device_compute_by_rank(
+  -- {run_id, rank}.
+  key,
+  -- Device start and end, ns.
+  start_ns, end_ns
+) AS
+SELECT {'run_id': run_id, 'rank': rank}, start_ns, end_ns FROM device_items
+WHERE category = 'compute';

@@ -1,14 +1,4 @@
 -- requires: intervals/intervals.sql, temporal/device_items.sql
--- Private: every device item keyed by (run, rank), for the interval macros.
-CREATE OR REPLACE VIEW _temporal_all AS
-SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns FROM device_items;
-
--- Private: compute kernels (classifier category 'compute') keyed by (run, rank).
-CREATE OR REPLACE VIEW _temporal_compute AS
-SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns
-FROM device_items
-WHERE category = 'compute';
-
 -- Temporal breakdown per rank, in HTA's sense (get_temporal_breakdown): over the GPU span
 -- (first device item start to last device item end, all streams), idle time is the part of
 -- the span when no kernel or memop runs on any stream, compute time is the union of compute
@@ -33,8 +23,8 @@ CREATE OR REPLACE VIEW temporal_breakdown(
   -- The three shares of span_ns, in percent (NULL when the span is 0).
   idle_pct, compute_pct, non_compute_pct
 ) AS
-WITH _all AS (SELECT * FROM intervals_totals('_temporal_all')),
-_comp AS (SELECT * FROM intervals_totals('_temporal_compute'))
+WITH _all AS (SELECT * FROM intervals_totals('device_items_by_rank')),
+_comp AS (SELECT * FROM intervals_totals('device_compute_by_rank'))
 SELECT
   _all.key.run_id, _all.key.rank,
   _all.span_ns,
