@@ -52,6 +52,8 @@ def each_run(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def run_text(doc: dict[str, Any], body: Callable[[dict[str, Any]], Iterable[str]], key: str = "run_id") -> str:
     """`run N` per run, then `  not applicable: why` or the lines `body` gives for that run."""
     out: list[str] = []
+    if not each_run(doc):
+        return "no runs"  # an empty store: say so rather than print nothing
     for r in each_run(doc):
         out.append(f"run {r[key]}")
         if r.get("not_applicable"):

@@ -39,6 +39,8 @@ def attribution_kwargs(layer_pattern: str | None, step_pattern: str | None,
 
 def _text(doc: dict[str, Any]) -> str:
     out: list[str] = []
+    if not each_run(doc):
+        return "no runs"
     for d in each_run(doc):
         out.append(f"run {d['run']}: {d['steps']} steps; medians over steps (lower median), ns")
         if not d["layers"]:

@@ -263,3 +263,14 @@ def test_compare_without_argument_is_the_bundled_pair() -> None:
         assert res.exit_code == OK and json.loads(res.stdout)["kinds"], res.output
     else:
         assert_one_line(res, str(fused))
+
+
+@pytest.mark.parametrize("cmd", PER_RUN)
+def test_empty_store(tmp_path: Path, cmd: str) -> None:
+    """A store without runs: text says so (not an empty page), JSON lists no runs."""
+    db = tmp_path / "empty.duckdb"
+    open_store(db).close()
+    res = invoke(cmd, db)
+    assert res.exit_code == OK and res.stdout.strip() == "no runs", res.output
+    res = invoke(cmd, db, "--format", "json")
+    assert res.exit_code == OK and json.loads(res.stdout)["runs"] == []
