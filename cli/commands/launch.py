@@ -18,7 +18,7 @@ def _line(d: dict[str, Any]) -> str:
 def _lines(r: dict[str, Any]) -> list[str]:
     out = [f"  rank {k['rank']} {k['launch']}: {_line(k)}" for k in r["ranks"]]
     out.append("  per layer:")
-    out.extend(f"    r{la['rank']} {la['layer']} {la['launch']}: {_line(la)}" for la in r["layers"])
+    out.extend(f"    r{la['rank']} {la['layer'] or '(none)'} {la['launch']}: {_line(la)}" for la in r["layers"])
     out.append("  most often shorter than their launch call:")
     out.extend(f"    {s['items']:>6}x  {s['name'][:70]}  (median {s['median_dur_ns']} ns vs launch "
                f"{s['median_launch_dur_ns']} ns)" for s in r["shorter_than_launch"])
