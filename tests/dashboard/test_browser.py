@@ -45,10 +45,29 @@ def _window_text(page: Any) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3).replace(",", ""))
 
 
+def _overlap_per_rank(spec: Any) -> tuple[int, int, int]:
+    """(comm, hidden, exposed) ns of rank 0: each layer's all-reduce runs 500 ns from
+    gap_ns - 100 ns before the layer's last slot ends; the last compute kernel ends launch_ns +
+    kernel_ns into that kernel_ns + gap_ns slot, i.e. gap_ns - launch_ns before its end. The
+    overlap is the difference (300 ns for the defaults), the rest of the 500 ns is exposed."""
+    hidden = (spec.gap_ns - 100) - (spec.gap_ns - spec.launch_ns)
+    n = spec.steps * spec.layers
+    return 500 * n, hidden * n, (500 - hidden) * n
+
+
 def test_every_page_loads_without_console_errors(page: Any, live_server: dict[str, Any]) -> None:
+    """Every page renders without console errors or outside requests; the analyzer pages show
+    the numbers the hand-made stock run implies."""
     for path in PAGES:
         _load(page, live_server["url"] + path)
         assert page.errors == [], (path, page.errors)
+    _load(page, live_server["url"] + "/overlap?run=1")
+    comm, hidden, exposed = _overlap_per_rank(STOCK)
+    cells = [c.strip() for c in page.locator("#overlap-ranks tbody tr").first.locator("td").all_inner_texts()]
+    assert cells == ["0", f"{comm:,}", f"{hidden:,}", f"{100 * hidden / comm:.1f}", f"{exposed:,}"]
+    _load(page, live_server["url"] + "/diff?base=1&cand=2&metric=kernels")
+    expect(page.locator("#diff-verdict")).to_contain_text("mode: layers")
+    assert page.errors == []
     # navbar navigation (client-side routing) works too
     page.locator("#nav-runs").click()
     expect(page.locator("#runs-table")).to_be_visible()
