@@ -7,7 +7,7 @@ parallel and in less memory (kineto_split), and read as one document when that i
 (runs.metadata.files[].parsed_as says which). `write`
 (inside the transaction) fills kernels, memops, api_calls, ranges, gpu_annotations and
 gpu_syncs with SQL. Python touches only metadata, the failure diagnosis, and the nesting of
-host ranges (tracer.ingest.nesting).
+host ranges (tracer.ingest.nesting), which runs on a thread beside the SQL inserts.
 
 Rank: `distributedInfo.rank` of each file when every file has a distinct one, else the file's
 position in name order. Event kinds the store has no table for (flows, instant events,
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,27 +124,53 @@ def _check_events(con: duckdb.DuckDBPyConnection, files: list[Path]) -> None:
         raise BadInput(files[file_idx], f"traceEvents[{idx}] ({name!r}) {what}")
 
 
-def _nest_ranges(con: duckdb.DuckDBPyConnection) -> None:
-    """Depth and parent of every staged range (Python stack over plain lists, ~0.1 s per 200k).
+class _Nesting(threading.Thread):
+    """Depth and parent of every staged range, computed on a thread beside the table inserts.
 
-    The result goes back as a dict of numpy arrays (no pyarrow: converting Python lists with
-    pyarrow imports pandas, ~0.7 s); parent -1 stands for NULL.
+    The stack (tracer.ingest.nesting) is plain Python holding the GIL; DuckDB releases it while
+    it runs the kernel / memop / API-call inserts, so on two cores the two overlap (~0.05 s of
+    the ingest's wall time). The ranges are fetched on the caller's thread before it starts (a
+    DuckDB connection is used by one thread at a time); `store` registers the result.
     """
-    import numpy as np  # here, not at module level: `summary` imports this module and needs no numpy
 
-    con.execute(q.STAGE_RANGES_SQL)
-    cols = con.execute(q.RANGES_FOR_NESTING_SQL).fetchnumpy()  # in range_id order (0..n-1)
-    n = len(cols["thread"])
-    depth, parent = nest(cols["thread"].tolist(), cols["start_ns"].tolist(), cols["end_ns"].tolist(), range(n))
-    nesting = {"range_id": np.arange(n, dtype=np.int64), "depth": np.asarray(depth, dtype=np.int32),
-               "parent_id": np.fromiter((-1 if x is None else x for x in parent), dtype=np.int64, count=len(parent))}
-    con.register("_kineto_nesting_np", nesting)
-    try:
-        con.execute("CREATE OR REPLACE TEMP TABLE _kineto_nesting AS "
-                    "SELECT range_id, depth, NULLIF(parent_id, -1) AS parent_id FROM _kineto_nesting_np "
-                    "ORDER BY range_id")
-    finally:
-        con.unregister("_kineto_nesting_np")
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        super().__init__(name="decodescope-nesting", daemon=True)
+        con.execute(q.STAGE_RANGES_SQL)
+        self._cols = con.execute(q.RANGES_FOR_NESTING_SQL).fetchnumpy()  # in range_id order (0..n-1)
+        self._result: tuple[list[int], list[int | None]] | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            cols = self._cols
+            self._result = nest(cols["thread"].tolist(), cols["start_ns"].tolist(), cols["end_ns"].tolist(),
+                                range(len(cols["thread"])))
+        except BaseException as exc:  # re-raised on the caller's thread by store()
+            self._error = exc
+
+    def store(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Wait for the stack and write `_kineto_nesting` (range_id, depth, parent_id).
+
+        The result goes back as a dict of numpy arrays (no pyarrow: converting Python lists
+        with pyarrow imports pandas, ~0.7 s); parent -1 stands for NULL.
+        """
+        import numpy as np  # already imported by fetchnumpy; `summary` imports this module and needs no numpy
+
+        self.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        depth, parent = self._result
+        n = len(depth)
+        nesting = {"range_id": np.arange(n, dtype=np.int64), "depth": np.asarray(depth, dtype=np.int32),
+                   "parent_id": np.fromiter((-1 if x is None else x for x in parent), dtype=np.int64, count=n)}
+        con.register("_kineto_nesting_np", nesting)
+        try:
+            con.execute("CREATE OR REPLACE TEMP TABLE _kineto_nesting AS "
+                        "SELECT range_id, depth, NULLIF(parent_id, -1) AS parent_id FROM _kineto_nesting_np "
+                        "ORDER BY range_id")
+        finally:
+            con.unregister("_kineto_nesting_np")
 
 
 def _capture_map_rows(run_id: int, ds: dict[str, Any], rank: int, path: Path) -> list[list[Any]]:
@@ -208,11 +235,16 @@ def discard(con: duckdb.DuckDBPyConnection) -> None:
 def write(con: duckdb.DuckDBPyConnection, staged: Staged, run_id: int, prog: Progress) -> RunMeta:
     """Fill every per-run table from the staging tables; return the facts for the runs row."""
     prog.step("writing tables")
-    for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL,
-                q.INSERT_GPU_ANNOTATIONS_SQL, q.INSERT_GPU_SYNCS_SQL):
-        con.execute(sql, [run_id])
+    nesting = _Nesting(con)
+    nesting.start()
+    try:
+        for sql in (q.INSERT_KERNELS_SQL, q.INSERT_MEMOPS_SQL, q.INSERT_API_CALLS_SQL,
+                    q.INSERT_GPU_ANNOTATIONS_SQL, q.INSERT_GPU_SYNCS_SQL):
+            con.execute(sql, [run_id])
+    finally:
+        nesting.join()  # never leave the thread running past a failed insert
     prog.step("nesting ranges")
-    _nest_ranges(con)
+    nesting.store(con)
     con.execute(q.INSERT_RANGES_SQL, [run_id])
     docs, ranks, by_declared, counts = staged.docs, staged.ranks, staged.by_declared, staged.counts
     graph_launches = staged.graph_launches
