@@ -292,6 +292,28 @@ def run_child(args: argparse.Namespace, role: str, extra_env: dict[str, str], ti
     return res
 
 
+def compare_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Compare the traces already in --out; with --refine, first rewrite the CUPTI ones with
+    tracer.cupti_convert.refine (traces captured before the Kineto naming rules)."""
+    from tracer.cupti_convert import refine
+
+    out, res = Path(args.out), {}
+    for mode in args.modes:
+        paths = [out / trace_name(mode, r) for r in ROLES]
+        base, cand = load(paths[0]), load(paths[1])
+        if args.refine:
+            res[f"refine_{mode}"] = refine(cand)
+            cand.setdefault("cupti", {}).setdefault("notes", []).append(
+                f"names refined after capture by tracer.cupti_convert.refine ({res[f'refine_{mode}']})")
+            body = json.dumps(cand).encode()
+            with gzip.open(paths[1], "wb", compresslevel=9) as fh:
+                fh.write(body)
+        res[mode] = compare(base, cand)
+        res[mode]["bytes"] = {r: p.stat().st_size for r, p in zip(ROLES, paths)}
+    (out / "cupti_compare.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def parent(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,7 +361,8 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--role", choices=("parent", "smoke") + ROLES, default="parent")
+    ap.add_argument("--role", choices=("parent", "smoke", "compare") + ROLES, default="parent")
+    ap.add_argument("--refine", action="store_true", help="with --role compare: apply cupti_convert.refine first")
     ap.add_argument("--roles", nargs="*", default=list(ROLES), choices=ROLES)
     ap.add_argument("--modes", nargs="*", default=["graph", "eager"], choices=["graph", "eager"])
     ap.add_argument("--preset", default="k3_tp16", choices=["k3_tp16", "tiny"])
@@ -352,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.role == "parent":
         parent(args)
+        return
+    if args.role == "compare":
+        print(json.dumps(compare_only(args), indent=1))
         return
     res = role_main(args)
     print("RESULT " + json.dumps(res), flush=True)

@@ -16,6 +16,14 @@ Times: CUPTI gives absolute integer ns. `ts`/`dur` are written in µs relative t
 (~36 min) is a float whose shortest repr is exactly `{us}.{ns:03}`, so the reader's
 DECIMAL(38,3) parse gets the integer ns back (checked per value, see `_us`).
 
+Names as Kineto writes them: kernel names demangled with libstdc++'s `__cxa_demangle` (what
+Kineto calls; CUPTI reports mangled names), and the API calls Kineto leaves out dropped
+(`keep_api`): its runtime blocklist (cudaGetDevice, cudaSetDevice, cudaGetLastError,
+cudaEventCreate[WithFlags], cudaEventDestroy: tens of thousands per eager step, nothing
+launched) and every driver call that issues no work (Kineto keeps only driver launches; we
+keep cuLaunch*, cuGraphLaunch*, cuMemcpy*, cuMemset*). `refine` applies the same to a trace
+written before these rules (device run of 2026-12-02, bench/cupti_backend.md).
+
 Records are read by attribute, with the names cupti-python exposes (`start`, `end`,
 `correlation_id`, `graph_node_id`, `flags_`, `object_id.pt.thread_id`, ...), so plain
 objects with those fields work (tests). Activity-kind and flag numbers are CUPTI's C ABI
@@ -23,6 +31,8 @@ values; tracer/capture_cupti.py checks them against `cupti.ActivityKind` on the 
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -52,6 +62,74 @@ MAX_REL_NS = 1 << 41
 _VERSION_SUFFIX = re.compile(r"_v\d+$")
 
 ApiNamer = Callable[[int, int], str]  # (activity kind RUNTIME|DRIVER, cbid) -> function name
+
+# Kineto's isBlockListedRuntimeCbid, by name; driver calls are kept only when they issue work.
+RUNTIME_SKIPPED = frozenset({"cudaGetDevice", "cudaSetDevice", "cudaGetLastError", "cudaEventCreate",
+                             "cudaEventCreateWithFlags", "cudaEventDestroy"})
+DRIVER_KEPT_PREFIXES = ("cuLaunch", "cuGraphLaunch", "cuMemcpy", "cuMemset")
+
+
+def keep_api(cat: str, name: str) -> bool:
+    """Whether Kineto would write this API call (see module doc)."""
+    if cat == "cuda_runtime":
+        return name not in RUNTIME_SKIPPED
+    return name.startswith(DRIVER_KEPT_PREFIXES)
+
+
+@functools.lru_cache(maxsize=1)
+def _cxa() -> tuple[Any, Any] | None:
+    try:
+        lib = ctypes.CDLL("libstdc++.so.6")
+        fn = lib.__cxa_demangle
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        free = ctypes.CDLL(None).free
+        free.argtypes = [ctypes.c_void_p]
+        return fn, free
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=65536)
+def demangle(name: str) -> str:
+    """Itanium-ABI demangled name, as Kineto writes kernel names; the name itself when it is
+    not mangled, or cannot be demangled here (no libstdc++)."""
+    cxa = _cxa() if name.startswith("_Z") else None
+    if cxa is None:
+        return name
+    fn, free = cxa
+    status = ctypes.c_int()
+    ptr = fn(name.encode(), None, None, ctypes.byref(status))
+    if status.value != 0 or not ptr:
+        return name
+    try:
+        return ctypes.string_at(ptr).decode("utf-8", "replace")
+    finally:
+        free(ptr)
+
+
+def kineto_names(events: list[dict[str, Any]], stats: Counter[str] | None = None) -> list[dict[str, Any]]:
+    """Kernel names demangled, API calls Kineto omits dropped (counted as `api_skipped`)."""
+    out = []
+    for e in events:
+        cat = e.get("cat")
+        if cat in ("cuda_runtime", "cuda_driver") and not keep_api(cat, e["name"]):
+            if stats is not None:
+                stats["api_skipped"] += 1
+            continue
+        if cat == "kernel":
+            e["name"] = demangle(e["name"])
+        out.append(e)
+    return out
+
+
+def refine(trace: dict[str, Any]) -> dict[str, int]:
+    """Apply `kineto_names` to an already written CUPTI-backend trace (and its capture map)."""
+    stats: Counter[str] = Counter()
+    trace["traceEvents"] = kineto_names(trace["traceEvents"], stats)
+    for m in (trace.get("decodescope") or {}).get("graph_capture_map") or []:
+        m["kernel_name"] = demangle(m["kernel_name"])
+    return dict(stats)
 
 
 def api_display_name(raw: str) -> str:
@@ -114,8 +192,9 @@ def to_kineto(records: Iterable[Any], api_name: ApiNamer) -> tuple[dict[str, Any
 
     Counts: one key per written category, plus `markers_unpaired` (a START without END or
     the reverse: a range still open when the window closed), `markers_instant` (NVTX marks,
-    not ranges; skipped), `skipped_kinds` (records of kinds not listed above) and `no_time`
-    (records CUPTI could not time: start 0 or end before start; dropped, not guessed).
+    not ranges; skipped), `skipped_kinds` (records of kinds not listed above), `no_time`
+    (records CUPTI could not time: start 0 or end before start; dropped, not guessed) and
+    `api_skipped` (API calls Kineto does not write, see `keep_api`).
     """
     events: list[dict[str, Any]] = []
     opened: dict[int, Any] = {}
@@ -149,7 +228,7 @@ def to_kineto(records: Iterable[Any], api_name: ApiNamer) -> tuple[dict[str, Any
     stats["markers_unpaired"] += len(opened)
     good = [e for e in events if e["_start"] > 0 and e["_dur"] >= 0]  # CUPTI writes 0 when it has no time
     stats["no_time"] += len(events) - len(good)
-    events = good
+    events = kineto_names(good, stats)
     base = min((e["_start"] for e in events), default=0)
     events.sort(key=lambda e: (e["_start"], -e["_dur"]))  # outer range before inner at equal start
     for e in events:
