@@ -48,6 +48,10 @@ def error_boundary(verbose: bool = False) -> Iterator[None]:
         if verbose:
             raise
         fail(f"store error: {str(exc).splitlines()[0]}")
+    except OSError as exc:  # a file the user named (--output, --junit, --db) cannot be written or read
+        if verbose or exc.filename is None:
+            raise
+        fail(f"{exc.filename}: {(exc.strerror or str(exc)).lower()}")
 
 
 class OneLineUsageError(click.ClickException):

@@ -27,6 +27,9 @@ def _text(doc: dict[str, Any]) -> str:
            "µs per layer = mean over the layers of a kind of the median span over steps",
            f"{'kind':<8} {'base µs/layer':>14} {'':<16} {'kernels':>8} {'cand µs/layer':>14} "
            f"{'':<16} {'kernels':>8} {'time ratio':>10} {'kernel ratio':>12}"]
+    if not doc["kinds"]:
+        out.append("not applicable: no kernel of either run is attributed to a layer "
+                   "(see --layer-pattern, --graph-reference)")
     for k in doc["kinds"]:
         bu, bn, bk = _cell(k["base"])
         cu, cn, ck = _cell(k["cand"])

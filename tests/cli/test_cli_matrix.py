@@ -274,3 +274,17 @@ def test_empty_store(tmp_path: Path, cmd: str) -> None:
     assert res.exit_code == OK and res.stdout.strip() == "no runs", res.output
     res = invoke(cmd, db, "--format", "json")
     assert res.exit_code == OK and json.loads(res.stdout)["runs"] == []
+
+
+@pytest.mark.parametrize("option", ["--output", "--junit"])
+def test_unwritable_report_file_is_one_line(tmp_path: Path, option: str) -> None:
+    target = tmp_path / "no such dir" / "report.xml"
+    assert_one_line(invoke("diff", OWN, OWN, option, target), str(target))
+    assert not target.parent.exists()
+
+
+def test_compare_without_layers_says_not_applicable(store: dict[str, Any]) -> None:
+    """Corpus runs carry no L{idx}.{kind} ranges: the table is empty and the text says why."""
+    runs = store["runs"]
+    res = invoke("compare", f"{store['db']}:{runs['single']}", f"{store['db']}:{runs['nsys']}")
+    assert res.exit_code == OK and "not applicable: no kernel of either run" in res.stdout, res.output
