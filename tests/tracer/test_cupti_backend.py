@@ -196,3 +196,37 @@ def test_cli_backend_cupti_without_gpu_is_one_line_exit_2(tmp_path):
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --backend cupti: needs a CUDA GPU")
     assert not (tmp_path / "t.json.gz").exists()
+
+
+def test_device_cupti_graph_trace_attributes_through_capture_map():
+    """The CUPTI graph trace captured on the H200 (docs/examples/traces): ingested, every
+    replayed kernel takes its layer and op from the capture map. Oracle, with plain json:
+    each replay (kernels sharing a cudaGraphLaunch correlation) in start order has exactly
+    the map's kernel names, so per replay the (layer, op) counts equal the map's."""
+    from collections import Counter
+
+    from analyzers.attribution import attribute
+
+    path = Path(__file__).resolve().parents[2] / "docs/examples/traces/k3_stock_b1_k0_graph_cupti.json.gz"
+    trace = json.loads(gzip.decompress(path.read_bytes()))
+    ds = trace["decodescope"]
+    assert ds["backend"] == "cupti" and ds["graph_mode"] and ds["graph_capture_map_matched"]
+    cmap = ds["graph_capture_map"]
+    ev = trace["traceEvents"]
+    graph_corr = {e["args"]["correlation"] for e in ev if e["cat"] == "cuda_runtime" and e["name"] == "cudaGraphLaunch"}
+    replays: dict[int, list] = {}
+    for e in ev:
+        if e["cat"] == "kernel" and e["args"]["correlation"] in graph_corr:
+            replays.setdefault(e["args"]["correlation"], []).append(e)
+    assert len(replays) == ds["steps"]
+    for ks in replays.values():
+        assert [k["name"] for k in sorted(ks, key=lambda k: Decimal(str(k["ts"])))] == [m["kernel_name"] for m in cmap]
+        assert all("graph node id" in k["args"] for k in ks)
+    want = Counter((m["layer"], m["op"]) for m in cmap for _ in range(ds["steps"]))
+
+    con = open_store(None)
+    (info,) = ingest_path(con, path, progress=False)
+    attribute(con, [info.run_id])
+    got = Counter(con.execute("SELECT layer, op FROM kernel_attribution WHERE run_id = ? AND item_kind = 'kernel' "
+                              "AND method = 'capture_map'", [info.run_id]).fetchall())
+    assert got == want
