@@ -39,3 +39,17 @@ def test_layout_as_built_names_real_paths() -> None:
             if not any(p.exists() for p in here):
                 missing.append(name)
     assert _layout_paths() and missing == []
+
+
+def test_cli_section_lists_the_commands_that_exist() -> None:
+    """ARCHITECTURE.md's CLIs section names exactly the subcommands `decodescope --help` lists."""
+    import click
+
+    from cli.main import main
+
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## CLIs"):text.index("## Layout as built")]
+    listed = re.search(r"`decodescope ([a-z |\n-]+)`", section)
+    assert listed
+    documented = {w.strip() for w in listed.group(1).split("|")}
+    assert documented == set(main.list_commands(click.Context(main)))
