@@ -40,7 +40,7 @@ def _text(doc: dict[str, Any]) -> str:
 
 
 @click.command("bubbles")
-@click.argument("inputs", nargs=-1)
+@click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
 @click.option("--step-pattern", default=None, help="Regex naming step ranges (default: `step`, else ProfilerStep#N).")
 @click.option("--min-ns", type=click.IntRange(min=0), default=0, show_default=True,

@@ -30,7 +30,7 @@ def _text(doc: dict[str, Any]) -> str:
 
 
 @click.command("launch")
-@click.argument("inputs", nargs=-1)
+@click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
               help="How many kernel names shorter than their launch to list.")
@@ -41,6 +41,9 @@ def command(inputs: tuple[str, ...], run_id: int | None, top: int, fmt: str, ver
     """Launch stats: launch-to-start delay (kernel start - launch call start; p50/p90/p99/max,
     nearest-rank) per rank and launch kind (direct or graph replay) and per layer, and the
     kernels that ran shorter than their launch call took.
+
+    TRACE_OR_DB: nothing (the bundled traces), a store (`runs.duckdb` or `runs.duckdb:3`), or
+    trace files / per-rank folders. With several runs and no --run, JSON is {"runs": [...]}.
 
     \b
     Example:

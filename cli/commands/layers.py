@@ -70,7 +70,7 @@ def warn_mismatches(report: Any) -> None:
 
 
 @click.command("layers")
-@click.argument("inputs", nargs=-1)
+@click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
 @pattern_options
 @format_option("text", "json")

@@ -33,7 +33,7 @@ def _text(doc: dict[str, Any]) -> str:
 
 
 @click.command("overlap")
-@click.argument("inputs", nargs=-1)
+@click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
 @format_option("text", "json")
 @verbose_option
@@ -42,6 +42,9 @@ def command(inputs: tuple[str, ...], run_id: int | None, fmt: str, verbose: bool
     """Compute-communication overlap: |comm ∩ compute| / |comm| and exposed communication
     |comm \\ compute|, per rank (as HTA), per step and per layer (summed over steps).
     Communication is the classifier's category, not a name regex.
+
+    TRACE_OR_DB: nothing (the bundled traces), a store (`runs.duckdb` or `runs.duckdb:3`), or
+    trace files / per-rank folders. With several runs and no --run, JSON is {"runs": [...]}.
 
     \b
     Example:

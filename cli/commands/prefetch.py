@@ -27,7 +27,7 @@ def _text(doc: dict[str, Any]) -> str:
 
 
 @click.command("prefetch")
-@click.argument("inputs", nargs=-1)
+@click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
 @click.option("--baseline", default=None,
               help="The same workload without prefetch: a trace file or folder, or a run id of the given store.")
@@ -39,6 +39,9 @@ def command(inputs: tuple[str, ...], run_id: int | None, baseline: str | None, f
     under other work on other streams, its lead over the first consumer kernel (the first kernel
     on another stream, starting after it starts, in a later layer), whether the consumer started
     before it ended (late), and with --baseline the consumer's duration change (by layer+op).
+
+    TRACE_OR_DB: nothing (the bundled traces), a store (`runs.duckdb` or `runs.duckdb:3`), or
+    trace files / per-rank folders. With several runs and no --run, JSON is {"runs": [...]}.
 
     \b
     Example:

@@ -20,7 +20,7 @@ def _text(doc: dict[str, Any]) -> str:
 
 
 @click.command("temporal")
-@click.argument("inputs", nargs=-1)
+@click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
 @format_option("text", "json")
 @verbose_option
@@ -29,6 +29,9 @@ def command(inputs: tuple[str, ...], run_id: int | None, fmt: str, verbose: bool
     """Temporal breakdown in HTA's sense, per rank: over the GPU span, idle (no kernel or memop
     on any stream), compute (union of compute kernels) and non-compute time. Differences from
     HTA are listed in bench/hta_compare.md.
+
+    TRACE_OR_DB: nothing (the bundled traces), a store (`runs.duckdb` or `runs.duckdb:3`), or
+    trace files / per-rank folders. With several runs and no --run, JSON is {"runs": [...]}.
 
     \b
     Example:
