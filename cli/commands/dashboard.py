@@ -58,7 +58,7 @@ def bind(host: str, port: int, app: Callable[..., Any]) -> Any:
 @click.argument("traces", nargs=-1, type=click.Path())
 @click.option("--db", type=click.Path(dir_okay=False), help="A DuckDB store to serve (created if missing).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (localhost only by default).")
-@click.option("--port", default=8050, show_default=True, type=int)
+@click.option("--port", default=8050, show_default=True, type=click.IntRange(0, 65535))
 @verbose_option
 @with_boundary
 def command(traces: tuple[str, ...], db: str | None, host: str, port: int, verbose: bool) -> None:

@@ -229,6 +229,7 @@ def test_bad_regex(cmd: str, option: str) -> None:
     (["compare", "a", "b", "c"], "decodescope compare"),
     (["runs"], "decodescope runs"),
     (["summary", "--format", "yaml"], "decodescope summary"),
+    (["dashboard", "--port", "99999"], "decodescope dashboard"),
 ])
 def test_usage_mistakes_are_one_line(args: list[str], where: str) -> None:
     res = invoke(*args)
