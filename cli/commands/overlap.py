@@ -48,6 +48,6 @@ def command(inputs: tuple[str, ...], run_id: int | None, fmt: str, verbose: bool
 
     \b
     Example:
-      decodescope overlap traces/ --format json
+      decodescope overlap rank_dir/ --format json        # one run, a trace per rank
     """
     emit(per_run(inputs, run_id, overlap), fmt, _text)
