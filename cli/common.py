@@ -76,8 +76,8 @@ def one_line_usage_errors() -> Iterator[None]:
     """Re-raise click usage errors as OneLineUsageError (used by the command groups)."""
     try:
         yield
-    except OneLineUsageError:
-        raise
+    except (OneLineUsageError, click.exceptions.NoArgsIsHelpError):
+        raise  # no arguments at all: click shows the help, as a user expects
     except click.UsageError as exc:
         raise OneLineUsageError(usage_error_line(exc)) from exc
 

@@ -64,7 +64,7 @@ def main() -> None:
 
     \b
     Examples:
-      decodescope dashboard                 # the bundled stock and fused K3 traces
+      decodescope dashboard                 # the bundled K3 decode traces (traces/)
       decodescope summary traces/k3_stock_b1_k0_graph.json.gz
       decodescope ingest trace_dir/ --db runs.duckdb
     """

@@ -237,6 +237,13 @@ def test_usage_mistakes_are_one_line(args: list[str], where: str) -> None:
     assert "Usage:" not in res.stderr
 
 
+def test_no_arguments_show_the_help() -> None:
+    """`decodescope` alone lists the commands (click's help on stderr), not a one-line error."""
+    res = invoke()
+    assert res.exit_code == BAD_INPUT
+    assert "Commands:" in res.stderr and "bubbles" in res.stderr and not res.stderr.startswith("error:")
+
+
 def test_trace_diff_script_usage_mistake(capsys: pytest.CaptureFixture[str]) -> None:
     from cli.trace_diff import main as trace_diff
 
