@@ -60,7 +60,9 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
         html.P("Drag to zoom (the server sends only the kernels of the visible window; above "
                f"{data.timeline.DEFAULT_CAP:,} kernels they come aggregated per stream), double-click to reset. "
                "Bottom row: bubbles coloured by cause (device idle inside a step, from the Bubbles analysis), or "
-               "plain device-idle intervals (no kernel or memop on any stream) where causes are not available; "
+               "plain device-idle intervals (no kernel or memop on any stream) where causes are not available "
+               "(no bubbles analysis, or a store of more than "
+               f"{data.timeline.MAX_KERNELS_FOR_CAUSES:,} kernels); "
                "bands: layers.",
                className="note"),
     ])

@@ -141,7 +141,7 @@ def test_kernel_rows_refuses_unknown_identifiers() -> None:
         timeline.kernel_rows(con, 1, 0, 10, [], {"nope": {"filterType": "text", "type": "contains", "filter": "x"}})
 
 
-def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any) -> None:
+def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the hand-made decode trace each kernel's launch call starts when its slot starts and
     ends launch_ns later, when the kernel starts, i.e. after the previous kernel ended: every gap
     inside a step is launch-bound. So the window's bubbles are exactly its device-idle intervals
@@ -169,3 +169,7 @@ def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any) -> Non
     mid = (first + last) // 2
     part = timeline.bubble_causes(con, run, 0, first, mid)
     assert list(zip(part["start_ns"], part["end_ns"])) == [(s, e) for s, e in inside if s < mid]
+    # a store larger than the limit gets no causes (the timeline falls back to idle intervals)
+    n = con.execute("SELECT count(*) FROM kernels").fetchall()[0][0]
+    monkeypatch.setattr(timeline, "MAX_KERNELS_FOR_CAUSES", n - 1)
+    assert timeline.bubble_causes(con, run, 0, first, last) is None
