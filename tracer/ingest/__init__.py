@@ -25,9 +25,7 @@ from typing import Any
 
 import duckdb
 
-from tracer import classify
 from tracer.errors import BadInput
-from tracer.ingest import kineto
 from tracer.ingest.progress import Progress
 from tracer.ingest.runmeta import RunMeta, insert_run
 from tracer.store import transaction
@@ -81,9 +79,12 @@ def _lazy(module: str, attr: str) -> Any:
     return call
 
 
+# Readers are imported on first use: `decodescope ingest x.json.gz` does not load the nsys
+# reader, and commands that only open a store (`summary runs.duckdb`) load neither.
+KINETO_SUFFIXES = (".json", ".json.gz")  # the Kineto reader's files (tracer.ingest.kineto.SUFFIXES)
 READERS: tuple[Reader, ...] = (
-    Reader("kineto", kineto.SUFFIXES, kineto.stage, kineto.write, kineto.discard),
-    # Imported on first use, so `decodescope ingest x.json.gz` does not load the nsys reader.
+    Reader("kineto", KINETO_SUFFIXES, _lazy("tracer.ingest.kineto", "stage"),
+           _lazy("tracer.ingest.kineto", "write"), _lazy("tracer.ingest.kineto", "discard")),
     Reader("nsys", (".sqlite",), _lazy("tracer.ingest.nsys_sqlite", "stage"),
            _lazy("tracer.ingest.nsys_sqlite", "write"), _lazy("tracer.ingest.nsys_sqlite", "discard")),
 )
@@ -154,6 +155,8 @@ def ingest_path(con: duckdb.DuckDBPyConnection, path: str | Path, name: str | No
     `rules` is an optional user rules file (JSON or TOML, see tracer.classify). The same
     content ingested again returns the stored run with `reused=True` and writes nothing.
     """
+    from tracer import classify  # here: importing tracer.ingest stays cheap for read-only commands
+
     p = Path(path)
     reader, files = resolve_files(p)
     user_rules = classify.load_user_rules(Path(rules)) if rules is not None else []

@@ -28,6 +28,7 @@ from typing import Any
 import duckdb
 
 from tracer.errors import BadInput
+from tracer.ingest import KINETO_SUFFIXES
 from tracer.ingest import kineto_sql as q
 from tracer.ingest.diagnose import diagnose_json
 from tracer.ingest.kineto_split import split_trace
@@ -35,7 +36,7 @@ from tracer.ingest.nesting import nest
 from tracer.ingest.progress import Progress
 from tracer.ingest.runmeta import RunMeta
 
-SUFFIXES = (".json", ".json.gz")
+SUFFIXES = KINETO_SUFFIXES  # declared in tracer.ingest, which picks readers without importing them
 
 
 @dataclass
