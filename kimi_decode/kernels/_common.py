@@ -78,8 +78,11 @@ def block_sum(val: Float32, red: cute.Tensor, slot: Int32, num_warps: cutlass.Co
     sure `slot` is not reused before all threads have read it (two slots alternate, or a
     barrier)."""
     val = cute.arch.warp_reduction_sum(val)
+    # warp_idx() is a full-warp shuffle (it makes the index warp-uniform): call it with all
+    # 32 lanes, never inside the lane-0 branch (that deadlocked the GPU in the first check)
+    warp = cute.arch.warp_idx()
     if cute.arch.lane_idx() == 0:
-        red[slot, cute.arch.warp_idx()] = val
+        red[slot, warp] = val
     cute.arch.sync_threads()
     total = Float32(0.0)
     for w in cutlass.range_constexpr(num_warps):

@@ -52,6 +52,23 @@ def test_attn_res_compiles(tmp_path: Path) -> None:
                  Int32(0), Float32(1e-5))
     common_checks(ptx)
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    # Its only branches are lane-0 stores; a full-warp shuffle inside one deadlocks the GPU
+    # (warp_idx() is such a shuffle: the first device run hung exactly there).
+    assert not shuffles_in_branches(ptx)
+
+
+def shuffles_in_branches(ptx: str) -> list[str]:
+    """shfl.sync instructions between a predicated forward branch and its target label."""
+    found, target = [], None
+    for line in ptx.splitlines():
+        s = line.strip()
+        if target is None and s.startswith("@%p") and " bra " in s:
+            target = s.split()[-1].rstrip(";")
+        elif target is not None and s == f"{target}:":
+            target = None
+        elif target is not None and s.startswith("shfl.sync"):
+            found.append(s)
+    return found
 
 
 def test_router_compiles(tmp_path: Path) -> None:
