@@ -70,8 +70,8 @@ def _open_pair(base: str | None, cand: str | None) -> tuple[Any, int, int]:
 
 
 @click.command("compare")
-@click.argument("base", required=False)
-@click.argument("cand", required=False)
+@click.argument("base", required=False, metavar="[STOCK]")
+@click.argument("cand", required=False, metavar="[FUSED]")
 @pattern_options
 @format_option("text", "json")
 @verbose_option
