@@ -36,7 +36,8 @@ CREATE OR REPLACE VIEW launch_delays(
   delay_ns,
   -- True when launched by a graph launch (cudaGraphLaunch / hipGraphLaunch) or carrying a graph id.
   graph_launched,
-  -- dur_ns < launch_dur_ns.
+  -- dur_ns < launch_dur_ns; NULL for graph-launched items, which have no launch call of their
+  -- own (one cudaGraphLaunch starts the whole replay), so the comparison says nothing there.
   shorter_than_launch
 ) AS
 SELECT d.run_id, d.rank, d.item_kind, d.item_id, d.name, d.stream,
@@ -44,6 +45,7 @@ SELECT d.run_id, d.rank, d.item_kind, d.item_id, d.name, d.stream,
   d.end_ns - d.start_ns,
   d.start_ns - l.start_ns,
   regexp_matches(l.name, '(?i)graph_?launch') OR d.graph_id IS NOT NULL,
-  (d.end_ns - d.start_ns) < (l.end_ns - l.start_ns)
+  CASE WHEN regexp_matches(l.name, '(?i)graph_?launch') OR d.graph_id IS NOT NULL THEN NULL
+       ELSE (d.end_ns - d.start_ns) < (l.end_ns - l.start_ns) END
 FROM device_items d
 JOIN launch_calls l ON l.run_id = d.run_id AND l.rank = d.rank AND l.correlation = d.correlation;
