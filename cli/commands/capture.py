@@ -55,6 +55,11 @@ def command(variant: str, preset: str, batch: int, spec_tokens: int, layers: str
         require_gpu(device)
         load_cupti()
         capture = capture_cupti
+    if device is not None and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {device}", "no CUDA GPU on this machine (use --device cpu)")
     if variant not in VARIANTS:
         raise BadInput(variant, f"unknown variant; known: {', '.join(sorted(VARIANTS))}")
     try:

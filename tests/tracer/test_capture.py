@@ -100,3 +100,17 @@ def test_kernel_attribution_replays_and_comm_streams_on_a_hand_made_trace():
     replays = graph_replays(ks)
     assert [[k["name"] for k in r] for r in replays] == [["g_a", "g_b", "g_c"], ["g_a"]]
     assert all(k["step"] == "step" and k["layer"] is None for k in replays[0])
+
+
+def test_capture_on_cuda_without_a_gpu_is_one_error_line(tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "t.json.gz"
+    res = CliRunner().invoke(main, ["capture", "--variant", "stock", "--preset", "tiny", "--device", "cuda",
+                                    "--out", str(out)])
+    assert res.exit_code == BAD_INPUT
+    assert res.output.strip().splitlines() == ["error: --device cuda: no CUDA GPU on this machine (use --device cpu)"]
+    assert not out.exists()
