@@ -39,7 +39,7 @@ def test_harness_passes_faithful_emulations(emulated) -> None:
     rows = (checks.check_attn_res(rows=(1, 4), nbs=(1, 8), timing=False)
             + checks.check_router(rows=(1, 8, 20), timing=False)
             + checks.check_kda(batches=(1,), spec=(0, 7), timing=False)
-            + checks.check_gemv(rows=(1, 8), timing=False, shapes={"o_proj": (7168, 768), "q_b": (1152, 1536)}))
+            + checks.check_gemv(rows=(1,), timing=False, shapes={"o_proj": (7168, 768), "q_b": (1152, 1536)}))
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert {r["kernel"] for r in rows} == {"attn_res", "router", "kda", "gemv"}

@@ -106,5 +106,5 @@ def test_can_implement_matches_k3_and_rejects_tiny() -> None:
     assert kda_can(6, 128, 4, 3216, (bf,)) and not kda_can(4, 16, 4, 80, (f32,))
     assert router_can(7168, 896, 16, (bf,)) and not router_can(64, 16, 4, (f32,))
     assert not config_for(17, 7168, 896, 16, 1.0).gemv
-    assert gemv_can(8, 3216, 7168, (bf, bf)) and not gemv_can(9, 3216, 7168, (bf, bf))
+    assert gemv_can(1, 3216, 7168, (bf, bf)) and not gemv_can(2, 3216, 7168, (bf, bf))  # per-M table
     assert not gemv_can(1, 7168, 384, (bf, bf))            # shared down: K = 384 stays cuBLAS
