@@ -222,7 +222,7 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
 def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops: bool) -> None:
     import kimi_decode.fused as fused_mod
     from bench.decode import main as bench_main
-    fused_mod.VERIFIED = kernels                 # this run's verdict, for the variant registry
+    fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
     bench_main(["--variant", "fused", "--batch", "1", "8", "64", "--spec", "0", "7", "--reps", str(reps),
                 "--expert-impl", impl, "--json", str(out / "bench.json")] + ([] if compile_ops else ["--eager-ops"]))
 
@@ -232,7 +232,7 @@ def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: in
     import kimi_decode.fused as fused_mod
     from kimi_decode.device_job import pack
     from tracer.capture import capture, kernels_with_ops
-    fused_mod.VERIFIED = kernels
+    fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
     tmp = out / "tmp_traces"
     tmp.mkdir(exist_ok=True)
     done = []
