@@ -50,6 +50,7 @@ def dry(monkeypatch, tmp_path):
     # the prefetch 'kernel' must leave a kernel-like trace of itself: a tiny op under the range
     monkeypatch.setattr(k_pf, "prefetch_l2", lambda t, n=None: t.reshape(-1)[:16].sum())
     monkeypatch.setattr(fused_mod, "VERIFIED", ALL)
+    monkeypatch.setattr(fused_mod, "DEFAULT_KERNELS", ALL)   # the job sets both; restored after
     return tmp_path
 
 
