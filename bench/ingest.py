@@ -65,9 +65,11 @@ NOTES = [
     "(`tracer/ingest/kineto_split.py`; a whole-document parse of this file alone peaks near 430 MB). "
     "Where the ingest process's CPU goes (in process, best of 3): DuckDB parse of the chunks 0.42 s; "
     "table inserts and checks 0.17 s (the range-nesting stack, 0.03 s, runs on a thread beside them); "
-    "range sort for nesting 0.12 s; inflate + cut 0.14 s (ISA-L inflate 0.05 s, was zlib 0.12 s; the "
-    "numpy import, 0.07 s, runs on a thread meanwhile); imports 0.09 s; commit + close 0.08 s; "
-    "classifier 0.05 s. `summary` loads only its own SQL (was every analysis's views, ~0.05 s).",
+    "range sort for nesting 0.12 s (the External id JSON is parsed only where the args text can hold "
+    "one); inflate + cut 0.14 s (ISA-L inflate 0.05 s, was zlib 0.12 s; the end-of-list check parses "
+    "a 64 KiB last chunk, was up to 8 MB, 0.05-0.15 s; the numpy import, 0.07 s, runs on a thread "
+    "meanwhile); imports 0.09 s; commit + close 0.08 s; classifier 0.05 s. `summary` loads only its "
+    "own SQL (was every analysis's views, ~0.05 s) and no longer imports the trace readers.",
     "",
     "Tried and not kept: range nesting in DuckDB SQL. The stack's parent is the last earlier range on "
     "the thread still open at the child's start (tests/tracer/test_nesting_sql.py states it in SQL), "
