@@ -32,15 +32,15 @@ HAS_ITEMS_SQL = "SELECT count(*) FROM device_items WHERE run_id = ?"
 STEPS_SQL = """
 SELECT rank, step_index, step, span_ns, busy_ns, bubble_ns, bubbles, launch_bound_ns,
        graph_boundary_ns, host_sync_ns, event_wait_ns, other_ns
-FROM bubble_steps(?) WHERE run_id = ? ORDER BY rank, step_index"""
+FROM bubble_steps(?, p_run := ?) ORDER BY rank, step_index"""
 LAYERS_SQL = """
 SELECT coalesce(layer, '(none)') AS layer, cause, count(*) AS bubbles, CAST(sum(gap_ns) AS BIGINT) AS gap_ns
-FROM bubbles_in_steps(?) WHERE run_id = ? AND gap_ns >= ?
+FROM bubbles_in_steps(?, p_run := ?) WHERE gap_ns >= ?
 GROUP BY ALL ORDER BY layer, cause"""
 TOP_SQL = """
 SELECT rank, step, step_index, start_ns, end_ns, gap_ns, cause, prev_name, next_name, prev_stream,
        next_stream, layer, op, prev_layer, prev_op, next_layer, next_op
-FROM bubbles_in_steps(?) WHERE run_id = ? AND gap_ns >= ?
+FROM bubbles_in_steps(?, p_run := ?) WHERE gap_ns >= ?
 ORDER BY gap_ns DESC, rank, start_ns LIMIT ?"""
 STREAM_GAPS_SQL = """
 SELECT rank, stream, count(*) AS gaps, CAST(sum(gap_ns) AS BIGINT) AS gap_ns, max(gap_ns) AS max_gap_ns

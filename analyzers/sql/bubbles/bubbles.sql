@@ -1,13 +1,4 @@
 -- requires: intervals/intervals.sql, temporal/device_items.sql, launch/launch_delays.sql
--- Private: device items keyed by (run, rank): the union across all streams of kernels and memops.
-CREATE OR REPLACE VIEW _bubble_items AS
-SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns FROM device_items;
-
--- Private: device-wide idle gaps per rank over the whole timeline (no stream runs anything).
-CREATE OR REPLACE VIEW _bubble_gaps AS
-SELECT key.run_id AS run_id, key.rank AS rank, start_ns, end_ns, gap_ns
-FROM intervals_gaps('_bubble_items');
-
 -- Private: host calls that block the host until the device (or a stream, or an event) is done:
 -- cuda/hip Device/Stream/Event/Ctx Synchronize, and synchronous memcpy calls.
 CREATE OR REPLACE VIEW _bubble_host_syncs AS
@@ -36,7 +27,11 @@ WHERE name IN ('Context Sync', 'Stream Sync', 'Event Sync');
 --   event_wait: a 'Stream Wait Event' record on next's stream, waiting on another stream, lies
 --     between the end of the previous item on next's stream and next's start;
 --   other: none of the above.
-CREATE OR REPLACE MACRO bubbles_in_steps(attr) AS TABLE
+-- p_run (optional): only that run. Every run is partitioned on its own, so a run's rows are
+-- the same either way; the filter sits in the first scans (items, syncs), so one small run
+-- costs its own size, not the store's (a 615-kernel run next to a 1M-kernel run: see
+-- analyzers/bubbles.py). NULL (the default): every run of the store.
+CREATE OR REPLACE MACRO bubbles_in_steps(attr, p_run := NULL) AS TABLE
 WITH _items AS (
   SELECT d.*, a.step, a.step_index, a.layer, a.op,
          max(d.end_ns) OVER (
@@ -46,6 +41,21 @@ WITH _items AS (
   FROM device_items d
   LEFT JOIN query_table(attr) a
     ON a.run_id = d.run_id AND a.rank = d.rank AND a.item_kind = d.item_kind AND a.item_id = d.item_id
+  WHERE p_run IS NULL OR d.run_id = p_run
+),
+-- Device-wide idle gaps per rank over the whole timeline (no stream runs anything).
+_keyed AS (
+  SELECT {'run_id': run_id, 'rank': rank} AS key, start_ns, end_ns FROM _items
+),
+_gaps AS (
+  SELECT key.run_id AS run_id, key.rank AS rank, start_ns, end_ns, gap_ns
+  FROM intervals_gaps('_keyed')
+),
+_syncs AS (
+  SELECT * FROM _bubble_host_syncs WHERE p_run IS NULL OR run_id = p_run
+),
+_launches AS (
+  SELECT * FROM launch_calls WHERE p_run IS NULL OR run_id = p_run
 ),
 _steps AS (
   SELECT run_id, rank, step_index, any_value(step) AS step,
@@ -55,7 +65,7 @@ _steps AS (
 ),
 _in_step AS (
   SELECT g.run_id, g.rank, s.step_index, s.step, g.start_ns, g.end_ns, g.gap_ns
-  FROM _bubble_gaps g
+  FROM _gaps g
   JOIN _steps s
     ON g.run_id = s.run_id AND g.rank = s.rank
     AND g.start_ns >= s.step_start_ns AND g.end_ns <= s.step_end_ns
@@ -85,7 +95,7 @@ _facts AS (
     l.end_ns AS launch_end_ns,
     coalesce(regexp_matches(l.name, '(?i)graph_?launch'), false) OR b.next_graph_id IS NOT NULL
       AS next_graph_launched,
-    EXISTS (SELECT 1 FROM _bubble_host_syncs h
+    EXISTS (SELECT 1 FROM _syncs h
             WHERE h.run_id = b.run_id AND h.rank = b.rank
               AND h.start_ns < b.end_ns AND h.end_ns > b.start_ns) AS host_sync,
     EXISTS (SELECT 1 FROM gpu_syncs w
@@ -95,7 +105,7 @@ _facts AS (
               AND w.start_ns >= coalesce(b.prev_on_stream_end_ns, b.start_ns)
               AND w.start_ns <= b.next_start_ns) AS event_wait
   FROM _with_next b
-  LEFT JOIN launch_calls l
+  LEFT JOIN _launches l
     ON l.run_id = b.run_id AND l.rank = b.rank AND l.correlation = b.next_correlation
 )
 SELECT
@@ -116,13 +126,14 @@ FROM _facts;
 -- Bubble totals per step: span_ns is the step's span (first item start to last item end),
 -- bubble_ns the sum of its bubbles, busy_ns = span_ns - bubble_ns (the union of device items
 -- inside the span), and bubble_ns split by cause. Steps without bubbles have zeros.
-CREATE OR REPLACE MACRO bubble_steps(attr) AS TABLE
+-- p_run (optional) as in bubbles_in_steps: only that run; NULL, every run.
+CREATE OR REPLACE MACRO bubble_steps(attr, p_run := NULL) AS TABLE
 WITH _items AS (
   SELECT d.run_id, d.rank, d.start_ns, d.end_ns, a.step_index, a.step
   FROM device_items d
   JOIN query_table(attr) a
     ON a.run_id = d.run_id AND a.rank = d.rank AND a.item_kind = d.item_kind AND a.item_id = d.item_id
-  WHERE a.step_index IS NOT NULL
+  WHERE a.step_index IS NOT NULL AND (p_run IS NULL OR d.run_id = p_run)
 ),
 _steps AS (
   SELECT run_id, rank, step_index, any_value(step) AS step,
@@ -138,7 +149,7 @@ _b AS (
     CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'event_wait'), 0) AS BIGINT) AS event_wait_ns,
     CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'other'), 0) AS BIGINT) AS other_ns,
     count(*) AS bubbles
-  FROM bubbles_in_steps(attr) GROUP BY run_id, rank, step_index
+  FROM bubbles_in_steps(attr, p_run := p_run) GROUP BY run_id, rank, step_index
 )
 SELECT s.run_id, s.rank, s.step_index, s.step, s.span_ns,
   s.span_ns - coalesce(b.bubble_ns, 0) AS busy_ns,
