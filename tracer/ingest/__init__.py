@@ -1,9 +1,12 @@
 """Ingest trace files into the store: one reader per format, one transaction per run.
 
-`ingest_path` resolves a file or a folder of per-rank files into one run, hashes the content
-(a re-ingest of the same bytes returns the existing run instead of a duplicate), picks the
-reader by file name, and runs reader + classifier inside one transaction, so any failure
-leaves the store exactly as it was.
+`ingest_path` resolves a file or a folder into runs (a folder is normally the per-rank files
+of one run; a reader's `group` may split it, e.g. Kineto folders of independent world-size-1
+captures become one run per file), hashes each run's content (a re-ingest of the same bytes
+returns the existing run instead of a duplicate), picks the reader by file name, and runs
+reader + classifier inside one transaction per run, so a failing run leaves nothing of itself.
+Runs of one folder are written in name order; when one fails, the runs before it stay
+committed (each is whole, and a retry finds them by hash) and the error names the bad file.
 
 Adding a format is one line in `READERS`: a `Reader` with the file suffixes it claims and
 three functions. `stage(con, files, progress)` parses and checks the files OUTSIDE the store
@@ -13,6 +16,8 @@ per-run table (kernels, memops, api_calls, ranges, ...) inside the transaction a
 facts for the `runs` row; `discard(con)` drops whatever `stage` left. This module writes the
 runs row (name, path, hash) and runs the classifier. A reader that parses and writes in one
 call, `read_run(con, files, run_id, progress) -> RunMeta`, registers with `Reader.one_phase`.
+An optional `group(folder, files) -> list[list[Path]]` says which files of a folder form each
+run (default: all of them, one run).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ Stage = Callable[[duckdb.DuckDBPyConnection, list[Path], Progress], Any]
 Write = Callable[[duckdb.DuckDBPyConnection, Any, int, Progress], RunMeta]
 Discard = Callable[[duckdb.DuckDBPyConnection], None]
 ReadRun = Callable[[duckdb.DuckDBPyConnection, list[Path], int, Progress], RunMeta]
+Group = Callable[[Path, list[Path]], list[list[Path]]]
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class Reader:
     stage: Stage
     write: Write
     discard: Discard
+    group: Group | None = None
 
     def claims(self, path: Path) -> bool:
         return path.name.lower().endswith(self.suffixes)
@@ -84,7 +91,8 @@ def _lazy(module: str, attr: str) -> Any:
 KINETO_SUFFIXES = (".json", ".json.gz")  # the Kineto reader's files (tracer.ingest.kineto.SUFFIXES)
 READERS: tuple[Reader, ...] = (
     Reader("kineto", KINETO_SUFFIXES, _lazy("tracer.ingest.kineto", "stage"),
-           _lazy("tracer.ingest.kineto", "write"), _lazy("tracer.ingest.kineto", "discard")),
+           _lazy("tracer.ingest.kineto", "write"), _lazy("tracer.ingest.kineto", "discard"),
+           _lazy("tracer.ingest.kineto_runs", "folder_runs")),
     Reader("nsys", (".sqlite",), _lazy("tracer.ingest.nsys_sqlite", "stage"),
            _lazy("tracer.ingest.nsys_sqlite", "write"), _lazy("tracer.ingest.nsys_sqlite", "discard")),
 )
@@ -150,23 +158,35 @@ def _facts(con: duckdb.DuckDBPyConnection, run_id: int, name: str, reused: bool)
 
 def ingest_path(con: duckdb.DuckDBPyConnection, path: str | Path, name: str | None = None,
                 progress: bool = True, rules: str | Path | None = None) -> list[RunInfo]:
-    """Ingest one trace file or per-rank folder as one run; returns it in a list.
+    """Ingest one trace file or folder; returns its runs (one, unless the reader splits a folder).
 
     `rules` is an optional user rules file (JSON or TOML, see tracer.classify). The same
     content ingested again returns the stored run with `reused=True` and writes nothing.
+    A folder split into several runs names each after its file (`name/file` with `name`).
     """
     from tracer import classify  # here: importing tracer.ingest stays cheap for read-only commands
 
     p = Path(path)
     reader, files = resolve_files(p)
     user_rules = classify.load_user_rules(Path(rules)) if rules is not None else []
+    groups = reader.group(p, files) if p.is_dir() and reader.group is not None else [files]
+    if len(groups) == 1:
+        return [_ingest_run(con, reader, p, groups[0], name or default_name(p), progress, user_rules)]
+    return [_ingest_run(con, reader, g[0], g, f"{name}/{default_name(g[0])}" if name else default_name(g[0]),
+                        progress, user_rules) for g in groups]
+
+
+def _ingest_run(con: duckdb.DuckDBPyConnection, reader: Reader, p: Path, files: list[Path], run_name: str,
+                progress: bool, user_rules: list[Any]) -> RunInfo:
+    """One run: hash, reuse if known, else stage and write it in one transaction."""
+    from tracer import classify
+
     with Progress(enabled=progress, label=p.name) as prog:
         prog.step("hashing")
         digest = content_hash(files)
         found = con.execute(_RUN_BY_HASH_SQL, [digest]).fetchall()
         if found:
-            return [_facts(con, int(found[0][0]), str(found[0][1]), reused=True)]
-        run_name = name or default_name(p)
+            return _facts(con, int(found[0][0]), str(found[0][1]), reused=True)
         try:
             staged = reader.stage(con, files, prog)
             with transaction(con):
@@ -178,4 +198,4 @@ def ingest_path(con: duckdb.DuckDBPyConnection, path: str | Path, name: str | No
                 info = _facts(con, run_id, run_name, reused=False)
         finally:
             reader.discard(con)
-    return [info]
+    return info

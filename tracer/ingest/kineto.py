@@ -9,8 +9,9 @@ parallel and in less memory (kineto_split), and read as one document when that i
 gpu_syncs with SQL. Python touches only metadata, the failure diagnosis, and the nesting of
 host ranges (tracer.ingest.nesting), which runs on a thread beside the SQL inserts.
 
-Rank: `distributedInfo.rank` of each file when every file has a distinct one, else the file's
-position in name order. Event kinds the store has no table for (flows, instant events,
+Rank: `distributedInfo.rank` of each file when every file has one, else the file's position in
+name order; two files claiming the same rank are refused (kineto_runs.rank_clash). Which files
+of a folder form one run is decided before staging (kineto_runs.folder_runs). Event kinds the store has no table for (flows, instant events,
 metadata, profiler spans) are counted in `runs.metadata.unhandled_events`, never silently lost.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tracer.ingest import KINETO_SUFFIXES
 from tracer.ingest import kineto_sql as q
 from tracer.ingest.diagnose import diagnose_json
 from tracer.ingest.kineto_split import split_trace
+from tracer.ingest.kineto_runs import rank_clash
 from tracer.ingest.nesting import nest
 from tracer.ingest.progress import Progress
 from tracer.ingest.runmeta import RunMeta
@@ -227,6 +229,8 @@ def stage(con: duckdb.DuckDBPyConnection, files: list[Path], prog: Progress) -> 
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     declared_ranks = [_declared_rank(d) for d in docs]
+    if len(docs) > 1:
+        rank_clash(files[0].parent, files, declared_ranks)
     by_declared = None not in declared_ranks and len(set(declared_ranks)) == len(docs)
     ranks = [int(r) for r in declared_ranks] if by_declared else list(range(len(docs)))  # type: ignore[arg-type]
     if not by_declared and len(docs) > 1:

@@ -128,6 +128,42 @@ def _parses(text: bytes) -> bool:
     return True
 
 
+def read_meta(path: Path) -> dict | None:
+    """The top-level object of a trace without its events (traceEvents = []), or None.
+
+    Why: deciding how a folder splits into runs needs every file's metadata
+    (distributedInfo, decodescope) before any file is staged. None when the layout is not
+    recognised or the JSON is bad; the caller then treats the file as unknown and the full
+    read reports any real error.
+    """
+    raw = _raw_text(path)
+    if raw is None:
+        return None
+    key = raw.find(_KEY)
+    bracket = raw.find(b"[", key) if key >= 0 else -1
+    if bracket < 0 or raw[key + len(_KEY):bracket].strip() != b":":
+        return None
+    body_start = bracket + 1
+    while body_start < len(raw) and raw[body_start] in b" \t\r\n":
+        body_start += 1
+    if raw[body_start:body_start + 1] == b"]":
+        return _whole_meta(raw)
+    tail = _tail(raw, bracket, body_start) if raw[body_start:body_start + 1] == b"{" else None
+    return tail[0] if tail is not None else _whole_meta(raw)
+
+
+def _whole_meta(raw: bytes) -> dict | None:
+    """The document parsed whole, its events dropped; None if it is not a JSON object."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    doc["traceEvents"] = []
+    return doc
+
+
 def split_trace(path: Path, workdir: Path, target_chunk_bytes: int = 8 << 20) -> Split | None:
     """Write the events of `path` as chunk files under `workdir`; None if that is not possible."""
     raw = _raw_text(path)
