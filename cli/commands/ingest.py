@@ -28,11 +28,14 @@ def format_run(info: RunInfo) -> str:
 def command(paths: tuple[Path, ...], db: Path, name: str | None, rules: Path | None, verbose: bool) -> None:
     """Ingest traces: Kineto / PyTorch profiler (.json, .json.gz) or Nsight Systems SQLite exports (.sqlite).
 
-    A folder is one run, one file per rank, all of one format.
+    A folder is one run, one file per rank, all of one format (unless every file is a
+    whole world-size-1 capture: then each file is its own run).
 
     Every path becomes one run, written in one transaction; the same content ingested
     again is reported as already ingested. Every input is checked before the store is
-    opened, so a wrong path leaves the store untouched.
+    opened, so a wrong path leaves the store untouched. A folder whose every file is a whole
+    world-size-1 capture is one run per file. If the store did not exist and the ingest
+    fails, the new store file is removed.
 
     \b
     Example:
@@ -44,10 +47,22 @@ def command(paths: tuple[Path, ...], db: Path, name: str | None, rules: Path | N
         resolve_files(p)
     if rules is not None:
         load_user_rules(rules)
+    created = not db.exists()
     con = open_store(db)
     try:
         for p in paths:
             for info in ingest_path(con, p, name=name, rules=rules):
                 click.echo(format_run(info))
-    finally:
+    except BaseException:
         con.close()
+        if created:
+            _remove_store(db)
+        raise
+    con.close()
+
+
+def _remove_store(db: Path) -> None:
+    """Delete a store this command created, and its WAL: a failed ingest into a NEW store
+    leaves no file behind (no partial write), not even an empty store."""
+    for f in (db, db.with_name(db.name + ".wal")):
+        f.unlink(missing_ok=True)
