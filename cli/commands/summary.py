@@ -14,14 +14,27 @@ def _ms(ns: int) -> str:
     return f"{ns / 1e6:.3f} ms"
 
 
+def _busy_line(r: dict[str, Any]) -> str:
+    """Span and busy time in words that match their definitions.
+
+    busy_ns is summed over ranks and span_ns is the largest single-rank span, so for several
+    ranks busy / span can exceed 100%; the text divides by the rank count and says so.
+    """
+    n, span, busy = r["ranks"], r["span_ns"], r["busy_ns"]
+    if n <= 1:
+        pct = 100.0 * busy / span if span else 0.0
+        return f"  span {span} ns ({_ms(span)}); GPU busy {busy} ns ({_ms(busy)}; {pct:.1f}% of span)"
+    pct = 100.0 * busy / (n * span) if span else 0.0
+    return (f"  span {span} ns ({_ms(span)}, the longest of {n} ranks); GPU busy {busy} ns ({_ms(busy)}, "
+            f"summed over {n} ranks; per rank on average {pct:.1f}% of the longest span)")
+
+
 def _text(doc: dict[str, Any]) -> str:
     out: list[str] = []
     for r in doc["runs"]:
         out.append(f"run {r['run_id']} {r['name']}: {r['ranks']} ranks, {r['kernels']} kernels, "
                    f"{r['memops']} memops, {r['api_calls']} API calls")
-        pct = 100.0 * r["busy_ns"] / r["span_ns"] if r["span_ns"] else 0.0
-        out.append(f"  span {r['span_ns']} ns ({_ms(r['span_ns'])}, max over ranks); "
-                   f"GPU busy {r['busy_ns']} ns ({_ms(r['busy_ns'])}, summed over ranks; {pct:.1f}% of span)")
+        out.append(_busy_line(r))
         out.append("  streams:")
         for s in r["streams"]:
             out.append(f"    rank {s['rank']} stream {s['stream']}: {s['kernels']} kernels, busy {s['busy_ns']} ns")
@@ -36,7 +49,7 @@ def _text(doc: dict[str, Any]) -> str:
 @click.command("summary")
 @click.argument("inputs", nargs=-1)
 @click.option("--run", "run_id", type=int, default=None, help="Only this run id.")
-@click.option("--top", type=int, default=10, show_default=True, help="How many top kernels to list.")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many top kernels to list.")
 @format_option("text", "json")
 @verbose_option
 @with_boundary
