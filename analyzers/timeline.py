@@ -14,10 +14,10 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from analyzers.attribution import DEFAULT_LAYER_PATTERN, DEFAULT_STEP_PATTERN, FALLBACK_STEP_PATTERN
+from analyzers.attribution import DEFAULT_LAYER_PATTERN
 
-# Layer and step names: the attribution's defaults (`L3.mla`, `model.layers.3`; `step`, else
-# `ProfilerStep#N`), so the timeline's bands and steps are the ones the other pages count.
+# Layer names: the attribution's default (`L3.mla`, `model.layers.3`), so the timeline's bands
+# are the ones the other pages count; steps are the attribution's own (see steps()).
 DEFAULT_LAYER_REGEX = DEFAULT_LAYER_PATTERN
 DEFAULT_CAP = 3_000     # raw kernels above this come binned (the browser draws ~10k segments smoothly)
 DEFAULT_BINS = 500      # bins per stream in a binned window
@@ -61,10 +61,18 @@ def extent(con: duckdb.DuckDBPyConnection, run_id: int, rank: int = 0) -> dict[s
 
 
 def steps(con: duckdb.DuckDBPyConnection, run_id: int, rank: int = 0) -> pd.DataFrame:
-    """The decode steps of a rank with their host range and device window (see timeline_steps)."""
-    return con.execute("SELECT * FROM timeline_steps($run, $rank, $step_re, $fallback_re)",
-                       {"run": run_id, "rank": rank, "step_re": DEFAULT_STEP_PATTERN,
-                        "fallback_re": FALLBACK_STEP_PATTERN}).df()
+    """The decode steps of a rank (step_index, name, dev_start_ns, dev_end_ns, kernels).
+
+    One definition of a step: these are kernel_attribution's steps (see timeline_steps), so the
+    first call for a run on `con` attributes it (TEMP table, kept for later calls, as
+    layer_bands does); a run attributed earlier on `con` with a --step-pattern keeps it.
+    """
+    if not _attributed(con, run_id):
+        from analyzers.attribution import attribute
+
+        attribute(con, run_ids=[run_id])
+    return con.execute("SELECT * FROM timeline_steps('kernel_attribution', $run, $rank)",
+                       {"run": run_id, "rank": rank}).df()
 
 
 def ranks(con: duckdb.DuckDBPyConnection, run_id: int) -> list[int]:
@@ -129,13 +137,12 @@ def _has_layers(con: duckdb.DuckDBPyConnection, run_id: int, layer_regex: str) -
 
 
 # Bubbles (analyzers.bubbles: device-idle intervals inside a step, each with its cause) that
-# overlap the window. bubbles_in_steps classifies whole runs (~0.1 s for a bundled run), too slow
-# per zoom: a run's bubbles are copied once into a TEMP table of the connection (runs never
+# overlap the window. bubbles_in_steps classifies a whole run (~0.02 s for a bundled run), too
+# slow per zoom: a run's bubbles are copied once into a TEMP table of the connection (runs never
 # change after ingest), as attribution keeps kernel_attribution, and windows read that table.
-# The macro works through every run of the store before its run filter applies (measured: a
-# 615-kernel run takes 0.5-0.7 s instead of 0.04 s next to a 1M-kernel run), so causes are
-# only shown while the whole store holds at most MAX_KERNELS_FOR_CAUSES kernels; beyond that
-# the timeline shows plain device-idle intervals.
+# The macro reads only the run asked for (p_run), so its cost does not grow with the other runs
+# of the store (a bundled run next to a 1M-kernel run: 0.44-0.81 s with a filter after the
+# macro, 0.02 s with p_run).
 BUBBLE_CACHE_DDL = """
 CREATE TEMP TABLE IF NOT EXISTS _timeline_bubble_runs (run_id INTEGER);
 CREATE TEMP TABLE IF NOT EXISTS _timeline_bubbles (
@@ -146,7 +153,7 @@ BUBBLE_CACHED_SQL = "SELECT count(*) FROM _timeline_bubble_runs WHERE run_id = $
 BUBBLE_FILL_SQL = """
 INSERT INTO _timeline_bubbles
 SELECT run_id, rank, start_ns, end_ns, gap_ns, cause, prev_name, next_name, layer, op
-FROM bubbles_in_steps('kernel_attribution') WHERE run_id = $run
+FROM bubbles_in_steps('kernel_attribution', p_run := $run)
 """
 BUBBLE_MARK_SQL = "INSERT INTO _timeline_bubble_runs VALUES ($run)"
 BUBBLES_IN_WINDOW_SQL = """
@@ -155,23 +162,18 @@ FROM _timeline_bubbles
 WHERE run_id = $run AND rank = $rank AND end_ns > $t0 AND start_ns < $t1
 ORDER BY start_ns
 """
-STORE_KERNELS_SQL = "SELECT count(*) FROM kernels"
-MAX_KERNELS_FOR_CAUSES = 300_000
 
 
 def bubble_causes(con: duckdb.DuckDBPyConnection, run_id: int, rank: int, start_ns: int,
                   end_ns: int) -> pd.DataFrame | None:
     """The run's bubbles with their cause that overlap the window (start_ns, end_ns, gap_ns,
-    cause, prev_name, next_name, layer, op), or None when they cannot be had cheaply: the
-    bubbles analyzer is missing from this build, or the store holds more than
-    MAX_KERNELS_FOR_CAUSES kernels. The first call for a run on `con` classifies the run (and builds
-    its attribution if needed); later windows read the connection's TEMP copy."""
+    cause, prev_name, next_name, layer, op), or None when the bubbles analyzer is missing from
+    this build. The first call for a run on `con` classifies that run only (and builds its
+    attribution if needed); later windows read the connection's TEMP copy."""
     try:
         import analyzers.bubbles  # noqa: F401  (its SQL area is what we query)
         from analyzers.attribution import attribute, load_sql
     except ImportError:
-        return None
-    if con.execute(STORE_KERNELS_SQL).fetchall()[0][0] > MAX_KERNELS_FOR_CAUSES:
         return None
     con.execute(BUBBLE_CACHE_DDL)
     if not con.execute(BUBBLE_CACHED_SQL, {"run": run_id}).fetchall()[0][0]:

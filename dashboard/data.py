@@ -246,7 +246,9 @@ def timeline_extent(run_id: int, rank: int) -> dict[str, int] | None:
 
 
 def timeline_steps(run_id: int, rank: int) -> list[dict[str, Any]]:
-    with pool().cursor() as cur:
+    """The attribution's steps of a rank (analyzers.timeline.steps)."""
+    store = pool()
+    with store.cursor() as cur, store.exclusive():  # may build the run's attribution on this cursor
         df = timeline.steps(cur, run_id, rank)
     return [{k: _plain(v) for k, v in row.items()} for row in df.to_dict("records")]
 

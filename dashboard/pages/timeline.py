@@ -61,8 +61,7 @@ def layout(run: str | None = None, rank: str | None = None, step: str | None = N
                f"{data.timeline.DEFAULT_CAP:,} kernels they come aggregated per stream), double-click to reset. "
                "Bottom row: bubbles coloured by cause (device idle inside a step, from the Bubbles analysis), or "
                "plain device-idle intervals (no kernel or memop on any stream) where causes are not available "
-               "(no bubbles analysis, or a store of more than "
-               f"{data.timeline.MAX_KERNELS_FOR_CAUSES:,} kernels); "
+               "(no bubbles analysis in this build, or a window drawn as bins); "
                "bands: layers.",
                className="note"),
     ])

@@ -141,13 +141,25 @@ def test_kernel_rows_refuses_unknown_identifiers() -> None:
         timeline.kernel_rows(con, 1, 0, 10, [], {"nope": {"filterType": "text", "type": "contains", "filter": "x"}})
 
 
-def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def _idle_inside_steps(con: duckdb.DuckDBPyConnection, run: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """(first, last, idle intervals of the run's whole window that lie inside one of its `step` ranges)."""
+    first, last = con.execute("SELECT min(start_ns), max(end_ns) FROM kernels WHERE run_id = ?", [run]).fetchall()[0]
+    steps = con.execute("SELECT start_ns, end_ns FROM ranges WHERE name = 'step' AND run_id = ?", [run]).fetchall()
+    win = timeline.window(con, run, 0, first, last)
+    inside = [(s, e) for s, e in zip(win.idle["start_ns"], win.idle["end_ns"])
+              if any(a <= s and e <= b for a, b in steps)]
+    return first, last, inside
+
+
+def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any) -> None:
     """In the hand-made decode trace each kernel's launch call starts when its slot starts and
     ends launch_ns later, when the kernel starts, i.e. after the previous kernel ended: every gap
     inside a step is launch-bound. So the window's bubbles are exactly its device-idle intervals
     that lie inside a step range, each with cause launch_bound. Gaps: gap_ns between kernels of
     an op; between layers, from the all-reduce's end (slot end - gap_ns + 100 + 500) to the next
-    layer's first kernel (slot end + launch_ns): launch_ns + gap_ns - 600."""
+    layer's first kernel (slot end + launch_ns): launch_ns + gap_ns - 600.
+    A second run in the same store (other steps and layers, its own clock) gets its own bubbles
+    only: causes are classified per run, whatever else the store holds (no size guard)."""
     from tests.dashboard.decode_traces import DecodeSpec, write_decode_trace
     from tracer.ingest import ingest_path
 
@@ -155,11 +167,7 @@ def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any, monkey
     con = open_store(None)
     _load_timeline_sql(con)
     run = ingest_path(con, write_decode_trace(tmp_path / "t.json", spec), progress=False)[0].run_id
-    first, last = con.execute("SELECT min(start_ns), max(end_ns) FROM kernels").fetchall()[0]
-    steps = con.execute("SELECT start_ns, end_ns FROM ranges WHERE name = 'step'").fetchall()
-    win = timeline.window(con, run, 0, first, last)
-    inside = [(s, e) for s, e in zip(win.idle["start_ns"], win.idle["end_ns"])
-              if any(a <= s and e <= b for a, b in steps)]
+    first, last, inside = _idle_inside_steps(con, run)
     bubbles = timeline.bubble_causes(con, run, 0, first, last)
     assert bubbles is not None and len(inside) > 0
     assert list(zip(bubbles["start_ns"], bubbles["end_ns"])) == inside
@@ -169,7 +177,11 @@ def test_bubble_causes_are_the_idle_intervals_inside_steps(tmp_path: Any, monkey
     mid = (first + last) // 2
     part = timeline.bubble_causes(con, run, 0, first, mid)
     assert list(zip(part["start_ns"], part["end_ns"])) == [(s, e) for s, e in inside if s < mid]
-    # a store larger than the limit gets no causes (the timeline falls back to idle intervals)
-    n = con.execute("SELECT count(*) FROM kernels").fetchall()[0][0]
-    monkeypatch.setattr(timeline, "MAX_KERNELS_FOR_CAUSES", n - 1)
-    assert timeline.bubble_causes(con, run, 0, first, last) is None
+    # a second run: its bubbles are its own idle intervals inside its own steps
+    spec2 = DecodeSpec("stock", steps=3, layers=1)
+    run2 = ingest_path(con, write_decode_trace(tmp_path / "u.json", spec2), progress=False)[0].run_id
+    first2, last2, inside2 = _idle_inside_steps(con, run2)
+    bubbles2 = timeline.bubble_causes(con, run2, 0, first2, last2)
+    assert run2 != run and bubbles2 is not None and len(inside2) > 0
+    assert list(zip(bubbles2["start_ns"], bubbles2["end_ns"])) == inside2
+    assert set(bubbles2["cause"]) == {"launch_bound"}

@@ -4,46 +4,24 @@
 -- stream (server-side windowing: the browser only ever receives what the visible window needs).
 -- All times are BIGINT ns on the rank's clock; a window is the half-open [t0_ns, t1_ns).
 
--- Decode steps of one rank, in time order: the host ranges whose name matches p_step_re (our
--- `step`), or p_fallback_re (`ProfilerStep#N`) when a rank has none (the attribution's step
--- patterns). step_index is 0-based. The device window of a step (dev_start_ns, dev_end_ns) is
--- the first start and last end of the kernels whose launching API call (same rank, same
--- correlation) starts inside the host range; a step with no such kernel keeps its host range.
-CREATE OR REPLACE MACRO timeline_steps(p_run, p_rank, p_step_re, p_fallback_re) AS TABLE
-WITH _named AS (
-  SELECT
-    range_id, name, start_ns, end_ns,
-    CASE WHEN regexp_matches(name, p_step_re) THEN 0 ELSE 1 END AS _family
-  FROM ranges
-  WHERE run_id = p_run AND rank = p_rank
-    AND (regexp_matches(name, p_step_re) OR regexp_matches(name, p_fallback_re))
-),
-_steps AS (
-  SELECT
-    range_id, name, start_ns, end_ns,
-    CAST(row_number() OVER (ORDER BY start_ns, range_id) - 1 AS INTEGER) AS step_index
-  FROM _named
-  WHERE _family = (SELECT min(_family) FROM _named)
-),
-_launched AS (
-  SELECT s.range_id, min(k.start_ns) AS dev_start_ns, max(k.end_ns) AS dev_end_ns,
-         count(*) AS kernels
-  FROM _steps AS s
-  JOIN api_calls AS a
-    ON a.run_id = p_run AND a.rank = p_rank
-    AND a.start_ns >= s.start_ns AND a.start_ns < s.end_ns
-  JOIN kernels AS k
-    ON k.run_id = p_run AND k.rank = p_rank AND k.correlation = a.correlation
-  GROUP BY s.range_id
-)
+-- Decode steps of one rank, in step order: the steps of the attribution (table `attr`, shaped
+-- as kernel_attribution, built by analyzers.attribution.attribute), so the timeline's steps are
+-- the ones every other page counts: same step patterns (`step`, SGLang `step[DECODE ...]`, else
+-- ProfilerStep#N, or the user's --step-pattern), same step_index. A step's device window
+-- (dev_start_ns, dev_end_ns) is the first start and last end of the kernels attributed to it;
+-- a step range to which no kernel is attributed is not listed (its index is skipped).
+CREATE OR REPLACE MACRO timeline_steps(attr, p_run, p_rank) AS TABLE
 SELECT
-  s.step_index, s.name, s.start_ns AS host_start_ns, s.end_ns AS host_end_ns,
-  coalesce(l.dev_start_ns, s.start_ns) AS dev_start_ns,
-  coalesce(l.dev_end_ns, s.end_ns) AS dev_end_ns,
-  coalesce(l.kernels, 0) AS kernels
-FROM _steps AS s
-LEFT JOIN _launched AS l USING (range_id)
-ORDER BY s.step_index;
+  a.step_index, min(a.step) AS name,
+  min(k.start_ns) AS dev_start_ns, max(k.end_ns) AS dev_end_ns,
+  count(*) AS kernels
+FROM query_table(attr) AS a
+JOIN kernels AS k
+  ON k.run_id = a.run_id AND k.rank = a.rank AND k.kernel_id = a.item_id
+WHERE a.item_kind = 'kernel' AND a.run_id = p_run AND a.rank = p_rank
+  AND a.step_index IS NOT NULL
+GROUP BY a.step_index
+ORDER BY a.step_index;
 
 -- Extent of one rank of one run: first kernel start, last kernel end, kernel count, streams.
 CREATE OR REPLACE MACRO timeline_extent(p_run, p_rank) AS TABLE
