@@ -2,9 +2,10 @@
 
 Alignment is by (layer kind, layer index, op), never by kernel name, because a fused kernel
 and the stock kernels it replaces have different names. Values per step come from
-`analyzers.layers.layer_steps` (max over ranks: the slowest rank gates the step). For every
-aligned key and side we take the median (the gate) and the p90 over steps, and a seeded
-percentile bootstrap of the relative change (resampling steps of each side independently).
+`analyzers.layers.layer_steps` (the slowest rank's row gates the step). For every aligned key
+and side we take the median (the gate) and the p90 over steps, and a seeded percentile
+bootstrap of the relative change (resampling steps of each side independently). Every time
+stays an integer ns: medians and p90s are nearest-rank order statistics (see `rank_index`).
 A key regresses only when the whole confidence interval of the median's relative change lies
 above the threshold AND the interval of the absolute change lies above `min_delta` (so a
 +50 % on a 40 ns op is not a CI failure). With one step on a side the interval is
@@ -17,8 +18,10 @@ falls back to kernel names, per step, and every output says `kernel-name fallbac
 from __future__ import annotations
 
 import difflib
+import math
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import duckdb
@@ -140,6 +143,42 @@ def _exposed_comm(con: duckdb.DuckDBPyConnection, run_id: int) -> tuple[pd.DataF
 
 
 # -- statistics -------------------------------------------------------------------------------
+# One order statistic everywhere, so every figure is a sample value and stays an integer ns
+# like its inputs: the nearest-rank q-quantile, the ceil(q n)-th smallest of n values (the
+# first when q n <= 1). The median is q = 1/2 (the lower median when n is even), p90 is
+# q = 9/10, the ends of a percentile interval q = (1 - confidence)/2 and 1 - that. It is
+# DuckDB's quantile_disc, which analyzers.layers (lower median) and analyzers.launch
+# (p50/p90/p99) use in SQL; the bootstrap needs it on numpy rows, and
+# tests/analyzers/test_diff.py checks that the two agree.
+
+MEDIAN = Fraction(1, 2)
+P90 = Fraction(9, 10)
+
+
+def _exact(q: float | Fraction) -> Fraction:
+    """q as written in decimal (0.9 is 9/10), so float noise never moves a rank."""
+    return q if isinstance(q, Fraction) else Fraction(repr(q))
+
+
+def rank_index(n: int, q: float | Fraction) -> int:
+    """0-based position of the nearest-rank q-quantile among n sorted values."""
+    return max(math.ceil(_exact(q) * n), 1) - 1
+
+
+def nearest_rank(values: Any, q: float | Fraction) -> int:
+    """The nearest-rank q-quantile of integer values (ns or kernel counts), as an int."""
+    s = np.sort(_ints(values))
+    return int(s[rank_index(len(s), q)])
+
+
+def _ints(values: Any) -> np.ndarray:
+    """Values as int64; a fractional one is a caller bug (times are integer ns end to end)."""
+    arr = np.asarray(values)
+    out = arr.astype(np.int64)
+    if not np.array_equal(out, arr):
+        raise ValueError("the diff statistics take integer values (ns or kernel counts)")
+    return out
+
 
 def _resample_index(n: int, side: int, seed: int, resamples: int) -> np.ndarray:
     """Bootstrap indices for a sample of n steps; depends only on (seed, n, side), so a key's
@@ -147,56 +186,44 @@ def _resample_index(n: int, side: int, seed: int, resamples: int) -> np.ndarray:
     return np.random.default_rng([seed, n, side]).integers(0, n, size=(resamples, n))
 
 
-def bootstrap_change(base: np.ndarray, cand: np.ndarray, q: float = 0.5, resamples: int = RESAMPLES,
+def bootstrap_change(base: Any, cand: Any, q: float | Fraction = MEDIAN, resamples: int = RESAMPLES,
                      seed: int = SEED, confidence: float = CONFIDENCE) -> dict[str, Any]:
     """Point estimate and percentile bootstrap CI of the q-quantile's relative and absolute change.
 
-    rel = Q_q(cand) / Q_q(base) - 1 (in %), abs = Q_q(cand) - Q_q(base). With a single step on a
-    side the interval is degenerate and equals the point estimate (`degenerate` says why).
+    rel = Q_q(cand) / Q_q(base) - 1 (in %, a float), abs = Q_q(cand) - Q_q(base) (an int), Q_q
+    the nearest-rank quantile of each side's steps, and of each resample. With a single step on
+    a side the interval is degenerate and equals the point estimate (`degenerate` says why).
     """
     return bootstrap_changes(base, cand, (q,), resamples, seed, confidence)[0]
 
 
-def bootstrap_changes(base: np.ndarray, cand: np.ndarray, qs: tuple[float, ...] = (0.5, 0.9),
+def bootstrap_changes(base: Any, cand: Any, qs: tuple[float | Fraction, ...] = (MEDIAN, P90),
                       resamples: int = RESAMPLES, seed: int = SEED,
                       confidence: float = CONFIDENCE) -> list[dict[str, Any]]:
     """`bootstrap_change` for several quantiles over the same resamples (each side sorted once)."""
-    base = np.asarray(base, dtype=float)
-    cand = np.asarray(cand, dtype=float)
+    base, cand = _ints(base), _ints(cand)
     degenerate = [side for side, arr in (("base", base), ("candidate", cand)) if len(arr) < 2]
     if not degenerate:
         bsorted = np.sort(base[_resample_index(len(base), 0, seed, resamples)], axis=1)
         csorted = np.sort(cand[_resample_index(len(cand), 1, seed, resamples)], axis=1)
-    lo, hi = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+    lo = (1 - _exact(confidence)) / 2
+    ends = rank_index(resamples, lo), rank_index(resamples, 1 - lo)
     out = []
     for q in qs:
-        qb, qc = float(np.quantile(base, q)), float(np.quantile(cand, q))
+        qb, qc = nearest_rank(base, q), nearest_rank(cand, q)
         rel = float(_rel(np.array([qb]), np.array([qc]))[0])
         one: dict[str, Any] = {"base": qb, "cand": qc, "change_pct": rel, "delta": qc - qb}
         if degenerate:
             one.update(ci_pct=[rel, rel], ci_delta=[qc - qb, qc - qb],
                        degenerate="single step on " + " and ".join(degenerate) + ": point estimate only")
         else:
-            bs, cs = _row_quantile(bsorted, q), _row_quantile(csorted, q)
+            bs, cs = bsorted[:, rank_index(len(base), q)], csorted[:, rank_index(len(cand), q)]
             rels, deltas = np.sort(_rel(bs, cs)), np.sort(cs - bs)
-            one.update(ci_pct=[_order_stat(rels, lo), _order_stat(rels, hi)],
-                       ci_delta=[_order_stat(deltas, lo), _order_stat(deltas, hi)], degenerate=None)
+            # order statistics, no interpolation: a +inf change over a zero base stays +inf
+            one.update(ci_pct=[float(rels[i]) for i in ends], ci_delta=[int(deltas[i]) for i in ends],
+                       degenerate=None)
         out.append(one)
     return out
-
-
-def _row_quantile(sorted_rows: np.ndarray, q: float) -> np.ndarray:
-    """The q-quantile of each sorted row, interpolated linearly (numpy's default method)."""
-    h = (sorted_rows.shape[1] - 1) * q
-    i = int(np.floor(h))
-    j = min(i + 1, sorted_rows.shape[1] - 1)
-    return sorted_rows[:, i] + (h - i) * (sorted_rows[:, j] - sorted_rows[:, i])
-
-
-def _order_stat(sorted_values: np.ndarray, p: float) -> float:
-    """The percentile interval's end: order statistic ceil(N p) (no interpolation, so a +inf
-    change over a zero base stays +inf instead of turning NaN)."""
-    return float(sorted_values[max(int(np.ceil(len(sorted_values) * p)) - 1, 0)])
 
 
 def _rel(base: np.ndarray, cand: np.ndarray) -> np.ndarray:
@@ -211,8 +238,10 @@ def _rel(base: np.ndarray, cand: np.ndarray) -> np.ndarray:
 Key = tuple[str, int, str]  # (layer kind, layer index, op); op '' is the whole layer
 
 
-def _layer_values(ls: pd.DataFrame) -> tuple[dict[Key, pd.DataFrame], dict[Key, str], list[str]]:
-    """Per aligned key, a frame indexed by step with every metric column (max over ranks)."""
+def _layer_values(ls: pd.DataFrame, col: str) -> tuple[dict[Key, pd.DataFrame], dict[Key, str], list[str]]:
+    """Per aligned key, a frame indexed by step with every metric column, all from the step's
+    slowest rank: the one with the largest `col` (the compared metric; ties: the lowest rank).
+    One rank's row per step keeps span = busy + bubble exact, which the explanation relies on."""
     notes: list[str] = []
     df = ls[ls["layer"].notna()].copy()
     if df["step_index"].isna().all():
@@ -224,8 +253,9 @@ def _layer_values(ls: pd.DataFrame) -> tuple[dict[Key, pd.DataFrame], dict[Key, 
     df["k_kind"] = df["layer_kind"].astype(object).where(df["layer_kind"].notna(), "")
     df["k_index"] = df["layer_index"].astype("Int64").fillna(-1).astype(int)
     df["k_op"] = df["op"].astype(object).where(df["op"].notna(), "")
-    cols = list(METRICS.values())
-    per = df.groupby(["k_kind", "k_index", "k_op", "step_index"])[cols].max()
+    cols, keys = list(METRICS.values()), ["k_kind", "k_index", "k_op", "step_index"]
+    df = df.sort_values([col, "rank"], ascending=[False, True], kind="stable")
+    per = df.drop_duplicates(keys).set_index(keys).sort_index()[cols]
     values = {(k, int(i), o): g.droplevel([0, 1, 2]) for (k, i, o), g in per.groupby(level=[0, 1, 2])}
     labels = {(k, int(i), o): lay for k, i, o, lay in
               df[["k_kind", "k_index", "k_op", "layer"]].drop_duplicates(["k_kind", "k_index", "k_op"]).itertuples(index=False)}
@@ -269,9 +299,9 @@ def _fill_keys(kernels: pd.DataFrame) -> pd.DataFrame:
     return df[df["layer"].notna()]
 
 
-def representative_sequence(k: pd.DataFrame) -> tuple[list[str], list[float]]:
+def representative_sequence(k: pd.DataFrame) -> tuple[list[str], list[int]]:
     """The most common ordered list of kernel names of one op over steps (lowest rank), and the
-    median duration (ns) of each position over the steps that ran exactly that list."""
+    median duration (ns, nearest rank) of each position over the steps that ran exactly that list."""
     if k.empty:
         return [], []
     k = k[k["rank"] == k["rank"].min()]
@@ -281,8 +311,8 @@ def representative_sequence(k: pd.DataFrame) -> tuple[list[str], list[float]]:
     cuts = np.flatnonzero(np.diff(step)) + 1
     seqs = [tuple(x) for x in np.split(names, cuts)]
     best, _ = Counter(seqs).most_common(1)[0]
-    per_step = [d for d, sq in zip(np.split(durs, cuts), seqs) if sq == best]
-    return list(best), [float(x) for x in np.median(np.array(per_step, dtype=float), axis=0)]
+    per_step = np.sort(_ints([d for d, sq in zip(np.split(durs, cuts), seqs) if sq == best]), axis=0)
+    return list(best), [int(x) for x in per_step[rank_index(len(per_step), MEDIAN)]]
 
 
 class _Sequences(dict):
@@ -293,21 +323,21 @@ class _Sequences(dict):
         self.frame = _fill_keys(kernels)
         self.groups = self.frame.groupby(["k_kind", "k_index", "k_op"]).indices
 
-    def __missing__(self, key: tuple[str, int, str]) -> tuple[list[str], list[float]]:
+    def __missing__(self, key: tuple[str, int, str]) -> tuple[list[str], list[int]]:
         rows = self.groups.get(key)
         self[key] = representative_sequence(self.frame.iloc[rows]) if rows is not None else ([], [])
         return self[key]
 
 
-def kernel_changes(base: tuple[list[str], list[float]], cand: tuple[list[str], list[float]]) -> list[dict[str, Any]]:
+def kernel_changes(base: tuple[list[str], list[int]], cand: tuple[list[str], list[int]]) -> list[dict[str, Any]]:
     """Align two kernel sequences of one op: same names match in order (difflib); inside a
     replaced block kernels pair by position as 'renamed'; the rest are 'added' or 'removed'."""
     (bn, bd), (cn, cd) = base, cand
     out: list[dict[str, Any]] = []
 
     def row(change: str, i: int | None, j: int | None) -> None:
-        b = bd[i] if i is not None else 0.0
-        c = cd[j] if j is not None else 0.0
+        b = bd[i] if i is not None else 0
+        c = cd[j] if j is not None else 0
         out.append({"change": change, "base_kernel": bn[i] if i is not None else None,
                     "cand_kernel": cn[j] if j is not None else None,
                     "base_ns": b if i is not None else None, "cand_ns": c if j is not None else None,
@@ -375,7 +405,7 @@ def _finite(x: Any) -> Any:
 
 
 def diff_runs(con: duckdb.DuckDBPyConnection, base_run: int, cand_run: int, threshold_pct: float = 5.0,
-              metric: str = "span", min_delta: float | None = None, resamples: int = RESAMPLES,
+              metric: str = "span", min_delta: int | None = None, resamples: int = RESAMPLES,
               seed: int = SEED, **attribution_kwargs: Any) -> DiffReport:
     """Diff two runs of one store (see `compare` for the rules)."""
     return compare(collect(con, base_run, **attribution_kwargs), collect(con, cand_run, **attribution_kwargs),
@@ -383,7 +413,7 @@ def diff_runs(con: duckdb.DuckDBPyConnection, base_run: int, cand_run: int, thre
 
 
 def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric: str = "span",
-            min_delta: float | None = None, resamples: int = RESAMPLES, seed: int = SEED) -> DiffReport:
+            min_delta: int | None = None, resamples: int = RESAMPLES, seed: int = SEED) -> DiffReport:
     """Align two runs by (layer kind, layer index, op) and gate each key on its bootstrap CI."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}")
@@ -393,14 +423,17 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
     col = METRICS[metric]
     if min_delta is None:
         min_delta = 0 if metric == "kernels" else DEFAULT_MIN_DELTA_NS
+    if min_delta != int(min_delta):
+        raise ValueError(f"min_delta is a whole number of ns or kernels (got {min_delta})")
+    min_delta = int(min_delta)
     notes = _side_notes(base.notes, cand.notes)
     mode, reason = "layers", None
     if not (base.has_layers and cand.has_layers):
         which = " and ".join(s for s, x in (("base", base), ("candidate", cand)) if not x.has_layers)
         mode, reason = "kernel-name fallback", f"no layer attribution on {which}"
     if mode == "layers":
-        bv, bl, bnotes = _layer_values(base.layer_steps)
-        cv, cl, cnotes = _layer_values(cand.layer_steps)
+        bv, bl, bnotes = _layer_values(base.layer_steps, col)
+        cv, cl, cnotes = _layer_values(cand.layer_steps, col)
         if not (set(bv) & set(cv)) - {(ALL_LAYERS, -1, "")}:
             mode, reason = "kernel-name fallback", "no (layer kind, layer index, op) in common"
     if mode != "layers":
@@ -415,7 +448,8 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
         col = METRICS["busy"]
         notes.append("bubbles are not defined per kernel name: kernel time is compared instead")
     settings = {"metric": metric, "threshold_pct": threshold_pct, "min_delta": min_delta, "resamples": resamples,
-                "confidence": CONFIDENCE, "seed": seed, "statistic": "median (gate) and p90 over steps",
+                "confidence": CONFIDENCE, "seed": seed, "statistic": "median (gate) and p90 over steps, nearest rank: the "
+                "ceil(n/2)-th and ceil(0.9 n)-th smallest, integer ns",
                 "ci": "percentile bootstrap of steps, each side resampled independently"}
     rows = [_key_row(k, bv.get(k), cv.get(k), {**cl, **bl}[k], col, metric, threshold_pct, min_delta, resamples, seed)
             for k in sorted(set(bv) | set(cv), key=_sort_key)]
@@ -424,8 +458,9 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
     else:
         for r in rows:
             if r["verdict"] == "regression":
-                r["explanation"] = {"ops": [], "kernels": [], "kernel_time_delta_ns": r["busy_delta_ns"],
-                                    "bubble_delta_ns": None, "exposed_comm_delta_ns": None}
+                r["explanation"] = {"ops": [], "kernels": [], "median_step": None, "span_delta_ns": None,
+                                    "kernel_time_delta_ns": r["busy_delta_ns"], "bubble_delta_ns": None,
+                                    "exposed_comm_delta_ns": None}
     increases = [{"layer": r["layer"], "op": r["op"], "kernel": r.get("kernel"), "base_kernels": r["base_kernels"],
                   "cand_kernels": r["cand_kernels"]}
                  for r in rows if r["base_kernels"] is not None and r["cand_kernels"] is not None
@@ -460,7 +495,7 @@ def _side_info(s: RunSample, values: dict[Key, pd.DataFrame]) -> dict[str, Any]:
 
 
 def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str, col: str, metric: str,
-             threshold: float, min_delta: float, resamples: int, seed: int) -> dict[str, Any]:
+             threshold: float, min_delta: int, resamples: int, seed: int) -> dict[str, Any]:
     """One aligned key: medians, p90s, bootstrap CIs and the verdict."""
     kind, index, op = k
     row: dict[str, Any] = {"layer": label, "layer_kind": kind or None,
@@ -468,15 +503,14 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
                            "base_steps": 0 if b is None else len(b), "cand_steps": 0 if c is None else len(c)}
     if kind == "kernel":
         row.update(layer=None, kernel=op, op=None)
-    med = lambda f, name: None if f is None else float(np.median(f[name].to_numpy(dtype=float)))  # noqa: E731
+    med = lambda f, name: None if f is None else nearest_rank(f[name].to_numpy(), MEDIAN)  # noqa: E731
     for name, short in (("kernels", "kernels"), ("busy_ns", "busy_ns"), ("bubble_ns", "bubble_ns")):
         row[f"base_{short}"], row[f"cand_{short}"] = med(b, name), med(c, name)
     row["busy_delta_ns"] = None if b is None or c is None else row["cand_busy_ns"] - row["base_busy_ns"]
     if b is None or c is None:
         row.update(verdict="added" if b is None else "removed", median=None, p90=None)
         return row
-    bm, cm = b[col].to_numpy(dtype=float), c[col].to_numpy(dtype=float)
-    row["median"], row["p90"] = bootstrap_changes(bm, cm, (0.5, 0.9), resamples, seed)
+    row["median"], row["p90"] = bootstrap_changes(b[col].to_numpy(), c[col].to_numpy(), (MEDIAN, P90), resamples, seed)
     m = row["median"]
     if metric == "kernels":
         worse, better = m["delta"] > min_delta, m["delta"] < -min_delta
@@ -487,12 +521,25 @@ def _key_row(k: Key, b: pd.DataFrame | None, c: pd.DataFrame | None, label: str,
     return row
 
 
-def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: float,
+def median_step(values: pd.DataFrame, col: str) -> Any:
+    """The step whose `col` is the median over steps: the ceil(n/2)-th of the steps ordered by
+    (`col`, step index), so among equal values the step index decides."""
+    order = np.lexsort((values.index.to_numpy(), values[col].to_numpy()))
+    return values.index[order[rank_index(len(values), MEDIAN)]]
+
+
+def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metric: str, min_delta: int,
              values: tuple[dict[Key, pd.DataFrame], dict[Key, pd.DataFrame]]) -> None:
-    """Attach to each regression its ops, kernel-level changes and time decomposition."""
+    """Attach to each regression its ops, kernel-level changes and time decomposition.
+
+    The decomposition is read at one step per side, the median step of the compared time metric
+    (span for metric 'kernels'), so its parts add up exactly in integer ns: kernel time + bubbles
+    = the change of the median span (with metric 'busy', kernel time is the median's change,
+    with 'bubbles' the bubbles are). A difference of two separate medians would not add up."""
     seqs = [_Sequences(base.kernels), _Sequences(cand.kernels)]  # per (layer, op), once, when asked
     by_key = {(r["layer_kind"] or "", r["layer_index"] if r["layer_index"] is not None else -1, r["op"] or ""): r
               for r in rows}
+    time_col = METRICS["span" if metric == "kernels" else metric]
     for r in rows:
         if r["verdict"] != "regression":
             continue
@@ -500,7 +547,7 @@ def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metri
         # the leaf (layer, op) keys under this regression: itself, its layer's ops, or every op
         leaves = [x for k, x in by_key.items() if k[2] != "" and k[0] != ALL_LAYERS
                   and (kind == ALL_LAYERS or k[:2] == (kind, index)) and (not op or k[2] == op)]
-        ops = sorted(leaves, key=lambda x: -(_delta(x, metric) or 0.0))
+        ops = sorted(leaves, key=lambda x: -(_delta(x, metric) or 0))
         kernels: list[dict[str, Any]] = []
         for leaf in ops:
             lk = (leaf["layer_kind"] or "", leaf["layer_index"] if leaf["layer_index"] is not None else -1, leaf["op"])
@@ -508,36 +555,44 @@ def _explain(rows: list[dict[str, Any]], base: RunSample, cand: RunSample, metri
                 if ch["change"] != "same" or abs(ch["delta_ns"]) >= min_delta:
                     kernels.append({"layer": leaf["layer"], "op": leaf["op"], **ch})
         kernels.sort(key=lambda x: -abs(x["delta_ns"]))
+        bvals, cvals = values[0][(kind, index, op)], values[1][(kind, index, op)]
+        steps = median_step(bvals, time_col), median_step(cvals, time_col)
+        at_b, at_c = bvals.loc[steps[0]], cvals.loc[steps[1]]
         r["explanation"] = {
             "ops": [{"layer": x["layer"], "op": x["op"], "verdict": x["verdict"], "delta": _delta(x, metric),
                      "base_kernels": x["base_kernels"], "cand_kernels": x["cand_kernels"]} for x in ops[:8]],
             "kernels": kernels[:12],
-            "kernel_time_delta_ns": r["busy_delta_ns"],
-            "bubble_delta_ns": None if r["base_bubble_ns"] is None or r["cand_bubble_ns"] is None
-            else r["cand_bubble_ns"] - r["base_bubble_ns"],
+            "median_step": {"base": _step_id(steps[0]), "cand": _step_id(steps[1])},
+            "span_delta_ns": int(at_c["span_ns"]) - int(at_b["span_ns"]),
+            "kernel_time_delta_ns": int(at_c["busy_ns"]) - int(at_b["busy_ns"]),
+            "bubble_delta_ns": int(at_c["bubble_ns"]) - int(at_b["bubble_ns"]),
             "exposed_comm_delta_ns": None if op else _exposed_delta(
-                base, cand, "" if kind == ALL_LAYERS else r["layer"],
-                (list(values[0][(kind, index, op)].index), list(values[1][(kind, index, op)].index))),
+                base, cand, "" if kind == ALL_LAYERS else r["layer"], steps),
         }
 
 
-def _delta(row: dict[str, Any], metric: str) -> float | None:
+def _step_id(step: Any) -> int:
+    """A step index as a plain int for JSON (DuckDB may hand it over as a float or numpy int)."""
+    return int(step)
+
+
+def _delta(row: dict[str, Any], metric: str) -> int | None:
     """The median change of the gating metric; for an added/removed key, its whole value."""
     if row.get("median"):
         return row["median"]["delta"]
     short = {"span": "busy_ns", "busy": "busy_ns", "kernels": "kernels", "bubbles": "bubble_ns"}[metric]
     b, c = row.get(f"base_{short}"), row.get(f"cand_{short}")
-    return (c or 0.0) - (b or 0.0)
+    return (c or 0) - (b or 0)
 
 
-def _exposed_delta(base: RunSample, cand: RunSample, layer: str, steps: tuple[list[Any], list[Any]]) -> float | None:
-    """Median over steps of the layer's exposed communication (0 in a step without any), cand - base.
-    `layer` '' is the whole step; steps are the steps each side ran the layer in."""
+def _exposed_delta(base: RunSample, cand: RunSample, layer: str, steps: tuple[Any, Any]) -> int | None:
+    """Exposed communication of the layer (`layer` '' is the whole step) at each side's median
+    step (0 in a step without any), cand - base; None when a side has no overlap data."""
     if base.exposed_comm is None or cand.exposed_comm is None:
         return None
 
-    def med(df: pd.DataFrame, on: list[Any]) -> float:
-        per = dict(zip(df.loc[df["layer"] == layer, "step_index"], df.loc[df["layer"] == layer, "exposed_ns"]))
-        return float(np.median([per.get(st, 0) for st in on])) if on else 0.0
+    def at(df: pd.DataFrame, step: Any) -> int:
+        hit = df.loc[(df["layer"] == layer) & (df["step_index"] == step), "exposed_ns"]
+        return int(hit.iloc[0]) if len(hit) else 0
 
-    return med(cand.exposed_comm, steps[1]) - med(base.exposed_comm, steps[0])
+    return at(cand.exposed_comm, steps[1]) - at(base.exposed_comm, steps[0])

@@ -73,8 +73,8 @@ def _reference_run(con: duckdb.DuckDBPyConnection, reference: str, spec: str) ->
 
 # -- rendering ----------------------------------------------------------------------------------
 
-def _q(x: float | None, metric: str) -> str:
-    """A median in its unit: kernels as counts, times as µs with ns precision."""
+def _q(x: int | None, metric: str) -> str:
+    """A median in its unit: kernels as counts, times (integer ns) as µs with ns precision."""
     if x is None:
         return "-"
     return f"{x:g}" if metric == "kernels" else f"{x / 1000:,.3f} µs"
@@ -100,15 +100,15 @@ def _where(r: dict[str, Any]) -> str:
     return r["layer"] + (f" / {r['op']}" if r["op"] else "")
 
 
-def _one_side(rep: DiffReport, limit: int = 10) -> list[tuple[str, dict[str, Any], float]]:
+def _one_side(rep: DiffReport, limit: int = 10) -> list[tuple[str, dict[str, Any], int]]:
     """Keys present on one side only, largest kernel time first: (verdict, row, busy ns)."""
-    rows = [(r["verdict"], r, (r["cand_busy_ns"] if r["verdict"] == "added" else r["base_busy_ns"]) or 0.0)
+    rows = [(r["verdict"], r, (r["cand_busy_ns"] if r["verdict"] == "added" else r["base_busy_ns"]) or 0)
             for r in rep.rows if r["verdict"] in ("added", "removed")]
     return sorted(rows, key=lambda x: -x[2])[:limit]
 
 
-def _ns(x: float | None) -> str:
-    return "unavailable" if x is None else f"{x:+,.0f} ns"
+def _ns(x: int | None) -> str:
+    return "unavailable" if x is None else f"{x:+,d} ns"
 
 
 def _explanation_lines(r: dict[str, Any], metric: str) -> list[str]:
@@ -256,8 +256,8 @@ RENDERERS = {"text": render_text, "markdown": render_markdown, "json": render_js
               help="Relative change (%) the whole CI must exceed to count.")
 @click.option("--metric", type=click.Choice(list(METRICS)), default="span", show_default=True,
               help="Per-layer/op value compared over steps.")
-@click.option("--min-delta", type=float, default=None,
-              help="Absolute change the CI must also exceed (ns; kernels for --metric kernels). Default 1000 ns / 0.")
+@click.option("--min-delta", type=click.IntRange(min=0), default=None,
+              help="Absolute change the CI must also exceed (integer ns; kernels for --metric kernels). Default 1000 ns / 0.")
 @click.option("--layer-pattern", default=None, help="Regex for layer ranges (default L{idx}.{kind}, model.layers.{idx}).")
 @click.option("--step-pattern", default=None, help="Regex for step ranges (default step, ProfilerStep#N).")
 @click.option("--graph-reference", default=None, help="Eager trace attributing the kernels of a CUDA-graph side.")
@@ -266,7 +266,7 @@ RENDERERS = {"text": render_text, "markdown": render_markdown, "json": render_js
 @click.option("--output", default=None, help="Write the report here instead of stdout.")
 @verbose_option
 @with_boundary
-def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: float | None,
+def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: int | None,
             layer_pattern: str | None, step_pattern: str | None, graph_reference: str | None, fmt: str,
             junit: str | None, output: str | None, verbose: bool) -> None:
     """Compare CAND against BASE per (layer kind, layer index, op); exit 1 on a regression.

@@ -56,7 +56,7 @@ def _row(r: dict[str, Any]) -> list[Any]:
     ci = m.get("ci_pct")
     return [r.get("layer") or "", r.get("op") or r.get("kernel") or "", r.get("base_steps"), r.get("cand_steps"),
             _fmt(m.get("base")), _fmt(m.get("cand")), _fmt(m.get("change_pct"), 1),
-            f"[{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "", r.get("verdict")]
+            f"[{_fmt(ci[0], 1) or '+inf'}, {_fmt(ci[1], 1) or '+inf'}]" if ci else "", r.get("verdict")]
 
 
 def _fmt(v: Any, digits: int = 0) -> str:

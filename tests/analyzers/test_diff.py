@@ -3,13 +3,22 @@
 The layer_steps rows come from a brute-force stub of the documented contract
 (test_diff_synth.layer_steps_stub), so these tests do not depend on the attribution code.
 Expected verdicts are derived from the synthetic spec (durations + gaps), not read off output.
+Every time is an integer ns: medians are the ceil(n/2)-th smallest, p90 the ceil(0.9 n)-th
+(DuckDB's quantile_disc), recomputed here with sorted() where a test needs them.
 """
 from __future__ import annotations
 
+import json
+import math
+from typing import Any
+
+import duckdb
 import numpy as np
+import pandas as pd
 import pytest
 
-from analyzers.diff import ALL_LAYERS, RunSample, bootstrap_change, compare, kernel_changes
+from analyzers.diff import (ALL_LAYERS, MEDIAN, P90, RunSample, bootstrap_change, compare, kernel_changes,
+                            nearest_rank)
 from tests.analyzers.test_diff_synth import FUSED, GAP_NS, LAYERS, STOCK, Synth, kernel_rows, sample
 
 
@@ -49,8 +58,9 @@ def test_fused_to_stock_fails_naming_layers_and_ops() -> None:
                                      key=lambda op: _span(STOCK, "kda", op) - _span(FUSED, "kda", op))
     changes = {c["change"] for c in ex["kernels"]}
     assert {"renamed", "added"} <= changes
-    # bubbles are constant per layer here (GAP_NS per inner gap), so span delta = kernel time + bubbles
-    assert ex["kernel_time_delta_ns"] + ex["bubble_delta_ns"] == pytest.approx(layer_reg["median"]["delta"])
+    # read at the median-span step of each side: span delta = kernel time + bubbles, exactly
+    assert ex["kernel_time_delta_ns"] + ex["bubble_delta_ns"] == ex["span_delta_ns"] == layer_reg["median"]["delta"]
+    assert all(type(ex[k]) is int for k in ("kernel_time_delta_ns", "bubble_delta_ns", "span_delta_ns"))
     assert ex["bubble_delta_ns"] == GAP_NS * (sum(len(k) for _, k in STOCK["kda"]) - sum(len(k) for _, k in FUSED["kda"]))
     assert ex["exposed_comm_delta_ns"] is None  # no overlap data in these samples
 
@@ -105,27 +115,137 @@ def test_single_step_is_degenerate_point_estimate() -> None:
     assert any(n.startswith("single step on base: the confidence intervals are degenerate") for n in rep.notes)
 
 
+def _lower_median(x: list[int]) -> int:
+    return sorted(x)[math.ceil(len(x) / 2) - 1]
+
+
 def test_bootstrap_is_seeded_and_brackets_the_point() -> None:
     rng = np.random.default_rng(0)
-    b, c = 1000 + rng.normal(0, 10, 20), 1100 + rng.normal(0, 10, 15)
+    b = [int(v) for v in np.round(100_000 + rng.normal(0, 1_000, 20))]  # even counts: the lower median
+    c = [int(v) for v in np.round(110_000 + rng.normal(0, 1_000, 14))]
     one, two = bootstrap_change(b, c), bootstrap_change(b, c)
     assert one == two
     assert one["ci_pct"][0] <= one["change_pct"] <= one["ci_pct"][1]
-    assert one["change_pct"] == pytest.approx((np.median(c) / np.median(b) - 1) * 100)
-    # brute force: the same resampling by hand gives the same interval
+    assert (one["base"], one["cand"]) == (_lower_median(b), _lower_median(c))
+    assert one["delta"] == _lower_median(c) - _lower_median(b) and type(one["delta"]) is int
+    assert one["change_pct"] == (_lower_median(c) / _lower_median(b) - 1) * 100
+    # brute force: the same resampling by hand, lower medians of every resample, then the
+    # percentile interval's ends, order statistics ceil(2000 * 0.025) and ceil(2000 * 0.975)
     from analyzers.diff import SEED, _resample_index
 
     ib, ic = _resample_index(len(b), 0, SEED, 2000), _resample_index(len(c), 1, SEED, 2000)
-    rels = [(np.median(c[ic[i]]) / np.median(b[ib[i]]) - 1) * 100 for i in range(2000)]
-    rels.sort()  # the percentile interval: order statistics ceil(2000 p) of the sorted changes
-    assert one["ci_pct"] == pytest.approx([rels[int(np.ceil(2000 * 0.025)) - 1], rels[int(np.ceil(2000 * 0.975)) - 1]])
+    pairs = [(_lower_median([b[j] for j in ib[i]]), _lower_median([c[j] for j in ic[i]])) for i in range(2000)]
+    rels = sorted((mc / mb - 1) * 100 for mb, mc in pairs)
+    deltas = sorted(mc - mb for mb, mc in pairs)
+    assert one["ci_pct"] == [rels[49], rels[1949]]
+    assert one["ci_delta"] == [deltas[49], deltas[1949]] and all(type(d) is int for d in one["ci_delta"])
+    p90 = bootstrap_change(b, c, q=P90)
+    assert (p90["base"], p90["cand"]) == (sorted(b)[18 - 1], sorted(c)[13 - 1])  # ceil(0.9 * 20), ceil(0.9 * 14)
+    with pytest.raises(ValueError):
+        bootstrap_change([1.5, 2.0], [2.0, 3.0])  # times are integer ns end to end
+
+
+@pytest.mark.parametrize("q", [MEDIAN, P90, 0.5, 0.9, 0.99, 0.025, 0.975])
+def test_nearest_rank_is_duckdbs_quantile_disc(q: Any) -> None:
+    """The one order statistic of the diff is the one analyzers.layers and analyzers.launch use
+    in SQL (quantile_disc): the same sample for every n from 1 to 60, in random order."""
+    rng = np.random.default_rng(7)
+    con = duckdb.connect()
+    for n in range(1, 61):
+        values = [int(v) for v in rng.integers(0, 1_000_000, n)]
+        want = con.execute("SELECT quantile_disc(v, ?) FROM unnest(?::BIGINT[]) AS t(v)", [float(q), values]).fetchone()[0]
+        assert nearest_rank(values, q) == want, (n, q)
+
+
+def _two_rank_sample(run_id: int, name: str, rows: dict[int, list[tuple[int, int]]]) -> RunSample:
+    """One layer L0.kda with one op `x`: per rank, per step (busy_ns, bubble_ns); span = sum.
+    One kernel per (rank, step) as long as busy, so the kernel-level detail has something."""
+    steps, kernels = [], []
+    for rank, per_step in rows.items():
+        for step, (busy, bubble) in enumerate(per_step):
+            for op in (None, "x"):
+                steps.append({"run_id": run_id, "rank": rank, "step_index": step, "layer": "L0.kda",
+                              "layer_index": 0, "layer_kind": "kda", "op": op, "kernels": 1,
+                              "span_ns": busy + bubble, "busy_ns": busy, "bubble_ns": bubble})
+            t = 1_000_000 * (step + 1)
+            kernels.append({"rank": rank, "step_index": step, "layer": "L0.kda", "layer_kind": "kda", "layer_index": 0,
+                            "op": "x", "name": "k", "start_ns": t, "end_ns": t + busy, "category": "compute"})
+    return RunSample(run_id, name, pd.DataFrame(steps), pd.DataFrame(kernels))
+
+
+# cand, per step: rank 0 has the longer span, rank 1 the longer busy time
+CAND_RANK0 = [(150_000, 10_000), (120_000, 50_000), (160_000, 20_000), (130_000, 60_000)]  # spans 160k..190k
+CAND_RANK1 = [(155_000, 0), (165_000, 0), (170_000, 0), (180_000, 0)]                      # spans below rank 0's
+
+
+def test_decomposition_is_exact_when_bubbles_vary_and_ranks_differ() -> None:
+    """Base: 4 steps of 100 µs busy, no bubble. Cand (4 steps, 2 ranks): rank 0 gates every
+    step's span (160, 170, 180, 190 µs), so its rows are the step's values: busy 150, 120,
+    160, 130 µs; bubbles 10, 50, 20, 60 µs. Lower median span = 170 µs (step 1): +70 µs.
+    Separate lower medians would give busy 130 + bubble 20 = 150 µs: they do not add up; the
+    decomposition at the median step does: kernel time 120 - 100 = +20 µs, bubbles +50 µs.
+    Taking the max over ranks column by column (busy 165 µs from rank 1 at step 1) would not
+    either."""
+    base = _two_rank_sample(1, "base", {0: [(100_000, 0)] * 4})
+    cand = _two_rank_sample(2, "cand", {0: CAND_RANK0, 1: CAND_RANK1})
+    rep = compare(base, cand)
+    row = next(r for r in rep.rows if r["layer"] == "L0.kda" and r["op"] is None)
+    assert row["verdict"] == "regression"
+    assert (row["median"]["base"], row["median"]["cand"], row["median"]["delta"]) == (100_000, 170_000, 70_000)
+    assert (row["base_busy_ns"], row["cand_busy_ns"], row["cand_bubble_ns"]) == (100_000, 130_000, 20_000)
+    assert row["p90"]["cand"] == 190_000  # ceil(0.9 * 4) = 4th smallest span
+    ex = row["explanation"]
+    assert ex["median_step"] == {"base": 1, "cand": 1}  # base: four equal spans, the 2nd by step index
+    assert (ex["span_delta_ns"], ex["kernel_time_delta_ns"], ex["bubble_delta_ns"]) == (70_000, 20_000, 50_000)
+    # --metric busy: rank 1 gates every step (155, 165, 170, 180 µs); its lower median 165 µs
+    # is at step 1, where rank 1 has no bubble
+    rep = compare(base, cand, metric="busy")
+    row = next(r for r in rep.rows if r["layer"] == "L0.kda" and r["op"] is None)
+    assert row["median"]["cand"] == row["cand_busy_ns"] == 165_000
+    ex = row["explanation"]
+    assert (ex["kernel_time_delta_ns"], ex["bubble_delta_ns"], ex["span_delta_ns"]) == (65_000, 0, 65_000)
+
+
+def _not_int_times(doc: Any, path: str = "") -> list[str]:
+    """Paths of time or count values that are not ints (None allowed): every *_ns field, the
+    medians' and p90s' base/cand/delta and ci_delta, ops' delta, kernel counts, min_delta."""
+    bad: list[str] = []
+    if isinstance(doc, dict):
+        stats = path.endswith(("median", "p90"))
+        for k, v in doc.items():
+            timed = (k.endswith("_ns") or k in ("base_kernels", "cand_kernels", "min_delta", "delta")
+                     or (stats and k in ("base", "cand", "ci_delta")))
+            values = v if isinstance(v, list) and k == "ci_delta" else [v]
+            if timed and not all(x is None or type(x) is int for x in values):
+                bad.append(f"{path}.{k}={v!r}")
+            bad += _not_int_times(v, f"{path}.{k}")
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            bad += _not_int_times(v, f"{path}[{i}]")
+    return bad
+
+
+@pytest.mark.parametrize("metric", ["span", "busy", "bubbles", "kernels"])
+def test_every_time_in_the_json_is_an_int_with_an_even_number_of_steps(metric: str) -> None:
+    """12 steps a side: a mean of the two middle values would give x.5 ns; nearest rank does not.
+    Relative changes stay floats."""
+    rep = compare(sample(Synth(FUSED, steps=12, seed=3), "fused"), sample(Synth(STOCK, steps=12, seed=4), "stock", 2),
+                  metric=metric)
+    assert rep.regressions and rep.base["steps"] == rep.cand["steps"] == 12
+    doc = json.loads(json.dumps(rep.to_dict(), allow_nan=False))
+    assert _not_int_times(doc) == []
+    stats = [r[s] for r in doc["rows"] for s in ("median", "p90") if r[s]]
+    floats = [x for m in stats for x in (m["change_pct"], *m["ci_pct"])]
+    assert floats and all(x is None or type(x) is float for x in floats)  # null: a change over a zero base
+    assert any(r["explanation"]["kernels"] for r in doc["regressions"])  # the kernel-level deltas were walked
 
 
 def test_kernel_changes_by_position_within_op() -> None:
-    out = kernel_changes((["a", "b", "c"], [10.0, 20.0, 30.0]), (["a", "x", "c", "d"], [10.0, 25.0, 30.0, 5.0]))
+    out = kernel_changes((["a", "b", "c"], [10, 20, 30]), (["a", "x", "c", "d"], [10, 25, 30, 5]))
     assert [(o["change"], o["base_kernel"], o["cand_kernel"], o["delta_ns"]) for o in out] == [
-        ("same", "a", "a", 0.0), ("renamed", "b", "x", 5.0), ("same", "c", "c", 0.0), ("added", None, "d", 5.0)]
-    out = kernel_changes((["a", "b"], [1.0, 2.0]), ([], []))
+        ("same", "a", "a", 0), ("renamed", "b", "x", 5), ("same", "c", "c", 0), ("added", None, "d", 5)]
+    assert all(type(o["delta_ns"]) is int for o in out)
+    out = kernel_changes((["a", "b"], [1, 2]), ([], []))
     assert [o["change"] for o in out] == ["removed", "removed"]
 
 

@@ -67,6 +67,19 @@ def test_fused_to_stock_fails_in_every_format(synthetic: Path, tmp_path: Path,
     assert code == REGRESSION and out == "" and "Regressions:" in out_file.read_text()
 
 
+def test_json_times_are_ints_and_min_delta_is_whole_ns(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """12 steps a side (even): the JSON holds ints for every time, and --min-delta takes whole ns."""
+    from tests.analyzers.test_diff import _not_int_times
+
+    base, cand = str(synthetic / "fused"), str(synthetic / "stock")
+    code, out, _ = run([base, cand, "--format", "json", "--min-delta", "2000"], capsys)
+    doc = json.loads(out)
+    assert code == REGRESSION and doc["base"]["steps"] == 12 and _not_int_times(doc) == []
+    assert doc["settings"]["min_delta"] == 2000
+    code, out, err = run([base, cand, "--min-delta", "1000.5"], capsys)
+    assert code == BAD_INPUT and out == "" and len(err.strip().splitlines()) == 1 and "--min-delta" in err
+
+
 def test_same_configuration_passes(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run([str(synthetic / "stock"), str(synthetic / "stock_again"), "--format", "json"], capsys)
     assert code == OK and json.loads(out)["regressions"] == []

@@ -54,6 +54,10 @@ def test_stock_to_fused_passes_and_fused_to_stock_fails(synth_traces: dict[str, 
     expected = {(f"L{i}.{k}", op) for i, k in LAYERS for op, _ in STOCK[k]
                 if _span(STOCK, k, op) / _span(FUSED, k, op) - 1 > 0.05}
     assert {(r["layer"], r["op"]) for r in doc["regressions"] if r["op"]} == expected
+    # 8 steps a side (even) through ingest and DuckDB: every time and count is still an int
+    from tests.analyzers.test_diff import _not_int_times
+
+    assert doc["base"]["steps"] == doc["cand"]["steps"] == 8 and _not_int_times(doc) == []
 
 
 def test_self_and_same_configuration_pass(synth_traces: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,6 +105,7 @@ def test_slower_exposed_collective_is_explained_as_exposed_comm(tmp_path: Path,
     layer = next(r for r in doc["regressions"] if r["layer"] == "L3.mla" and r["op"] is None)
     ar = dict(dict(STOCK["mla"])["o_proj+ar"])["all_reduce_sim"]
     ex = layer["explanation"]
+    assert ex["kernel_time_delta_ns"] + ex["bubble_delta_ns"] == ex["span_delta_ns"] == layer["median"]["delta"]
     assert ex["exposed_comm_delta_ns"] == pytest.approx(ar, rel=0.02)
     assert ex["kernel_time_delta_ns"] == pytest.approx(ar + dict(dict(STOCK["mla"])["o_proj+ar"])["sm90_gemm_bf16_128x64"], rel=0.02)
     op = next(r for r in doc["regressions"] if r["layer"] == "L3.mla" and r["op"] == "o_proj+ar")
