@@ -59,9 +59,9 @@ def _store(families: list[str]) -> duckdb.DuckDBPyConnection:
         con.execute((SQL_ROOT / rel).read_text())
     con.execute("INSERT INTO runs (run_id, name, source, path, file_hash, world_size) VALUES (1, 'r', 'test', 'x', 'h', 1)")
     ranges = [r for f in families for r in _step_ranges(f)]
-    con.executemany("INSERT INTO ranges (run_id, range_id, rank, pid, tid, kind, name, start_ns, end_ns, depth) "
-                    "VALUES (1, ?, 0, 1, 1, 'nvtx', ?, ?, ?, 0)",
-                    [(i, n, a, b) for i, (n, a, b) in enumerate(ranges)])
+    for i, (n, a, b) in enumerate(ranges):
+        con.execute("INSERT INTO ranges (run_id, range_id, rank, pid, tid, kind, name, start_ns, end_ns, depth) "
+                    "VALUES (1, ?, 0, 1, 1, 'nvtx', ?, ?, ?, 0)", [i, n, a, b])
     ks = _kernels()
     con.executemany("INSERT INTO api_calls (run_id, call_id, rank, pid, tid, kind, name, start_ns, end_ns, correlation) "
                     "VALUES (1, ?, 0, 1, 1, 'runtime', 'cudaLaunchKernel', ?, ?, ?)",
@@ -125,3 +125,14 @@ def test_timeline_follows_a_user_step_pattern() -> None:
     want = [[s, 1000 * s + 600, 1000 * s + 680, 1] for s in range(STEPS) if s != EMPTY_STEP]
     assert _oracle(_step_ranges("stepper")) == want
     assert _timeline_steps(con) == want == _attribution_steps(con)
+
+
+def test_no_annotation_ranges_no_steps() -> None:
+    """Without any nvtx / user_annotation range nothing can be a step: the timeline lists none,
+    as the attribution (built separately here) has none, and the columns keep their types."""
+    con = _store([])
+    got = timeline.steps(con, 1, 0)
+    assert len(got) == 0
+    assert list(got.columns) == ["step_index", "name", "dev_start_ns", "dev_end_ns", "kernels"]
+    attribute(con, [1])
+    assert _attribution_steps(con) == [] and len(timeline.steps(con, 1, 0)) == 0
