@@ -17,12 +17,13 @@ annotations (reported in the metadata notes, never silently).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from tracer.cupti_convert import (KIND_CONCURRENT_KERNEL, KIND_DRIVER, KIND_MARKER, KIND_MEMCPY,
-                                  KIND_MEMSET, KIND_RUNTIME, MARKER_START, to_kineto)
+                                  KIND_MEMSET, KIND_RUNTIME, MARKER_START, keep_api, to_kineto)
 from tracer.errors import BadInput
 
 BACKEND_ARG = "--backend cupti"
@@ -41,7 +42,9 @@ FIELDS: dict[int, tuple[str, ...]] = {
     KIND_MARKER: ("kind", "flags_", "timestamp", "id", "name", "domain"),
 }
 
-_state: dict[str, Any] = {"records": [], "registered": False, "cupti": None}
+_state: dict[str, Any] = {"records": [], "registered": False, "cupti": None, "api_off": None}
+_CBID_SUFFIX = re.compile(r"(_ptsz|_ptds)?(_v\d+)?$")
+_CBID_NOT_CALLS = ("INVALID", "SIZE", "FORCE_INT")
 
 
 def load_cupti() -> Any:
@@ -131,6 +134,45 @@ def start(cupti: Any) -> None:
     _state["records"] = []
     for k in KINDS:
         cupti.activity_enable(cupti.ActivityKind(k))
+    _state["api_off"] = silence_unkept_apis(cupti)
+
+
+def api_call_name(member: str) -> str:
+    """A callback-id enum member (`cudaLaunchKernel_ptsz_v7000`) -> the API name
+    (`cudaLaunchKernel`), as `keep_api` and Kineto spell it."""
+    return _CBID_SUFFIX.sub("", member)
+
+
+def unkept_cbids(enum_cls: Any, cat: str) -> list[int]:
+    """Ids of the calls in `enum_cls` (a CUPTI callback-id enum) that the converter would drop
+    (`keep_api`): recording them only to drop them costs a record per call."""
+    out: set[int] = set()
+    for member in enum_cls:
+        name = member.name
+        if name.upper() in _CBID_NOT_CALLS or not name.startswith("cu"):
+            continue
+        if not keep_api(cat, api_call_name(name)):
+            out.add(int(member))
+    return sorted(out)
+
+
+def silence_unkept_apis(cupti: Any) -> dict[str, int] | str:
+    """Turn off, at the source, the runtime and driver calls the converter drops anyway
+    (cudaGetDevice, cuDevicePrimaryCtxGetState, ... : ~9 000 records a step in the first
+    device run, bench/cupti_backend.md), so CUPTI never writes them. Counts per domain, or
+    the reason it could not (an older CUPTI without per-cbid switches: then they are still
+    recorded and dropped by the converter, as before)."""
+    done: dict[str, int] = {}
+    try:
+        for cat, enum_name, fn in (("cuda_runtime", "RuntimeApiTraceCbid", cupti.activity_enable_runtime_api),
+                                   ("cuda_driver", "DriverApiTraceCbid", cupti.activity_enable_driver_api)):
+            ids = unkept_cbids(getattr(cupti, enum_name), cat)
+            for cbid in ids:
+                fn(cbid, 0)
+            done[cat] = len(ids)
+    except Exception as exc:  # the converter's keep_api still drops them afterwards
+        return f"{type(exc).__name__}: {exc}"
+    return done
 
 
 def stop(cupti: Any) -> list[SimpleNamespace]:
@@ -178,7 +220,8 @@ def profile_cupti(step: Any, n: int, cuda: bool) -> dict[str, Any]:
         notes.append("no NVTX ranges reached CUPTI: NVTX_INJECTION64_PATH must name libcupti before "
                      "the process's first NVTX call; kernels carry no step/layer/op ranges")
     trace["cupti"] = {"stats": stats, "versions": versions(), "libcupti": loaded_libcupti(),
-                      "nvtx_injection": os.environ.get("NVTX_INJECTION64_PATH"), "notes": notes}
+                      "nvtx_injection": os.environ.get("NVTX_INJECTION64_PATH"), "notes": notes,
+                      "api_calls_off_at_source": _state["api_off"]}
     return trace
 
 

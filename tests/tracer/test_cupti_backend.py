@@ -230,3 +230,47 @@ def test_device_cupti_graph_trace_attributes_through_capture_map():
     got = Counter(con.execute("SELECT layer, op FROM kernel_attribution WHERE run_id = ? AND item_kind = 'kernel' "
                               "AND method = 'capture_map'", [info.run_id]).fetchall())
     assert got == want
+
+
+def test_unkept_cbids_are_exactly_the_calls_the_converter_drops() -> None:
+    """The per-cbid switch list (turned off at the source) = the enum members whose API name
+    keep_api rejects; launches, graph launches, copies and memsets stay on. Oracle: the
+    hand-written expectation per member name."""
+    import enum
+
+    from tracer.capture_cupti import api_call_name, silence_unkept_apis, unkept_cbids
+
+    class Runtime(enum.IntEnum):
+        INVALID = 0
+        cudaGetDevice_v3020 = 1
+        cudaLaunchKernel_v7000 = 2
+        cudaLaunchKernel_ptsz_v7000 = 3
+        cudaGetLastError_v3020 = 4
+        cudaEventDestroy_v3020 = 5
+        cudaGraphLaunch_v10000 = 6
+        cudaStreamSynchronize_v3020 = 7
+        SIZE = 8
+
+    class Driver(enum.IntEnum):
+        INVALID = 0
+        cuDevicePrimaryCtxGetState = 1
+        cuLaunchKernel = 2
+        cuKernelGetName = 3
+        cuMemcpyHtoD_v2 = 4
+        cuGraphLaunch_ptsz = 5
+        FORCE_INT = 6
+
+    assert api_call_name("cudaLaunchKernel_ptsz_v7000") == "cudaLaunchKernel"
+    assert api_call_name("cuMemcpyHtoD_v2") == "cuMemcpyHtoD"
+    assert unkept_cbids(Runtime, "cuda_runtime") == [1, 4, 5]
+    assert unkept_cbids(Driver, "cuda_driver") == [1, 3]
+
+    calls: list[tuple[str, int, int]] = []
+    fake = NS(
+        RuntimeApiTraceCbid=Runtime, DriverApiTraceCbid=Driver,
+        activity_enable_runtime_api=lambda cbid, on: calls.append(("rt", cbid, on)),
+        activity_enable_driver_api=lambda cbid, on: calls.append(("drv", cbid, on)))
+    assert silence_unkept_apis(fake) == {"cuda_runtime": 3, "cuda_driver": 2}
+    assert calls == [("rt", 1, 0), ("rt", 4, 0), ("rt", 5, 0), ("drv", 1, 0), ("drv", 3, 0)]
+    # an older cupti without the switches: a reason, not an exception
+    assert "AttributeError" in silence_unkept_apis(NS(RuntimeApiTraceCbid=Runtime))
