@@ -159,18 +159,34 @@ def render(data: dict[str, Any]) -> str:
                          f"{s['mb']:.1f} | {s['floor_us']:.1f} | {r['step_median_us']:.1f} |")
     variants = sorted(meta)
     if len(variants) > 1:
-        lines += ["", "## Side by side: median us per layer (kernels per layer)", "",
-                  "| B | k | kind | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
-        table: dict[tuple, dict[str, tuple[float, float]]] = defaultdict(dict)
-        for r in runs:
-            bw = meta[r["variant"]]["copy_bw_tbs"] * 1e12
-            for kind, s in by_kind(r, bw).items():
-                table[(r["batch"], r["spec_tokens"], kind)][r["variant"]] = (s["median_us"], s["kernels"])
-        for (b, k, kind), vals in sorted(table.items()):
-            cells = " | ".join(f"{vals[v][0]:.1f} ({vals[v][1]:.0f})" if v in vals else "-" for v in variants)
-            lines.append(f"| {b} | {k} | {kind} | {cells} |")
+        lines += side_by_side(runs, meta)
     lines += ["", "<!-- decode-bench-data", json.dumps(data), "-->", ""]
     return "\n".join(lines)
+
+
+def side_by_side(runs: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """Stock vs fused per (B, k, layer kind): µs and kernels per layer, stock/fused, the byte
+    floor and fused/floor (the issue's goals: ratio ≥ 2 at B = 1, fused ≤ 1.5 × floor).
+    Only pairs measured in the same run (same commit) are set side by side."""
+    lines = ["", "## Side by side: stock vs fused (same run)", "",
+             "| B | k | kind | stock us | stock kernels | fused us | fused kernels | stock/fused | floor us | fused/floor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    table: dict[tuple, dict[str, dict[str, float]]] = defaultdict(dict)
+    for r in runs:
+        bw = meta[r["variant"]]["copy_bw_tbs"] * 1e12
+        for kind, s in by_kind(r, bw).items():
+            table[(r["batch"], r["spec_tokens"], kind)][r["variant"]] = s
+    same_run = meta.get("stock", {}).get("commit") == meta.get("fused", {}).get("commit")
+    for (b, k, kind), vals in sorted(table.items()):
+        st, fu = vals.get("stock"), vals.get("fused")
+        if st is None or fu is None:
+            continue
+        lines.append(f"| {b} | {k} | {kind} | {st['median_us']:.1f} | {st['kernels']:.0f} | {fu['median_us']:.1f} | "
+                     f"{fu['kernels']:.0f} | {st['median_us'] / fu['median_us']:.2f} | {fu['floor_us']:.1f} | "
+                     f"{fu['median_us'] / fu['floor_us']:.2f} |")
+    if not same_run:
+        lines += ["", "(stock and fused rows come from different runs: compare with care)"]
+    return lines
 
 
 def merge(new: dict[str, Any], md_path: Path = MD_PATH) -> dict[str, Any]:

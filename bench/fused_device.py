@@ -29,6 +29,9 @@ import torch
 
 STEP_SHAPES = [(1, 0), (8, 0), (64, 0), (1, 7), (8, 7), (64, 7)]
 CAPTURE_SHAPES = [(1, 0), (8, 0), (64, 0), (1, 7)]
+# Verified but not used in the timed runs (bench, captures): the L2 prefetch slowed its
+# consumer in its own check (bench/fused_correctness.md), so the headline runs without it.
+OPT_IN = frozenset({"prefetch"})
 STEP_TOL = 2e-2      # fused vs stock, relative L2 (outputs and states) over 3 steps and 4 layers
 
 
@@ -226,7 +229,7 @@ def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops:
     import kimi_decode.fused as fused_mod
     from bench.decode import main as bench_main
     fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
-    bench_main(["--variant", "fused", "--batch", "1", "8", "64", "--spec", "0", "7", "--reps", str(reps),
+    bench_main(["--variant", "stock", "fused", "--batch", "1", "8", "64", "--spec", "0", "7", "--reps", str(reps),
                 "--expert-impl", impl, "--json", str(out / "bench.json")] + ([] if compile_ops else ["--eager-ops"]))
 
 
@@ -340,6 +343,10 @@ def main() -> None:
     ap.add_argument("--isolated", help="(child process) check one kernel and exit")
     ap.add_argument("--kernels", nargs="*", help="skip the kernel checks: these passed them earlier")
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "step", "ref", "bench", "capture"])
+    ap.add_argument("--passed-file", type=Path,
+                    help="write the kernels that passed here (a path on the GPU machine, outside the tree: "
+                         "a second call on the same machine reads it with --kernels-from)")
+    ap.add_argument("--kernels-from", type=Path, help="skip the kernel checks: read the passing set from this file")
     args = ap.parse_args()
     if args.isolated:
         run_isolated(args.isolated)
@@ -356,24 +363,30 @@ def main() -> None:
     if timed["compile_ops"]:  # as kimi_decode/device_job.py: an op inductor cannot compile runs eagerly
         torch._dynamo.config.suppress_errors = True
     from kimi_decode.kernels import KERNELS
-    if args.kernels is not None:
+    if args.kernels_from is not None:
+        passed, krows = frozenset(json.loads(args.kernels_from.read_text())) & frozenset(KERNELS), []
+    elif args.kernels is not None:
         passed, krows = frozenset(args.kernels) & frozenset(KERNELS), []
     elif "kernels" in args.skip:
         passed, krows = frozenset(KERNELS), []
     else:
         passed, krows = kernel_checks(args.out, isolated_checks(args.out))
     log("kernels passing:", sorted(passed))
+    if args.passed_file is not None:
+        args.passed_file.write_text(json.dumps(sorted(passed)))
     steps = step_parity(passed, base) if "step" not in args.skip else []
     save(args.out, "step", steps)
     refs = reference_check(passed, base) if "ref" not in args.skip else []
     save(args.out, "reference", refs)
-    (args.out / "fused_correctness.md").write_text(report(krows, steps, refs, passed))
+    if krows or steps or refs:
+        (args.out / "fused_correctness.md").write_text(report(krows, steps, refs, passed))
+    timed_kernels = passed - OPT_IN
     # Captures first: they compile the op groups for the four shapes, which bench then reuses.
     if "capture" not in args.skip:
-        captures(args.out, passed, timed, args.steps, args.budget_s)
+        captures(args.out, timed_kernels, timed, args.steps, args.budget_s)
     if "bench" not in args.skip and time.time() - T0 < args.budget_s - args.bench_s:
         try:
-            bench(args.out, passed, impl, args.reps, timed["compile_ops"])
+            bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"])
         except Exception:
             traceback.print_exc()
         log("bench done")

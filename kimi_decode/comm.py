@@ -133,3 +133,27 @@ class SimComm:
             buf[self.rank].copy_(x)
             outs.append(torch.cat(buf.unbind(0), dim=1))                             # reads all slots
         return outs[0]
+
+    # Slot access for fused kernels (kimi_decode/fused.py). A one-shot collective over NVLink
+    # is "every rank writes its partial into a slot of every peer's buffer, then each consumer
+    # reads all slots"; a fused producer kernel writes its output straight into slot `rank`
+    # (no copy kernel) and a fused consumer kernel reads the `world` slots itself (no reduction
+    # kernel). These return the same persistent buffers the collectives above use, so the
+    # other ranks' slots hold what they hold there (zero: "the others contributed zero").
+
+    def ar_slots(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """The all-reduce buffer [world, *shape] for partials of `shape`."""
+        return self._buf("ar", (self.world, *shape), like)
+
+    def rs_slots(self, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter buffer [world, M, N / world] for partials [M, N]."""
+        return self._buf("rs", (self.world, shape[0], shape[1] // self.world), like)
+
+    def ag_slots(self, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        """The all-gather buffer [world, M, n] for slices [M, n]."""
+        return self._buf("ag", (self.world, *shape), like)
+
+    def gather_slots(self, buf: torch.Tensor) -> torch.Tensor:
+        """all_gather_cols' result from a filled all-gather buffer: one concatenation kernel,
+        on the current stream."""
+        return torch.cat(buf.unbind(0), dim=1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -63,14 +64,48 @@ def _kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool, k: object) -> torch.Tensor:
-    """x @ wᵀ. The per-M table: the CuTe GEMV (kernels/gemv.py) for M ≤ 8 where its shape
-    rules hold, else the stock path's own GEMM op `k.linear` (its skinny GEMM or cuBLAS)."""
+def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool, k: object,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ wᵀ. The per-M table: the CuTe GEMV (kernels/gemv.py) where its shape rules hold,
+    else the stock path's own GEMM op `k.linear` (its skinny GEMM or cuBLAS). With `out` (a
+    collective's slot, see comm.SimComm.ar_slots) the product is written there: by the GEMV
+    itself, or by cuBLAS (`torch.mm(out=)`), never through an extra copy."""
     if use_gemv:
         from kimi_decode.kernels.gemv import can_implement, gemv
         if x.is_contiguous() and can_implement(x.shape[0], w.shape[0], w.shape[1], (x.dtype, w.dtype)):
-            return gemv(x, w)
-    return k.linear(x, w)
+            return gemv(x, w) if out is None else gemv(x, w, out=out)
+    if out is None:
+        return k.linear(x, w)
+    return torch.mm(x, w.t(), out=out)
+
+
+@dataclass
+class Slots:
+    """A simulated all-reduce left unfinished: this rank's partial sits in slot `rank` of the
+    persistent buffer `buf` [world, M, N]; the consumer (the AttnRes kernel) sums the slots.
+    `reduce()` is what comm.all_reduce would have returned (the fallback when the consumer
+    kernel is off)."""
+
+    buf: torch.Tensor
+
+    def reduce(self) -> torch.Tensor:
+        return self.buf.sum(0)
+
+
+def _project_and_reduce(mod: nn.Module, o: torch.Tensor) -> torch.Tensor | Slots:
+    """o_proj then the all-reduce. With `mod.ar_slots` (tp_sim and the AttnRes kernel that
+    finishes the reduction) the projection writes this rank's slot and the reduction moves
+    into the next kernel: two launches fewer (the copy and the sum)."""
+    if getattr(mod, "ar_slots", False):
+        comm = mod.rt.comm
+        buf = comm.ar_slots((o.shape[0], mod.o_proj.shape[0]), o)
+        with op_range("o_proj"):
+            _linear(o, mod.o_proj, mod.use_gemv, mod.k, out=buf[comm.rank])
+        return Slots(buf)
+    with op_range("o_proj"):
+        out = _linear(o, mod.o_proj, mod.use_gemv, mod.k)
+    with op_range("all_reduce"):
+        return mod.rt.comm.all_reduce(out)
 
 
 def _restate(module: nn.Module, cls: type) -> nn.Module:
@@ -116,11 +151,20 @@ class AttnRes(stock.AttnRes):
     """prefix = delta or base + delta, optional block write, mix, RMSNorm: one kernel."""
 
     use_kernel = False
+    use_slots = False     # the kernel variant that sums all-reduce slots (kernel "attn_res_ar")
 
     def update_and_mix(self, base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, nb: int,
                        reset: bool, write_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(new prefix, normalised mix); with `write_slot`, blocks[:, write_slot] = new prefix
-        (the mix reads blocks[:nb] only, so the slot written is never a source)."""
+        (the mix reads blocks[:nb] only, so the slot written is never a source). `delta` may
+        be `Slots` (an all-reduce to finish): the kernel sums the slots itself."""
+        if isinstance(delta, Slots):
+            if self.use_kernel and self.use_slots:
+                from kimi_decode.kernels.attn_res import attn_res_rmsnorm
+                x, prefix = attn_res_rmsnorm(blocks, nb, base, self.w, self.norm, self.eps,
+                                             delta_slots=delta.buf, reset=reset, write_slot=write_slot)
+                return prefix, x
+            delta = delta.reduce()
         if not self.use_kernel:
             prefix, x = super().update_and_mix(base, delta, blocks, nb, reset)
             if write_slot is not None:
@@ -141,9 +185,11 @@ class KDAAttention(stock.KDAAttention):
 
     use_kernel = False
     use_gemv = False
+    ar_slots = False                               # o_proj writes its all-reduce slot
+    split_scratch: object | None = None            # kernels/kda_split.py's buffers when it is on
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.use_kernel or self.use_gemv):
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Slots:
+        if not (self.use_kernel or self.use_gemv or self.ar_slots):
             return super().forward(x)
         cfg, k = self.cfg, self.k
         H, d, P = cfg.kda_local_heads, cfg.kda_head_dim, cfg.kda_local_dim
@@ -154,8 +200,13 @@ class KDAAttention(stock.KDAAttention):
             with op_range("kda_recurrence"):
                 kcfg = KDAConfig(H, d, cfg.tokens_per_seq, cfg.in_proj_rows, cfg.gate_lower_bound,
                                  1e-6, cfg.rms_eps)
-                o = kda_decode(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias, self.a_log,
-                               self.rec_state, self.o_norm, kcfg)                     # [M, P]
+                if self.split_scratch is not None:       # many CTAs (kernels/kda_split.py)
+                    from kimi_decode.kernels.kda_split import kda_decode_split
+                    o = kda_decode_split(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias,
+                                         self.a_log, self.rec_state, self.o_norm, kcfg, self.split_scratch)
+                else:
+                    o = kda_decode(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias, self.a_log,
+                                   self.rec_state, self.o_norm, kcfg)                 # [M, P]
         else:                                                                          # stock ops
             qkv, gate_out = z[:, :3 * P], z[:, 3 * P:4 * P]
             f_a, beta_in = z[:, 4 * P:4 * P + d], z[:, 4 * P + d:4 * P + d + H]
@@ -168,10 +219,7 @@ class KDAAttention(stock.KDAAttention):
                            cfg.gate_lower_bound, H)
             with op_range("o_norm"):
                 o = k.gated_rms_norm(o, self.o_norm, gate_out, cfg.rms_eps, x.dtype)
-        with op_range("o_proj"):
-            out = _linear(o, self.o_proj, self.use_gemv, k)
-        with op_range("all_reduce"):
-            return self.rt.comm.all_reduce(out)
+        return _project_and_reduce(self, o)
 
 
 class MLAAttention(stock.MLAAttention):
@@ -179,9 +227,11 @@ class MLAAttention(stock.MLAAttention):
     until the gate multiply needs it (stock joins right after issuing it)."""
 
     use_gemv = False
+    ar_slots = False
+    attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if not self.use_gemv:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
+        if not (self.use_gemv or self.ar_slots or self.attend_scratch is not None):
             return super().forward(x, pos)
         cfg, fx, k, lin = self.cfg, self.fx, self.k, self.use_gemv
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
@@ -200,16 +250,18 @@ class MLAAttention(stock.MLAAttention):
             q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
         with op_range("mla_decode"):
             last = pos + self.t_off
-            o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
+            if self.attend_scratch is not None:           # one launch (kernels/mla_attend.py)
+                from kimi_decode.kernels.mla_attend import mla_attend
+                o_lat = mla_attend(q_full, self.cache, last, H, c, (nope + rope) ** -0.5,
+                                   scratch=self.attend_scratch)
+            else:
+                o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
         with op_range("uv_bmm"):
             o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
         _join(self.rt, g)
         with op_range("gate_mul"):
             o = fx["gate"](o.reshape(B * T, -1), g)
-        with op_range("o_proj"):
-            out = _linear(o, self.o_proj, lin, k)
-        with op_range("all_reduce"):
-            return self.rt.comm.all_reduce(out)
+        return _project_and_reduce(self, o)
 
 
 class LatentMoE(stock.LatentMoE):
@@ -217,11 +269,18 @@ class LatentMoE(stock.LatentMoE):
     L2 prefetch of the next layer's weights; experts and tail as stock."""
 
     use_router_kernel = False
+    use_router_fast = False      # kernels/router_fast.py (M ≤ 8)
     use_gemv = False
+    use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
+    use_experts_kernel = False   # kernels/moe_experts.py
+    use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     prefetch_target: torch.Tensor | None = None
 
     def _route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
+        if self.use_router_fast and y.shape[0] <= 8:
+            from kimi_decode.kernels.router_fast import route as route_fast
+            return route_fast(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
         if self.use_router_kernel:
             from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
             # past the GEMV rows the logits come from the stock path's router GEMM
@@ -231,35 +290,77 @@ class LatentMoE(stock.LatentMoE):
         logits = self.k.linear(y, self.router, torch.float32)                         # stock ops
         return self.fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)
 
+    def _shared(self, y: torch.Tensor) -> torch.Tensor:
+        """Shared expert partial [M, D]: gate/up GEMV, SiTU GLU, down GEMV; with the GEMV
+        variant the GLU is the down GEMV's prologue (one launch fewer)."""
+        cfg, Is = self.cfg, self.cfg.shared_local_inter
+        h = _linear(y, self.shared_gate_up, self.use_gemv, self.k)
+        if self.use_gemv_situ and y.shape[0] == 1:
+            from kimi_decode.kernels.gemv import gemv_situ
+            return gemv_situ(h, self.shared_down, Is, cfg.situ_beta, cfg.situ_linear_beta)
+        sh = self.fx["situ"](h, Is, cfg.situ_beta, cfg.situ_linear_beta)
+        return _linear(sh, self.shared_down, self.use_gemv, self.k)
+
+    def _experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_j w·expert_j(z): the two-kernel CuTe path (kernels/moe_experts.py) where it
+        applies, else the stock op; with `out`, written there (the all-reduce slot)."""
+        cfg = self.cfg
+        if self.use_experts_kernel:
+            from kimi_decode.kernels.moe_experts import can_implement, experts
+            if can_implement(z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,)):
+                return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out)
+        r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
+        return r if out is None else out.copy_(r)
+
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        cfg, fx = self.cfg, self.fx
-        Is, n = cfg.shared_local_inter, cfg.row_shard
+        cfg, comm = self.cfg, self.rt.comm
+        n = cfg.row_shard
         with _on_side(self.rt, y):
             with op_range("latent_down"):
                 z = _linear(y, self.down, self.use_gemv, self.k)                       # [M, L]
             with op_range("shared_expert"):
-                h = _linear(y, self.shared_gate_up, self.use_gemv, self.k)
-                sh = fx["situ"](h, Is, cfg.situ_beta, cfg.situ_linear_beta)
-                sh = _linear(sh, self.shared_down, self.use_gemv, self.k)              # [M, D] partial
+                sh = self._shared(y)                                                   # [M, D] partial
         with op_range("router"):
             idx, w = self._route(y)                                                    # [M, K]
             self.last_idx = idx
         _join(self.rt, z, sh)
+        rank = comm.rank
+        if self.use_up_kernel:
+            # the collectives finish inside kernels: experts write this rank's all-reduce slot,
+            # moe_up sums the slots (r and the shared reduce-scatter), normalises, projects,
+            # adds, and writes this rank's all-gather slot; one concatenation remains
+            from kimi_decode.kernels.moe_up import moe_up
+            r_buf = comm.ar_slots((y.shape[0], cfg.latent_dim), z)
+            with op_range("experts"):
+                self._experts(z, idx, w, out=r_buf[rank])
+            self._prefetch()
+            sh_buf = comm.rs_slots(tuple(sh.shape), sh)
+            ag_buf = comm.ag_slots((y.shape[0], n), sh)
+            with op_range("up_proj"):
+                moe_up(r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n],
+                       cfg.rms_eps, out=ag_buf[rank])
+            with op_range("moe_gather"):
+                return comm.gather_slots(ag_buf)
         with op_range("experts"):
-            r = fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
+            r = self._experts(z, idx, w)
+        self._prefetch()
+        with op_range("moe_tail"):
+            r = comm.all_reduce(r)                                                     # [M, L]
+            sh = comm.reduce_scatter_cols(sh)                                          # [M, D/tp]
+        with op_range("up_proj"):
+            part = self.fx["up"](r, self.latent_norm, self.up[rank * n:(rank + 1) * n], sh, cfg.rms_eps)
+        with op_range("moe_gather"):
+            return comm.all_gather_cols(part)
+
+    def _prefetch(self) -> None:
+        """The L2 prefetch of the next layer's first weight, on the side stream, while the
+        tail's collectives run (opt-in kernel "prefetch")."""
         if self.prefetch_target is not None:
             from kimi_decode.kernels.l2_prefetch import prefetch_l2
             with _on_side(self.rt), op_range("prefetch"):
                 prefetch_l2(self.prefetch_target, PREFETCH_BYTES)
             _join(self.rt)
-        with op_range("moe_tail"):
-            r = self.rt.comm.all_reduce(r)                                             # [M, L]
-            sh = self.rt.comm.reduce_scatter_cols(sh)                                  # [M, D/tp]
-        with op_range("up_proj"):
-            rank = self.rt.comm.rank
-            part = fx["up"](r, self.latent_norm, self.up[rank * n:(rank + 1) * n], sh, cfg.rms_eps)
-        with op_range("moe_gather"):
-            return self.rt.comm.all_gather_cols(part)
 
 
 class DenseMLP(stock.DenseMLP):
@@ -320,17 +421,41 @@ class FusedDecoder(StockDecoder):
         from kimi_decode.kernels import applicable
         dev = self.pos.device
         on = frozenset(k for k in kernels & VERIFIED if _kernels_usable(dev) and applicable(k, self.cfg))
+        cfg = self.cfg
+        # collectives finished inside kernels: only for the one-GPU simulation, whose slot
+        # buffers the kernels can address (real NCCL keeps its own collectives)
+        sim = bool(getattr(self.rt.comm, "simulated", False))
+        ar_slots = sim and {"attn_res", "attn_res_ar"} <= on and (
+            "gemv" not in on or "gemv_variants" in on)     # a GEMV writing a slot needs out=
         for i, layer in enumerate(self.layers):
             for res in (layer.attn_res, layer.mlp_res):
                 res.use_kernel = "attn_res" in on
+                res.use_slots = ar_slots
             if isinstance(layer.attn, KDAAttention):
-                layer.attn.use_kernel = "kda" in on
+                layer.attn.use_kernel = "kda" in on or "kda_split" in on
+                layer.attn.split_scratch = None
+                if "kda_split" in on:
+                    from kimi_decode.kernels.kda_decode import KDAConfig
+                    from kimi_decode.kernels.kda_split import make_scratch
+                    kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq,
+                                     cfg.in_proj_rows, cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
+                    layer.attn.split_scratch = make_scratch(kcfg, cfg.batch, dev)
+            if isinstance(layer.attn, MLAAttention):
+                layer.attn.attend_scratch = None
+                if "mla_attend" in on:
+                    from kimi_decode.kernels.mla_attend import make_scratch as mla_scratch
+                    layer.attn.attend_scratch = mla_scratch(cfg, dev)
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
+                layer.attn.ar_slots = ar_slots
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.use_router_kernel = "router" in on
+                layer.mlp.use_router_fast = "router_fast" in on
                 layer.mlp.use_gemv = "gemv" in on
-                if "router" in on and not hasattr(layer.mlp, "router_counter"):
+                layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
+                layer.mlp.use_experts_kernel = "experts" in on
+                layer.mlp.use_up_kernel = sim and "moe_up" in on
+                if ({"router", "router_fast"} & on) and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))
                 nxt = self.layers[i + 1].attn if i + 1 < len(self.layers) else None

@@ -252,8 +252,24 @@ def check_prefetch(timing: bool = True) -> list[dict]:
     return [r]
 
 
+def _module_check(name: str) -> Callable[..., list[dict]]:
+    """The GPU check of a second-round kernel: `check(timing)` of its module (imported late:
+    a module that fails to import fails only its own check)."""
+    def run(timing: bool = True) -> list[dict]:
+        import importlib
+
+        from kimi_decode.kernels import CHECK_MODULES
+        mod = importlib.import_module(f"kimi_decode.kernels.{CHECK_MODULES[name]}")
+        fn = getattr(mod, "check_ar" if name == "attn_res_ar" else
+                     "check_variants" if name == "gemv_variants" else "check")
+        return fn(timing=timing)
+    return run
+
+
 CHECKS = {"attn_res": check_attn_res, "router": check_router, "kda": check_kda,
-          "gemv": check_gemv, "prefetch": check_prefetch}
+          "gemv": check_gemv, "prefetch": check_prefetch,
+          **{name: _module_check(name) for name in ("kda_split", "experts", "router_fast", "attn_res_ar",
+                                                    "gemv_variants", "moe_up", "mla_attend")}}
 
 
 def _print(rows: list[dict]) -> None:
