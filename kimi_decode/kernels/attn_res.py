@@ -19,8 +19,29 @@ sources (L1/L2-resident: at most 9 × 14 KB per row), keeps h in registers (8·V
 reduces Σh² and writes the normalised row with 128-bit stores.
 score_s uses <v/rms, w> = <v, w> / rms, which needs no normalised copy of v.
 
+attn_res_ar mode (config `world` > 0; wrapper keyword `delta_slots`): the kernel also finishes
+the all-reduce in front of it (KIMI_K3.md: o_proj + all-reduce + AttnRes + RMSNorm). `delta`
+is then the all-reduce buffer [world, M, D] (the o_proj GEMV writes this rank's partial into
+slot `rank`; in real TP the peers write theirs into the other slots, as a one-shot NVLink
+all-reduce does; in the SimComm simulation they stay zero) and every rounding matches the stock
+path (SimComm.all_reduce = bf16 buf.sum(0), then stock res_mix):
+    delta   = bf16( Σ_{r=0..world-1} fp32(slot_r[m]) )   fp32 adds in slot order, one rounding
+    prefix' = delta                         (reset: a new block; prefix is not read)
+            = bf16( fp32(prefix) + fp32(delta) )          (otherwise; one rounding, as torch)
+    then the mix and RMSNorm above with v_nb = fp32(prefix'), out rounded once to bf16.
+prefix' is written (a new tensor; also to blocks[m, write_slot] when asked) and kept in
+registers (8·VPT floats) for pass 2, so the slots are read once. The buffer is seen as world·M
+rows (row r·M + m, M = gridDim.x) so all strides are static and every load is one 128-bit
+ld.global.v4: per thread world × VPT = 64 independent loads at TP16 (only the adds chain).
+Bytes per row: world × 14 KB (229 KB at TP16; slot `rank` L2-resident after the GEMV wrote it)
++ the usual sources. Expected at M = 1 (one CTA, latency-bound like the plain kernel: 4.4 us at
+nb = 1, 11.4 us at nb = 8 on the H200): about +2-4 us for the slot loads, i.e. ~7 us (nb = 1)
+/ ~14 us (nb = 8) against stock's copy + sum kernels + the res_mix op chain (~30-40 us eager).
+Without world (the default) the generated code is byte-identical to the plain kernel's.
+
 Check on the GPU (compares with the stock path's own ops and times both):
-    python -m kimi_decode.kernels.attn_res
+    python -m kimi_decode.kernels.attn_res          (attn_res)
+    python -m kimi_decode.kernels.attn_res ar       (attn_res_ar: check_ar)
 """
 from __future__ import annotations
 
@@ -40,6 +61,7 @@ from kimi_decode.kernels._common import (compile_options, TORCH_TO_CUTE, block_s
 
 VEC = 8          # elements per 128-bit bf16 vector
 MAX_SOURCES = 9  # 8 stored blocks + the live prefix (K3: ceil(93 / 12) = 8)
+MAX_WORLD = 32   # attn_res_ar: all-reduce slots summed (unrolled loads; K3 TP16: 16)
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,10 @@ class AttnResConfig:
     source_dtype: torch.dtype = torch.bfloat16   # blocks, prefix, delta
     out_dtype: torch.dtype = torch.bfloat16
     vec_per_thread: int = 4
+    # attn_res_ar mode (world > 0): `delta` is the all-reduce buffer [world, M, D] and the kernel
+    # sums its slots itself, delta = bf16(Σ_r slot_r) in slot order (needs has_delta)
+    world: int = 0
+    reset: bool = False          # (world > 0 only) prefix' = delta: a new block, prefix not read
 
     @property
     def threads(self) -> int:
@@ -61,11 +87,13 @@ class AttnResConfig:
 
 
 def can_implement(hidden: int, num_blocks: int, slots: int, dtypes: tuple[torch.dtype, ...],
-                  vec_per_thread: int = 4) -> bool:
-    """Shapes and dtypes this kernel supports (checked before compiling)."""
+                  vec_per_thread: int = 4, world: int = 0) -> bool:
+    """Shapes and dtypes this kernel supports (checked before compiling); `world` > 0: the
+    attn_res_ar mode's number of all-reduce slots (unrolled, so bounded)."""
     threads = hidden // (VEC * vec_per_thread)
     return (hidden % (VEC * vec_per_thread) == 0 and threads % 32 == 0 and 32 <= threads <= 1024
             and 0 <= num_blocks <= slots and num_blocks + 1 <= MAX_SOURCES
+            and 0 <= world <= MAX_WORLD
             and all(d in (torch.bfloat16, torch.float16, torch.float32) for d in dtypes))
 
 
@@ -96,7 +124,12 @@ class AttnResRMSNorm:
                                                          stride=(slots * self.D, self.D, VEC, 1)))
         mW = cute.make_tensor(w_mix, cute.make_layout((self.nv, VEC), stride=(VEC, 1)))
         mN = cute.make_tensor(norm_w, cute.make_layout((self.nv, VEC), stride=(VEC, 1)))
-        self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), self._rows(delta, m),
+        # attn_res_ar: the all-reduce buffer [world, M, D] seen as world·M rows (row r·M + m),
+        # so every stride stays static and the 128-bit alignment of each vector is known
+        n_del = m
+        if cutlass.const_expr(self.cfg.world > 0):
+            n_del = m * self.cfg.world
+        self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), self._rows(delta, n_del),
                     self._rows(prefix_out, m), mW, mN, write_slot, eps).launch(
             grid=[m, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -118,6 +151,36 @@ class AttnResRMSNorm:
                 for j in cutlass.range_constexpr(VEC):
                     acc[j] = (acc[j] + buf[j].to(Float32)).to(self.src_t).to(Float32)
 
+    @cute.jit
+    def sum_slots(self, row: Int32, write_slot: Int32, mBlk: cute.Tensor, mP: cute.Tensor,
+                  mDel: cute.Tensor, mPOut: cute.Tensor, buf: cute.Tensor, pv: cute.Tensor):
+        """attn_res_ar: pv[i, :] = prefix' at this thread's vector i (fp32 of the stored value):
+        delta = bf16(Σ_{r<world} slot_r) summed in fp32 in slot order r = 0, 1, ..; prefix' =
+        delta (reset) or bf16(prefix + delta); prefix' written to mPOut (and the block slot)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        nrows, _, _ = cute.arch.grid_dim()          # M (one CTA per row)
+        pv.fill(0.0)
+        # all world·vpt 128-bit loads are independent (only the adds chain), so they overlap
+        for r in cutlass.range_constexpr(self.cfg.world):
+            for i in cutlass.range_constexpr(self.vpt):
+                c = tidx + i * self.threads
+                cute.autovec_copy(mDel[r * nrows + row, c, None], buf)
+                for j in cutlass.range_constexpr(VEC):
+                    pv[i, j] = pv[i, j] + buf[j].to(Float32)
+        for i in cutlass.range_constexpr(self.vpt):
+            c = tidx + i * self.threads
+            for j in cutlass.range_constexpr(VEC):
+                pv[i, j] = pv[i, j].to(self.src_t).to(Float32)          # delta: the all-reduce output
+            if cutlass.const_expr(not self.cfg.reset):
+                cute.autovec_copy(mP[row, c, None], buf)
+                for j in cutlass.range_constexpr(VEC):
+                    pv[i, j] = (buf[j].to(Float32) + pv[i, j]).to(self.src_t).to(Float32)
+            for j in cutlass.range_constexpr(VEC):
+                buf[j] = pv[i, j].to(self.src_t)
+            cute.autovec_copy(buf, mPOut[row, c, None])
+            if cutlass.const_expr(self.cfg.has_write):
+                cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
+
     @cute.kernel
     def kernel(self, mOut: cute.Tensor, mBlk: cute.Tensor, mP: cute.Tensor, mDel: cute.Tensor,
                mPOut: cute.Tensor, mW: cute.Tensor, mN: cute.Tensor, write_slot: Int32,
@@ -134,23 +197,37 @@ class AttnResRMSNorm:
         dw = cute.make_rmem_tensor(cute.make_layout(self.nsrc), Float32)
         score = cute.make_rmem_tensor(cute.make_layout(self.nsrc), Float32)
 
+        # attn_res_ar: prefix' of this thread's vectors, kept in registers for both passes
+        pv = None
+        if cutlass.const_expr(self.cfg.world > 0):
+            pv = cute.make_rmem_tensor(cute.make_layout((self.vpt, VEC), stride=(VEC, 1)), Float32)
+
         # Pass 1: per source, sum of squares and dot with w (and prefix' written once).
         for s in cutlass.range_constexpr(self.nsrc):
             a_ss = Float32(0.0)
             a_dw = Float32(0.0)
-            for i in cutlass.range_constexpr(self.vpt):
-                c = tidx + i * self.threads
-                cute.autovec_copy(mW[c, None], wbuf)
-                self.load_source(s, row, c, mBlk, mP, mDel, buf, acc)
-                for j in cutlass.range_constexpr(VEC):
-                    a_ss += acc[j] * acc[j]
-                    a_dw += acc[j] * wbuf[j]
-                if cutlass.const_expr(s == self.nsrc - 1 and self.cfg.has_delta):
+            if cutlass.const_expr(self.cfg.world > 0 and s == self.nsrc - 1):
+                self.sum_slots(row, write_slot, mBlk, mP, mDel, mPOut, buf, pv)
+                for i in cutlass.range_constexpr(self.vpt):
+                    c = tidx + i * self.threads
+                    cute.autovec_copy(mW[c, None], wbuf)
                     for j in cutlass.range_constexpr(VEC):
-                        buf[j] = acc[j].to(self.src_t)
-                    cute.autovec_copy(buf, mPOut[row, c, None])
-                    if cutlass.const_expr(self.cfg.has_write):
-                        cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
+                        a_ss += pv[i, j] * pv[i, j]
+                        a_dw += pv[i, j] * wbuf[j]
+            else:
+                for i in cutlass.range_constexpr(self.vpt):
+                    c = tidx + i * self.threads
+                    cute.autovec_copy(mW[c, None], wbuf)
+                    self.load_source(s, row, c, mBlk, mP, mDel, buf, acc)
+                    for j in cutlass.range_constexpr(VEC):
+                        a_ss += acc[j] * acc[j]
+                        a_dw += acc[j] * wbuf[j]
+                    if cutlass.const_expr(s == self.nsrc - 1 and self.cfg.has_delta):
+                        for j in cutlass.range_constexpr(VEC):
+                            buf[j] = acc[j].to(self.src_t)
+                        cute.autovec_copy(buf, mPOut[row, c, None])
+                        if cutlass.const_expr(self.cfg.has_write):
+                            cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
             ss[s] = block_sum(a_ss, red, 2 * s, self.warps)
             dw[s] = block_sum(a_dw, red, 2 * s + 1, self.warps)
 
@@ -170,11 +247,16 @@ class AttnResRMSNorm:
         h = cute.make_rmem_tensor(cute.make_layout((self.vpt, VEC), stride=(VEC, 1)), Float32)
         h.fill(0.0)
         for s in cutlass.range_constexpr(self.nsrc):
-            for i in cutlass.range_constexpr(self.vpt):
-                c = tidx + i * self.threads
-                self.load_source(s, row, c, mBlk, mP, mDel, buf, acc)
-                for j in cutlass.range_constexpr(VEC):
-                    h[i, j] = h[i, j] + score[s] * acc[j]
+            if cutlass.const_expr(self.cfg.world > 0 and s == self.nsrc - 1):
+                for i in cutlass.range_constexpr(self.vpt):
+                    for j in cutlass.range_constexpr(VEC):
+                        h[i, j] = h[i, j] + score[s] * pv[i, j]
+            else:
+                for i in cutlass.range_constexpr(self.vpt):
+                    c = tidx + i * self.threads
+                    self.load_source(s, row, c, mBlk, mP, mDel, buf, acc)
+                    for j in cutlass.range_constexpr(VEC):
+                        h[i, j] = h[i, j] + score[s] * acc[j]
         a_h = Float32(0.0)
         for i in cutlass.range_constexpr(self.vpt):
             for j in cutlass.range_constexpr(VEC):
@@ -200,13 +282,24 @@ def compile_for(cfg: AttnResConfig, norm_dtype: torch.dtype) -> object:
     return compiled(("attn_res", cfg, norm_dtype), build)
 
 
-def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor,
+def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,
                      w_mix: torch.Tensor, norm_w: torch.Tensor, eps: float,
                      delta: torch.Tensor | None = None, write_slot: int | None = None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     out: torch.Tensor | None = None, *, delta_slots: torch.Tensor | None = None,
+                     reset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on the current stream. blocks [M, slots, D]; prefix, delta [M, D]; w_mix [D] fp32
     (w_norm ⊙ w_proj); norm_w [D]. Returns (out [M, D] bf16, prefix' [M, D]); with a delta,
-    prefix' is a new tensor (and blocks[:, write_slot] is overwritten by it when asked)."""
+    prefix' is a new tensor (and blocks[:, write_slot] is overwritten by it when asked).
+
+    attn_res_ar: `delta_slots` [world, M, D] (contiguous, the all-reduce buffer: every rank's
+    partial in its slot) instead of `delta`: delta = bf16(Σ_r delta_slots[r]) summed in fp32 in
+    slot order, prefix' = delta if `reset` (then `prefix` is not read and may be None) else
+    bf16(prefix + delta); prefix' is a new tensor."""
+    if delta_slots is not None:
+        return _attn_res_ar(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta, write_slot, out,
+                            delta_slots, reset)
+    if reset:
+        raise ValueError("reset=True needs delta_slots (without them pass prefix=delta, no delta)")
     m, slots, d = blocks.shape
     if write_slot is not None and delta is None:  # nothing to compute: prefix' is prefix
         blocks[:, write_slot].copy_(prefix)
@@ -228,10 +321,64 @@ def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor
     return out, new_prefix
 
 
-def reference(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor, w_mix: torch.Tensor,
-              norm_w: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+def _attn_res_ar(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,
+                 w_mix: torch.Tensor, norm_w: torch.Tensor, eps: float, delta: torch.Tensor | None,
+                 write_slot: int | None, out: torch.Tensor | None, delta_slots: torch.Tensor,
+                 reset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_res_rmsnorm with delta_slots (the attn_res_ar variant); shapes checked here."""
+    m, slots, d = blocks.shape
+    dt = delta_slots.dtype
+    world = delta_slots.shape[0] if delta_slots.dim() == 3 else 0
+    if delta is not None:
+        raise ValueError("pass delta or delta_slots, not both")
+    if world < 1 or tuple(delta_slots.shape[1:]) != (m, d):
+        raise ValueError(f"delta_slots must be [world, {m}, {d}], got {tuple(delta_slots.shape)}")
+    if blocks.dtype != dt or (not reset and (prefix is None or prefix.dtype != dt
+                                             or tuple(prefix.shape) != (m, d))):
+        raise ValueError("blocks, prefix and delta_slots must share one dtype (prefix [M, D])")
+    if not can_implement(d, num_blocks, slots, (dt, norm_w.dtype), world=world):
+        raise ValueError(f"attn_res_ar kernel cannot run hidden={d} nb={num_blocks} slots={slots} "
+                         f"world={world}")
+    if world * m * d >= 2 ** 31:  # row index r·M + m times D stays in int32
+        raise ValueError("attn_res_ar: world · M · D must be < 2^31")
+    if write_slot is not None and not num_blocks <= write_slot < slots:
+        raise ValueError("write_slot must be in [num_blocks, slots): the mix reads blocks[:nb]")
+    if w_mix.dtype != torch.float32:
+        raise ValueError("w_mix must be fp32")
+    cfg = AttnResConfig(d, num_blocks, slots, True, write_slot is not None, dt, world=world,
+                        reset=reset)
+    out = torch.empty(m, d, dtype=torch.bfloat16, device=blocks.device) if out is None else out
+    new_prefix = torch.empty(m, d, dtype=dt, device=blocks.device)
+    fn = compile_for(cfg, norm_w.dtype)
+    fn(ptr(out), ptr(blocks), ptr(new_prefix if reset else prefix), ptr(delta_slots),
+       ptr(new_prefix), ptr(w_mix), ptr(norm_w), Int32(m), Int32(write_slot or 0), Float32(eps),
+       current_stream())
+    return out, new_prefix
+
+
+def slot_sum(delta_slots: torch.Tensor) -> torch.Tensor:
+    """The all-reduce output the attn_res_ar kernel computes: Σ_r delta_slots[r] in fp32, slot
+    order r = 0, 1, .., rounded once to the slots' dtype."""
+    acc = torch.zeros(delta_slots.shape[1:], dtype=torch.float32, device=delta_slots.device)
+    for r in range(delta_slots.shape[0]):
+        acc = acc + delta_slots[r].float()
+    return acc.to(delta_slots.dtype)
+
+
+def prefix_reference(prefix: torch.Tensor | None, delta_slots: torch.Tensor, reset: bool) -> torch.Tensor:
+    """prefix' of the attn_res_ar kernel, exactly (stored dtype): delta or prefix + delta."""
+    delta = slot_sum(delta_slots)
+    return delta if reset else prefix + delta
+
+
+def reference(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None, w_mix: torch.Tensor,
+              norm_w: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
+              delta_slots: torch.Tensor | None = None, reset: bool = False) -> torch.Tensor:
     """float64 statement of the formula in the module docstring (for the kernel check only;
-    the parity check against stock lives in the fused-vs-stock test)."""
+    the parity check against stock lives in the fused-vs-stock test). With `delta_slots`
+    (attn_res_ar) prefix' is prefix_reference(prefix, delta_slots, reset)."""
+    if delta_slots is not None:
+        prefix, delta = prefix_reference(prefix, delta_slots, reset), None
     p = prefix if delta is None else prefix + delta     # stored in prefix's dtype first
     p = p.double()
     v = torch.cat([blocks[:, :num_blocks].double(), p[:, None]], dim=1)      # [M, S, D]
@@ -241,6 +388,94 @@ def reference(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor, w_mix
     return h * (h.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * norm_w.double()
 
 
+def check_ar(timing: bool = True, rows: tuple[int, ...] = (1, 8, 64), nbs: tuple[int, ...] = (1, 8),
+             world: int = 16) -> list[dict]:
+    """attn_res_ar kernel vs stock: SimComm(world).all_reduce(x) then the stock
+    AttnRes.update_and_mix (reset False and True, with and without a block write), at K3 width.
+    fill "zero": the simulation's buffer (this rank's partial, other slots zero): prefix' and
+    blocks equal stock's. fill "random": every other slot random too (the real TP case):
+    prefix' and blocks equal the slot-order torch sum (prefix_reference); stock's buf.sum(0)
+    may round a few elements differently (its fp32 summation order is its own), so those are
+    counted (`prefix_mismatch_vs_stock`, ≤ 1e-3 of the elements). The mix: rel ≤ 1e-2 vs stock
+    and ≤ 1.5 × stock's + 1e-3 vs float64. Timing (fill zero, no write): stock all_reduce +
+    update_and_mix vs the kernel alone (the o_proj GEMV writes slot `rank` itself) and vs
+    slot copy + kernel (`kernel_copy_us`, if the GEMV cannot write into the slot)."""
+    from kimi_decode.comm import SimComm
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.checks import _sync, rel, time_us
+    from kimi_decode.stock import AttnRes
+    from kimi_decode.weights import Seeder
+    cfg = k3_tp16()
+    dev = torch.device(checks.DEVICE)
+    D, n_slots = cfg.hidden, cfg.attn_res_slots
+    mod = AttnRes(cfg, Seeder(cfg, dev).sub("check.attn_res_ar"))
+    out = []
+    for fill in ("zero", "random"):
+        comm = SimComm(dev, world)                     # fresh (zeroed) buffers per fill
+        for m in rows:
+            for nb in nbs:
+                for reset in (False, True):
+                    for write in (False, True):
+                        slot = nb if write else None
+                        if slot is not None and slot >= n_slots:
+                            continue
+                        gen = torch.Generator(device=dev).manual_seed(1000 * m + 10 * nb + 2 * reset + write)
+                        blocks = torch.randn(m, n_slots, D, generator=gen, device=dev).bfloat16()
+                        base = torch.randn(m, D, generator=gen, device=dev).bfloat16()
+                        x = torch.randn(m, D, generator=gen, device=dev).bfloat16()  # this rank's partial
+                        buf = comm._buf("ar", (world, m, D), x)
+                        if fill == "random":
+                            buf.copy_(0.25 * torch.randn(world, m, D, generator=gen, device=dev))
+                        buf[comm.rank].copy_(x)               # what the o_proj GEMV writes
+                        b_s, b_k, b_r = blocks.clone(), blocks.clone(), blocks.clone()
+                        with torch.no_grad():
+                            ar = comm.all_reduce(x)
+                            p_s, x_s = mod.update_and_mix(base, ar, b_s, nb, reset)
+                            if slot is not None:
+                                b_s[:, slot].copy_(p_s)
+                            x_k, p_k = attn_res_rmsnorm(b_k, nb, base, mod.w, mod.norm, cfg.rms_eps,
+                                                        write_slot=slot, delta_slots=buf, reset=reset)
+                        _sync()
+                        p_r = prefix_reference(base, buf, reset)
+                        if slot is not None:
+                            b_r[:, slot].copy_(p_r)
+                        ref = reference(blocks, nb, base, mod.w, mod.norm, cfg.rms_eps,
+                                        delta_slots=buf, reset=reset)
+                        e_ks, e_k, e_s = rel(x_k, x_s), rel(x_k, ref), rel(x_s, ref)
+                        mism = float((p_k != p_s).double().mean())
+                        ok = (e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(p_k, p_r)
+                              and torch.equal(b_k, b_r)
+                              and (mism <= 1e-3 if fill == "random"
+                                   else torch.equal(p_k, p_s) and torch.equal(b_k, b_s)))
+                        r = {"kernel": "attn_res_ar", "M": m, "nb": nb, "reset": reset,
+                             "write": slot is not None, "fill": fill, "world": world,
+                             "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+                             "prefix_equal_ref": torch.equal(p_k, p_r),
+                             "prefix_mismatch_vs_stock": mism, "ok": ok}
+                        if timing and fill == "zero" and slot is None:
+                            def stock_call() -> None:
+                                mod.update_and_mix(base, comm.all_reduce(x), b_s, nb, reset)
+
+                            def kernel_call() -> None:
+                                attn_res_rmsnorm(b_k, nb, base, mod.w, mod.norm, cfg.rms_eps,
+                                                 delta_slots=buf, reset=reset)
+
+                            def copy_kernel_call() -> None:
+                                buf[comm.rank].copy_(x)
+                                kernel_call()
+                            r["stock_us"] = time_us(stock_call)
+                            r["kernel_us"] = time_us(kernel_call)
+                            r["kernel_copy_us"] = time_us(copy_kernel_call)
+                        out.append(r)
+    return out
+
+
 if __name__ == "__main__":
-    from kimi_decode.kernels.checks import main_attn_res
-    main_attn_res()
+    import sys
+
+    from kimi_decode.kernels.checks import _print, main_attn_res
+    if sys.argv[1:] == ["ar"]:     # python -m kimi_decode.kernels.attn_res ar
+        _print(check_ar())
+    else:
+        main_attn_res()
