@@ -56,9 +56,10 @@ from cutlass import Float32, Int32
 from kimi_decode.kernels._common import block_sum, compile_options, compiled, current_stream, dummy_ptr, ptr
 
 VEC = 8          # bf16 elements per 128-bit vector
-WARPS = 8        # warps (output columns) per CTA
-CHUNK = 4        # rows of xn held in shared memory at once (4 × 7 KB at L = 3584)
+WARPS = 8        # warps (output columns) per CTA: the default (alternatives timed by check())
+CHUNK = 4        # at most this many rows of xn in shared memory at once (4 × 7 KB at L = 3584)
 MAX_ROWS = 8
+ALT_WARPS = (4, 16)   # CTA sizes check() also verifies and times (112 / 28 CTAs at n = 448)
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,16 @@ class MoeUpConfig:
     latent: int
     n: int
     world: int
+    warps: int = WARPS
 
 
-def can_implement(m: int, latent: int, n: int, world: int, dtypes: tuple[torch.dtype, ...]) -> bool:
-    """M ≤ 8, L a multiple of 256 (8 elements × 32 lanes), n a multiple of WARPS (every warp
-    owns a column: no partial CTAs), world ≤ 32 (one shared partial per lane), all bf16."""
-    return (1 <= m <= MAX_ROWS and latent % (VEC * 32) == 0 and latent > 0 and n % WARPS == 0
-            and n > 0 and 1 <= world <= 32 and all(d == torch.bfloat16 for d in dtypes))
+def can_implement(m: int, latent: int, n: int, world: int, dtypes: tuple[torch.dtype, ...],
+                  warps: int = WARPS) -> bool:
+    """M ≤ 8, L a multiple of 256 (8 elements × 32 lanes), n a multiple of the warps per CTA
+    (every warp owns a column: no partial CTAs), world ≤ 32 (one shared partial per lane),
+    all bf16."""
+    return (1 <= m <= MAX_ROWS and latent % (VEC * 32) == 0 and latent > 0 and warps in (4, 8, 16)
+            and n % warps == 0 and n > 0 and 1 <= world <= 32 and all(d == torch.bfloat16 for d in dtypes))
 
 
 class MoeUp:
@@ -83,12 +87,13 @@ class MoeUp:
 
     def __init__(self, cfg: MoeUpConfig) -> None:
         self.cfg = cfg
-        self.threads = WARPS * 32
+        self.warps = cfg.warps
+        self.threads = cfg.warps * 32
         self.nv = cfg.latent // VEC                        # 128-bit vectors per latent row
         self.nv_lane = self.nv // 32                       # weight slices per lane (14)
         self.it = (self.nv + self.threads - 1) // self.threads   # prologue vectors per thread (2)
-        self.exact = self.nv % self.threads == 0
-        self.chunk = min(cfg.rows, CHUNK)
+        # rows per chunk: ≤ 4 (smem), and ≤ 8 vectors of r kept in registers per thread
+        self.chunk = min(cfg.rows, CHUNK, max(1, 8 // self.it))
         self.chunks = (cfg.rows + self.chunk - 1) // self.chunk
 
     @cute.jit
@@ -104,7 +109,7 @@ class MoeUp:
         mW = cute.make_tensor(up_rows, cute.make_layout((n, nv, VEC), stride=(L, VEC, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
         self.kernel(mR, mS, mF, mN, mW, mO, rank, eps).launch(
-            grid=[n // WARPS, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[n // self.warps, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mR: cute.Tensor, mS: cute.Tensor, mF: cute.Tensor, mN: cute.Tensor,
@@ -113,7 +118,7 @@ class MoeUp:
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes (a full-warp shuffle)
         lane = cute.arch.lane_idx()
-        col = bidx * WARPS + warp            # < n: the grid is exactly n / WARPS CTAs
+        col = bidx * self.warps + warp       # < n: the grid is exactly n / warps CTAs
         M, n, world = self.cfg.rows, self.cfg.n, self.cfg.world
         C = self.chunk
         bf16 = mW.element_type
@@ -121,7 +126,7 @@ class MoeUp:
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(bf16, cute.make_layout((C, self.nv, VEC), stride=(self.nv * VEC, VEC, 1)),
                                   byte_alignment=16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((M, WARPS), stride=(WARPS, 1)), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((M, self.warps), stride=(self.warps, 1)), byte_alignment=16)
 
         # 1. this warp's whole weight row into registers (all loads in flight at once)
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
@@ -165,7 +170,7 @@ class MoeUp:
                             rv[j, i, e] = acc8[e].to(bf16).to(Float32)
                     for e in cutlass.range_constexpr(VEC):
                         ss += rv[j, i, e] * rv[j, i, e]
-                tot = block_sum(ss, red, m0 + j, WARPS)
+                tot = block_sum(ss, red, m0 + j, self.warps)
                 rstd = cute.math.rsqrt(tot / Float32(self.cfg.latent) + eps)
                 # 3b. xn = bf16(r · rstd · norm) into shared memory (this thread's vectors)
                 for i in cutlass.range_constexpr(self.it):
@@ -203,7 +208,7 @@ def compile_for(cfg: MoeUpConfig) -> object:
 
 def moe_up(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,
            latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, *, warps: int = WARPS) -> torch.Tensor:
     """Launch on the current stream. r_slots [world, M, L], sh_slots [world, M, n],
     sh_full [M, world·n] (this rank's full shared partial), latent_norm [L], up_rows [n, L]
     (rows rank·n:(rank+1)·n of up); all contiguous bf16. Writes and returns part [M, n] (into
@@ -213,13 +218,13 @@ def moe_up(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor,
     dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
     if (tuple(sh_slots.shape) != (world, m, n) or tuple(sh_full.shape) != (m, world * n)
             or tuple(latent_norm.shape) != (L,) or tuple(up_rows.shape) != (n, L)
-            or not 0 <= rank < world or not can_implement(m, L, n, world, dtypes)):
+            or not 0 <= rank < world or not can_implement(m, L, n, world, dtypes, warps)):
         raise ValueError(f"moe_up kernel cannot run M={m} L={L} n={n} world={world} rank={rank}")
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
         raise ValueError("out must be [M, n] bf16")
-    compile_for(MoeUpConfig(m, L, n, world))(ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm),
+    compile_for(MoeUpConfig(m, L, n, world, warps))(ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm),
                                              ptr(up_rows), ptr(out), Int32(rank), Float32(eps),
                                              current_stream())
     return out
@@ -303,6 +308,8 @@ def check(timing: bool = True) -> list[dict]:
                     y_k = moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
                     dst = torch.full((world, m, n), 7.0, dtype=torch.bfloat16, device=dev)
                     moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, out=dst[rank])
+                    y_alt = {w: moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, warps=w)
+                             for w in ALT_WARPS}
                 _sync()
                 ref = reference(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
                 e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
@@ -310,8 +317,13 @@ def check(timing: bool = True) -> list[dict]:
                 out_ok = torch.equal(dst[rank], y_k) and bool((others == 7.0).all())
                 row = {"kernel": "moe_up", "M": m, "rank": rank, "case": case, "rel_vs_stock": e_ks,
                        "rel_vs_stock_op": e_kop, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
-                       "out_slot_ok": out_ok,
-                       "ok": (e_ks <= 1e-2 and e_kop <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and out_ok)}
+                       "out_slot_ok": out_ok}
+                alt_ok = True
+                for w, y_w in y_alt.items():   # other CTA sizes: same math, other block_sum order
+                    row[f"w{w}_rel_vs_stock"] = rel(y_w, y_s)
+                    alt_ok &= rel(y_w, y_s) <= 1e-2 and rel(y_w, ref) <= 1.5 * e_s + 1e-3
+                row["ok"] = (e_ks <= 1e-2 and e_kop <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and out_ok
+                             and alt_ok)
                 if timing and case == "simcomm" and rank == 0:
                     comm = SimComm(dev, world, rank)
 
@@ -328,6 +340,9 @@ def check(timing: bool = True) -> list[dict]:
                         row["stock_up_only_us"] = time_us(stock_up)
                         row["kernel_us"] = time_us(lambda: moe_up(r_slots, sh_slots, sh_loc, rank, norm,
                                                                   up_rows, eps, out=dst[rank]))
+                        for w in ALT_WARPS:
+                            row[f"kernel_us_w{w}"] = time_us(lambda: moe_up(r_slots, sh_slots, sh_loc, rank, norm,
+                                                                            up_rows, eps, out=dst[rank], warps=w))
                     row["kernel_tbs"] = (n * L * 2) / (row["kernel_us"] * 1e-6) / 1e12
                 out.append(row)
     return out

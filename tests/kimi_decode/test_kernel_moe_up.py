@@ -61,26 +61,30 @@ def shuffles_in_branches(ptx: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("m", [1, 8])
-def test_compiles_to_sm90a(tmp_path: Path, m: int) -> None:
+@pytest.mark.parametrize("warps,m", [(8, 1), (8, 8), (4, 1), (16, 1)])
+def test_compiles_to_sm90a(tmp_path: Path, warps: int, m: int) -> None:
+    """The default CTA (8 warps) at M = 1 and 8, and the CTA sizes check() also times."""
     assert N == 448 and L == 3584 and WORLD == 16
-    cfg = k_up.MoeUpConfig(m, L, N, WORLD)
+    cfg = k_up.MoeUpConfig(m, L, N, WORLD, warps)
     ptx = ptx_of(tmp_path, k_up.MoeUp(cfg), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), Int32(0), Float32(1e-5))
     assert ".target sm_90a" in ptx
+    assert f".reqntid {32 * warps}, 1, 1" in ptx            # ptxas fits registers to the CTA size
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert not shuffles_in_branches(ptx)
     lines = [x.strip() for x in ptx.splitlines()]
     v4 = [i for i, x in enumerate(lines) if x.startswith("ld.global.v4")]
-    chunks = (m + 3) // 4
+    it = -(-(L // 8) // (32 * warps))                       # r vectors per thread per row
+    chunk = min(m, 4, max(1, 8 // it))
+    chunks = -(-m // chunk)
     slices = L // 256
-    # weight slices + slot vectors (16 slots x 2 vectors per thread per row) + norm vectors
-    assert len(v4) == slices + m * 2 * WORLD + m * 2
+    # weight slices + slot vectors (16 slots per r vector) + norm vectors
+    assert len(v4) == slices + m * it * WORLD + m * it
     bars = [i for i, x in enumerate(lines) if x.startswith("bar.sync")]
-    assert len(bars) == m + chunks + (chunks - 1)
+    assert len(bars) == m + chunks + (chunks - 1)           # block_sum per row; per chunk: xn ready, reuse
     assert all(i < bars[0] for i in v4[:slices])          # the weight stream is issued first
-    assert sum(x.startswith("st.shared.v4") for x in lines) == 2 * m
-    # xn vectors per weight slice and row, + block_sum's read of the 8 warp sums per row
-    assert sum(x.startswith("ld.shared.v4") for x in lines) == slices * m + 2 * m
+    assert sum(x.startswith("st.shared.v4") for x in lines) == it * m
+    # xn vectors per weight slice and row, + block_sum's read of the warp sums per row
+    assert sum(x.startswith("ld.shared.v4") for x in lines) == slices * m + (warps // 4) * m
     assert sum(x.startswith("st.global") for x in lines) == m
 
 
@@ -90,6 +94,8 @@ def test_can_implement() -> None:
     assert not k_up.can_implement(9, L, N, WORLD, (bf,) * 5)
     assert not k_up.can_implement(1, 32, 4, 16, (torch.float32,))       # tiny CPU config
     assert not k_up.can_implement(1, L, N, WORLD, (bf, torch.float32))
+    assert not k_up.can_implement(1, L, 452, WORLD, (bf,))                 # n % warps
+    assert not k_up.can_implement(1, L, N, WORLD, (bf,), warps=7)
     with pytest.raises(ValueError):
         k_up.moe_up(torch.zeros(WORLD, 1, L, dtype=bf), torch.zeros(WORLD, 1, N, dtype=bf),
                     torch.zeros(1, D, dtype=bf), WORLD, torch.ones(L, dtype=bf),
@@ -142,7 +148,7 @@ def test_reference_equals_stock_all_slots(m: int, rank: int) -> None:
     assert checks.rel(k_up.stock(r_slots, sh_slots, sh_full * 0, rank, norm, up_rows, K3.rms_eps), y_s) > 0.1
 
 
-def emulate(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None, read_own_slot=False):
+def emulate(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None, read_own_slot=False, warps=8):
     """The kernel's contract in torch, with its rounding points (fp32 math, bf16 stores)."""
     n = up_rows.shape[0]
     r = r_slots.float().sum(0).to(bf).float()
@@ -173,6 +179,6 @@ def test_check_runs_and_can_fail(monkeypatch) -> None:
     rows = k_up.check(timing=False)
     assert len(rows) == 8 and {r["M"] for r in rows} == {1, 8}
     assert all(r["ok"] for r in rows), rows
-    assert all(r["kernel"] == "moe_up" for r in rows)
+    assert all(r["kernel"] == "moe_up" and "w4_rel_vs_stock" in r for r in rows)
     monkeypatch.setattr(k_up, "moe_up", lambda *a, **k: emulate(*a, **k, read_own_slot=True))
     assert not any(r["ok"] for r in k_up.check(timing=False))
