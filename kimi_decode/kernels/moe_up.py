@@ -20,22 +20,26 @@ Triton skinny GEMM's norm prologue rounds the same way), the bf16 matmul output,
 add `... + shared`. Slot `rank` of sh_slots is never read (this rank's contribution is its own
 column slice of sh_full).
 
-Layout: one warp per output column j (a row of up_rows [n, L]); grid = n / WARPS CTAs of WARPS
-warps (K3 TP16: n = 448, 8 warps → 56 CTAs, every warp valid). Per warp:
+Layout: one warp per output column j (a row of up_rows [n, L]); grid = n / warps CTAs of `warps`
+warps (default 8; K3 TP16: n = 448 → 56 CTAs, every warp valid; check() also verifies and
+times 4 and 16 warps: 112 / 28 CTAs). Per warp:
   1. Lane l issues all of its weight loads at once: the 128-bit slices l, l+32, ... of
      up_rows[j] (L/256 = 14 slices, 56 registers), so the whole 3.2 MB weight is in flight
      from HBM while the CTA does the collective sums (the load latency hides under them).
   2. Lane s < world loads its shared partial for every row m (slot s, or sh_full for s = rank).
-  3. CTA prologue, per chunk of ≤ 4 rows: each thread sums the world slots of its 128-bit
-     vectors of r (16 independent loads in flight, L2-resident), rounds to bf16, keeps them in
-     registers and adds their squares; block_sum gives Σr² per row; the thread writes
-     xn = bf16(r·rstd·norm) into shared memory [chunk, L] bf16 (≤ 28 KB); barrier.
+  3. CTA prologue, per chunk of ≤ CHUNK = 2 rows: each thread sums the world slots of its 128-bit
+     vectors of r for every row of the chunk (straight-line code: all slot loads of the chunk
+     can be in flight, L2-resident), rounds to bf16 and keeps them in registers; then per row
+     block_sum gives Σr², and the thread writes xn = bf16(r·rstd·norm) into shared memory
+     [chunk, L] bf16 (≤ 14 KB); barrier.
   4. Dot products from registers (weights) × shared memory (xn, conflict-free 512-byte warp
-     reads), a butterfly per row, lane 0 writes out[m, j]. Rows beyond 4 reuse the weights
-     already in registers (a second chunk), so the weight is read once for any M ≤ 8.
+     reads), a butterfly per row, lane 0 writes out[m, j]. Later chunks reuse the weights
+     already in registers, so the weight is read once for any M ≤ 8.
 Why it should reach ≤ 5 µs at M = 1: the weight stream (3.2 MB, ~0.8-1 µs at HBM speed) is
 issued before and overlaps the prologue; the prologue reads 16 × 7 KB = 114 KB of slots per CTA
 from L2 (56 CTAs: 6.4 MB of L2 reads in all, ~1-1.5 µs at per-SM L2 bandwidth); one launch.
+At M = 8 the prologue is M times larger (912 KB of slot reads per CTA, 51 MB in all): expect
+several µs there (L2 bandwidth bound); the per-M table may prefer the stock path at large M.
 
 Check on the GPU (against SimComm's collectives + stock_ops.latent_up / OpSet.up; times both):
     python -m kimi_decode.kernels.moe_up
@@ -57,7 +61,7 @@ from kimi_decode.kernels._common import block_sum, compile_options, compiled, cu
 
 VEC = 8          # bf16 elements per 128-bit vector
 WARPS = 8        # warps (output columns) per CTA: the default (alternatives timed by check())
-CHUNK = 4        # at most this many rows of xn in shared memory at once (4 × 7 KB at L = 3584)
+CHUNK = 2        # at most this many rows per prologue chunk (xn in shared memory: 2 × 7 KB at L = 3584)
 MAX_ROWS = 8
 ALT_WARPS = (4, 16)   # CTA sizes check() also verifies and times (112 / 28 CTAs at n = 448)
 
@@ -92,7 +96,7 @@ class MoeUp:
         self.nv = cfg.latent // VEC                        # 128-bit vectors per latent row
         self.nv_lane = self.nv // 32                       # weight slices per lane (14)
         self.it = (self.nv + self.threads - 1) // self.threads   # prologue vectors per thread (2)
-        # rows per chunk: ≤ 4 (smem), and ≤ 8 vectors of r kept in registers per thread
+        # rows per chunk: ≤ CHUNK, and ≤ 8 vectors of r kept in registers per thread
         self.chunk = min(cfg.rows, CHUNK, max(1, 8 // self.it))
         self.chunks = (cfg.rows + self.chunk - 1) // self.chunk
 
@@ -154,25 +158,31 @@ class MoeUp:
             rows = min(C, M - m0)
             if cutlass.const_expr(ch > 0):
                 cute.arch.sync_threads()     # every warp has finished reading the previous chunk's xn
-            # 3a. r = bf16(sum over slots) for this thread's vectors, and Σ r² per row
-            rv.fill(0.0)
+            # 3a. r = bf16(sum over slots) for this thread's vectors of every row of the chunk:
+            # no branch and no barrier between the loads, so all rows' slot loads can be in
+            # flight together (a thread past the row end reads vector c mod nv, a valid
+            # duplicate that 3b ignores)
+            for j in cutlass.range_constexpr(rows):
+                for i in cutlass.range_constexpr(self.it):
+                    c = tidx + i * self.threads
+                    if cutlass.const_expr((i + 1) * self.threads > self.nv):
+                        c = c % self.nv
+                    acc8.fill(0.0)
+                    for s in cutlass.range_constexpr(world):
+                        cute.autovec_copy(mR[s, m0 + j, c, None], buf)
+                        for e in cutlass.range_constexpr(VEC):
+                            acc8[e] = acc8[e] + buf[e].to(Float32)
+                    for e in cutlass.range_constexpr(VEC):
+                        rv[j, i, e] = acc8[e].to(bf16).to(Float32)
+            # 3b. per row: Σ r² over the CTA, rstd, xn = bf16(r · rstd · norm) into shared memory
             for j in cutlass.range_constexpr(rows):
                 ss = Float32(0.0)
                 for i in cutlass.range_constexpr(self.it):
-                    c = tidx + i * self.threads
-                    if c < self.nv:
-                        acc8.fill(0.0)
-                        for s in cutlass.range_constexpr(world):
-                            cute.autovec_copy(mR[s, m0 + j, c, None], buf)
-                            for e in cutlass.range_constexpr(VEC):
-                                acc8[e] = acc8[e] + buf[e].to(Float32)
+                    if tidx + i * self.threads < self.nv:
                         for e in cutlass.range_constexpr(VEC):
-                            rv[j, i, e] = acc8[e].to(bf16).to(Float32)
-                    for e in cutlass.range_constexpr(VEC):
-                        ss += rv[j, i, e] * rv[j, i, e]
+                            ss += rv[j, i, e] * rv[j, i, e]
                 tot = block_sum(ss, red, m0 + j, self.warps)
                 rstd = cute.math.rsqrt(tot / Float32(self.cfg.latent) + eps)
-                # 3b. xn = bf16(r · rstd · norm) into shared memory (this thread's vectors)
                 for i in cutlass.range_constexpr(self.it):
                     c = tidx + i * self.threads
                     if c < self.nv:

@@ -74,7 +74,7 @@ def test_compiles_to_sm90a(tmp_path: Path, warps: int, m: int) -> None:
     lines = [x.strip() for x in ptx.splitlines()]
     v4 = [i for i, x in enumerate(lines) if x.startswith("ld.global.v4")]
     it = -(-(L // 8) // (32 * warps))                       # r vectors per thread per row
-    chunk = min(m, 4, max(1, 8 // it))
+    chunk = min(m, k_up.CHUNK, max(1, 8 // it))
     chunks = -(-m // chunk)
     slices = L // 256
     # weight slices + slot vectors (16 slots per r vector) + norm vectors
