@@ -273,7 +273,8 @@ def stock(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, 
 def check(timing: bool = True) -> list[dict]:
     """Kernel vs the stock ops it replaces at K3 TP16 shapes, M ∈ {1, 8}, rank ∈ {0, 5}:
     - "simcomm": other slots zero, stock = SimComm(dev, 16, rank).all_reduce(r) +
-      reduce_scatter_cols(sh) + stock_ops.latent_up, and also OpSet(cfg).up (the stock path's op);
+      reduce_scatter_cols(sh) + stock_ops.latent_up, and also OpSet(cfg).up with compile_ops on
+      (the stock run's op: the Triton skinny GEMM with norm prologue and add epilogue);
     - "all_slots": every slot non-zero (stock = the same sums on the same slots + latent_up).
     Both also against the float64 reference (rule of checks.py). Timing (simcomm rows): the
     stock collectives + OpSet.up (what the kernel replaces) vs one kernel launch."""
@@ -288,7 +289,9 @@ def check(timing: bool = True) -> list[dict]:
         assert cfg.rows == m
         world, L, D, eps = cfg.tp, cfg.latent_dim, cfg.hidden, cfg.rms_eps
         n = D // world
-        ops = stock_ops.OpSet(cfg)
+        # the stock run's op set (compile_ops on: OpSet.up is the Triton skinny GEMM with the
+        # RMSNorm prologue and the + shared epilogue); eager torch on the CPU (harness test)
+        ops = stock_ops.OpSet(k3_tp16(batch=m, compile_ops=DEVICE == "cuda"))
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
         norm = (1.0 + 0.1 * torch.randn(L, generator=gen, device=dev)).bfloat16()
         up = (torch.randn(D, L, generator=gen, device=dev) * L ** -0.5).bfloat16()
