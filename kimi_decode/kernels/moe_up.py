@@ -130,7 +130,8 @@ class MoeUp:
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(bf16, cute.make_layout((C, self.nv, VEC), stride=(self.nv * VEC, VEC, 1)),
                                   byte_alignment=16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((M, self.warps), stride=(self.warps, 1)), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((M, self.warps), stride=(self.warps, 1)),
+                                   byte_alignment=16)
 
         # 1. this warp's whole weight row into registers (all loads in flight at once)
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
