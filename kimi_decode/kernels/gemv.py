@@ -20,7 +20,10 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   h [M, 2·K] (gate K | up K, the bf16 output of shared_gate_up) instead of x; each CTA first
   computes x = bf16(SiTU(h[:, :K], h[:, K:])) for all M·K inputs into shared memory (256
   threads, `vec` consecutive inputs per thread per step; 96 of 256 threads busy at M = 1,
-  K = 384), one barrier, then the GEMV loop above reads x from shared memory. Recomputing
+  K = 384), one barrier, then the GEMV loop above reads x from shared memory. When K is at
+  most PRELOAD_SLICES slices per lane (shared_down: 3), each warp issues its whole weight
+  row into registers before the prologue, so the HBM latency overlaps the SiTU math (the
+  column is clamped to N-1 for that load; warps past N never store). Recomputing
   per CTA (not per warp) keeps the transcendentals (2 tanh + 1 exp per input) at
   ceil(N/8)·M·K = 344 K evaluations at M = 1 for shared_down instead of 2.75 M.
 
@@ -62,6 +65,7 @@ from kimi_decode.kernels._common import (compile_options, compiled, current_stre
 VEC = 8
 VEC_NARROW = 4  # 64-bit loads for K a multiple of 128 (not of 256)
 WARPS = 8
+PRELOAD_SLICES = 4  # gemv_situ: K ≤ 4 slices per lane → the warp's weight row is loaded up front
 # Per-M table, measured on the H200 (bench/fused_correctness.md): at M = 1 the GEMV beats
 # torch's GEMM on every K3 projection (in_proj 10.1 vs 14.0 us, 4.6 TB/s); at M = 8 it loses
 # (in_proj 33 vs 13.8 us: each lane re-reads 8 x-rows per weight load), so M >= 2 goes to the
@@ -115,6 +119,7 @@ class Gemv:
         self.kv = cfg.k // cfg.vec                       # vec-slices per x row
         self.units = cfg.rows * self.kv                  # prologue work items (situ)
         self.steps = (self.units + WARPS * 32 - 1) // (WARPS * 32)
+        self.preload = self.slices <= PRELOAD_SLICES     # situ: whole weight row in registers
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
@@ -173,6 +178,15 @@ class Gemv:
         sX = smem.allocate_tensor(mH.element_type,
                                   cute.make_layout((m, kv, vec), stride=(self.cfg.k, vec, 1)),
                                   byte_alignment=16)
+        # Short K (shared_down: 3 slices per lane): issue this warp's whole weight row before
+        # the prologue so the HBM latency overlaps the SiTU math. A warp past N (only in the
+        # last CTA when N % 8 != 0) loads row N-1 instead (in bounds) and never stores.
+        wall = cute.make_rmem_tensor(cute.make_layout((PRELOAD_SLICES, vec), stride=(vec, 1)),
+                                     mW.element_type)
+        if cutlass.const_expr(self.preload):
+            colc = cutlass.min(col, Int32(self.cfg.n - 1))
+            for i in cutlass.range_constexpr(self.slices):
+                cute.autovec_copy(mW[colc, lane + i * 32, None], wall[i, None])
         # Prologue (every thread of the CTA, also warps past N): x = bf16(SiTU(gate, up)).
         gv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
         uv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
@@ -191,15 +205,23 @@ class Gemv:
         if col < self.cfg.n:
             acc = cute.make_rmem_tensor(cute.make_layout(m), Float32)
             acc.fill(0.0)
-            wv = cute.make_rmem_tensor(cute.make_layout(vec), mW.element_type)
             xv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
-            for i in cutlass.range(self.slices, unroll=4):
-                c = lane + i * 32
-                cute.autovec_copy(mW[col, c, None], wv)
-                for r in cutlass.range_constexpr(m):
-                    cute.autovec_copy(sX[r, c, None], xv)
-                    for j in cutlass.range_constexpr(vec):
-                        acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
+            if cutlass.const_expr(self.preload):
+                for i in cutlass.range_constexpr(self.slices):
+                    c = lane + i * 32
+                    for r in cutlass.range_constexpr(m):
+                        cute.autovec_copy(sX[r, c, None], xv)
+                        for j in cutlass.range_constexpr(vec):
+                            acc[r] = acc[r] + wall[i, j].to(Float32) * xv[j].to(Float32)
+            else:
+                wv = cute.make_rmem_tensor(cute.make_layout(vec), mW.element_type)
+                for i in cutlass.range(self.slices, unroll=4):
+                    c = lane + i * 32
+                    cute.autovec_copy(mW[col, c, None], wv)
+                    for r in cutlass.range_constexpr(m):
+                        cute.autovec_copy(sX[r, c, None], xv)
+                        for j in cutlass.range_constexpr(vec):
+                            acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
             for r in cutlass.range_constexpr(m):
                 tot = cute.arch.warp_reduction_sum(acc[r])
                 if lane == 0:
