@@ -71,6 +71,10 @@ PRELOAD_SLICES = 4  # gemv_situ: K ≤ 4 slices per lane → the warp's weight r
 # (in_proj 33 vs 13.8 us: each lane re-reads 8 x-rows per weight load), so M >= 2 goes to the
 # stock GEMM. The kernel itself was checked correct at M = 1 and M = 8.
 GEMV_MAX_ROWS = 1
+# The split-K layout (GemvConfig.cols > 0) for 2 ≤ M ≤ SPLITK_MAX_ROWS: SPLITK_COLS output
+# columns per CTA, K split over its 8 warps (not yet measured on the GPU: check_variants times it).
+SPLITK_MAX_ROWS = 8
+SPLITK_COLS = 4
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,9 @@ class GemvConfig:
     """Compile-time sizes: output columns N, reduction K, rows M; the load width `vec`
     (8: 128-bit loads, K % 256 == 0; 4: 64-bit loads, K % 128 == 0); and the SiTU-GLU
     prologue (`situ`: the kernel's x operand is h [M, 2K], x = bf16(SiTU(h[:, :K], h[:, K:])))
-    with its β and β_lin. The defaults are the original, GPU-verified kernel."""
+    with its β and β_lin; `cols` > 0 selects the split-K layout (`cols` output columns per
+    CTA, the K slices dealt round-robin to its 8 warps; not with situ). The defaults are the
+    original, GPU-verified kernel."""
 
     n: int
     k: int
@@ -87,6 +93,7 @@ class GemvConfig:
     situ: bool = False
     beta: float = 4.0
     lin_beta: float = 25.0
+    cols: int = 0
 
 
 def vec_for(k: int) -> int:
@@ -95,18 +102,21 @@ def vec_for(k: int) -> int:
 
 
 def can_implement(m: int, n: int, k: int, dtypes: tuple[torch.dtype, ...],
-                  k_multiple: int = VEC * 32) -> bool:
+                  k_multiple: int = VEC * 32, max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Small M (the per-M table: the stock GEMM beyond GEMV_MAX_ROWS), K a multiple of
-    `k_multiple`, bf16. The default 256 is what fused.py's wiring expects today (K = 384 goes
-    to cuBLAS); pass k_multiple=128 to admit the 64-bit-load variant (shared_down, K = 384)."""
-    return (1 <= m <= GEMV_MAX_ROWS and k_multiple in (VEC * 32, VEC_NARROW * 32)
+    `k_multiple`, bf16. The defaults are what fused.py's wiring expects today (K = 384 and
+    M ≥ 2 go to the stock GEMM); pass k_multiple=128 to admit the 64-bit-load variant
+    (shared_down, K = 384) and max_rows=SPLITK_MAX_ROWS to admit the split-K layout (M ≤ 8)."""
+    return (1 <= m <= min(max_rows, SPLITK_MAX_ROWS) and k_multiple in (VEC * 32, VEC_NARROW * 32)
             and k >= 1 and k % k_multiple == 0 and n >= 1
             and all(d == torch.bfloat16 for d in dtypes))
 
 
-def can_implement_situ(m: int, n: int, inter: int, dtypes: tuple[torch.dtype, ...]) -> bool:
-    """gemv_situ: h [M, 2·inter], w [N, inter]; inter a multiple of 128; bf16."""
-    return can_implement(m, n, inter, dtypes, k_multiple=VEC_NARROW * 32)
+def can_implement_situ(m: int, n: int, inter: int, dtypes: tuple[torch.dtype, ...],
+                       max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """gemv_situ: h [M, 2·inter], w [N, inter]; inter a multiple of 128; bf16; M ≤ max_rows
+    (the kernel itself handles M ≤ SPLITK_MAX_ROWS: x staged in shared memory)."""
+    return can_implement(m, n, inter, dtypes, k_multiple=VEC_NARROW * 32, max_rows=max_rows)
 
 
 class Gemv:
@@ -120,6 +130,10 @@ class Gemv:
         self.units = cfg.rows * self.kv                  # prologue work items (situ)
         self.steps = (self.units + WARPS * 32 - 1) // (WARPS * 32)
         self.preload = self.slices <= PRELOAD_SLICES     # situ: whole weight row in registers
+        assert not (cfg.situ and cfg.cols), cfg
+        self.full = self.slices // WARPS                 # split-K: rounds every warp takes
+        self.tail = self.slices % WARPS                  # warps < tail take one more slice
+        self.ctas = (cfg.n + WARPS - 1) // WARPS if cfg.cols == 0 else (cfg.n + cfg.cols - 1) // cfg.cols
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
@@ -131,6 +145,9 @@ class Gemv:
         if cutlass.const_expr(self.cfg.situ):
             self.kernel_situ(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
                                                 block=[WARPS * 32, 1, 1], stream=stream)
+        elif cutlass.const_expr(self.cfg.cols > 0):
+            self.kernel_splitk(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
+                                                  block=[WARPS * 32, 1, 1], stream=stream)
         else:
             self.kernel(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
                                            block=[WARPS * 32, 1, 1], stream=stream)
@@ -228,6 +245,58 @@ class Gemv:
                     mO[r, col] = tot.to(mO.element_type)
 
 
+    @cute.jit
+    def splitk_slice(self, mX: cute.Tensor, mW: cute.Tensor, acc: cute.Tensor, wv: cute.Tensor,
+                     xv: cute.Tensor, bidx: Int32, s: Int32, lane: Int32):
+        """acc[q, r] += W[col_q, slice s] · x[r, slice s] for this lane's vec elements."""
+        c = s * 32 + lane                               # the warp reads 32·vec contiguous elements
+        for q in cutlass.range_constexpr(self.cfg.cols):
+            colq = cutlass.min(bidx * self.cfg.cols + q, Int32(self.cfg.n - 1))  # in bounds
+            cute.autovec_copy(mW[colq, c, None], wv[q, None])
+        for r in cutlass.range_constexpr(self.cfg.rows):
+            cute.autovec_copy(mX[r, c, None], xv)
+            for q in cutlass.range_constexpr(self.cfg.cols):
+                for j in cutlass.range_constexpr(self.cfg.vec):
+                    acc[q, r] = acc[q, r] + wv[q, j].to(Float32) * xv[j].to(Float32)
+
+    @cute.kernel
+    def kernel_splitk(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        m, vec, C = self.cfg.rows, self.cfg.vec, self.cfg.cols
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, C, m), stride=(C * m, m, 1)),
+                                   byte_alignment=16)
+        acc = cute.make_rmem_tensor(cute.make_layout((C, m), stride=(m, 1)), Float32)
+        acc.fill(0.0)
+        wv = cute.make_rmem_tensor(cute.make_layout((C, vec), stride=(vec, 1)), mW.element_type)
+        xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+        # Round i: warp w takes slice w + 8·i, so the CTA streams each of its C weight rows
+        # front to back in 8·512-byte steps (vec = 8).
+        for i in cutlass.range(self.full, unroll=2):
+            self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * WARPS, lane)
+        if cutlass.const_expr(self.tail > 0):
+            if warp < self.tail:                        # warp-uniform; no shuffles inside
+                self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + self.full * WARPS, lane)
+        for q in cutlass.range_constexpr(C):
+            for r in cutlass.range_constexpr(m):
+                tot = cute.arch.warp_reduction_sum(acc[q, r])
+                if lane == 0:
+                    red[warp, q, r] = tot
+        cute.arch.sync_threads()
+        if tidx < C * m:
+            q = tidx // m
+            r = tidx - q * m
+            col = bidx * C + q
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                tot += red[w, q, r]
+            if col < self.cfg.n:
+                mO[r, col] = tot.to(mO.element_type)
+
+
 def compile_for(cfg: GemvConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
     def build() -> object:
@@ -249,14 +318,19 @@ def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> to
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]ᵀ on the current stream; both contiguous bf16; returns [M, N] bf16,
     written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. buf[rank]).
-    K a multiple of 256 runs the original 128-bit kernel; a multiple of 128 the 64-bit one."""
+    M = 1: K a multiple of 256 runs the original 128-bit kernel, a multiple of 128 the 64-bit
+    one; 2 ≤ M ≤ SPLITK_MAX_ROWS: the split-K layout (SPLITK_COLS columns per CTA)."""
     m, k = x.shape
     n = w.shape[0]
-    if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype), k_multiple=VEC_NARROW * 32):
+    if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype), k_multiple=VEC_NARROW * 32,
+                                            max_rows=SPLITK_MAX_ROWS):
         raise ValueError(f"gemv kernel cannot run M={m} N={n} K={k}")
     out = _out_for(m, n, x, out)
     vec = vec_for(k)
-    cfg = GemvConfig(n, k, m) if vec == VEC else GemvConfig(n, k, m, vec=vec)
+    if m > GEMV_MAX_ROWS:
+        cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS)
+    else:
+        cfg = GemvConfig(n, k, m) if vec == VEC else GemvConfig(n, k, m, vec=vec)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
     return out
 
@@ -270,7 +344,7 @@ def gemv_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin_bet
     m = h.shape[0]
     n = w.shape[0]
     if (h.dim() != 2 or h.shape[1] != 2 * inter or w.dim() != 2 or w.shape[1] != inter
-            or not can_implement_situ(m, n, inter, (h.dtype, w.dtype))):
+            or not can_implement_situ(m, n, inter, (h.dtype, w.dtype), max_rows=SPLITK_MAX_ROWS)):
         raise ValueError(f"gemv_situ cannot run h {tuple(h.shape)} w {tuple(w.shape)} inter={inter}")
     out = _out_for(m, n, h, out)
     cfg = GemvConfig(n, inter, m, vec=vec_for(inter), situ=True, beta=float(beta), lin_beta=float(lin_beta))
@@ -295,7 +369,7 @@ def reference_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, li
     return reference_situ_act(h, inter, beta, lin_beta) @ w.double().t()
 
 
-def check_variants(rows: tuple[int, ...] = (1,), timing: bool = True) -> list[dict]:
+def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> list[dict]:
     """The variants vs the stock ops on K3 TP16 shapes (kernel "gemv_variants"):
     - "out_slot": gemv(x, o_proj, out=buf[rank]) into a slot of a [16, M, N] buffer (the
       SimComm all-reduce buffer): returns that very slot, equals torch's x @ wᵀ, and every
@@ -303,7 +377,10 @@ def check_variants(rows: tuple[int, ...] = (1,), timing: bool = True) -> list[di
     - "k384": gemv with K = 384 (shared_down [7168, 384], the 64-bit-load variant) vs x @ wᵀ;
     - "situ": gemv_situ(h, shared_down, 384, β, β_lin, out=buf[rank]) vs the stock
       situ_glu (fp32 SiTU rounded to bf16) then torch's matmul (rounded to bf16), other
-      slots unchanged.
+      slots unchanged;
+    - "in_proj": gemv on the KDA in_proj shape [3216, 7168] (at M ≥ 2 the split-K layout: the
+      per-M table decision, M = 8 was 33 µs vs torch's 13.8 µs with the one-warp-per-column kernel).
+    At M ≥ 2 every gemv case runs the split-K kernel and gemv_situ its M-row prologue.
     Errors against stock ≤ 1e-2 and against float64 ≤ stock's own × 1.5 + 1e-3 (checks.py)."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
@@ -316,7 +393,8 @@ def check_variants(rows: tuple[int, ...] = (1,), timing: bool = True) -> list[di
         beta, lin = cfg.situ_beta, cfg.situ_linear_beta
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
         world, rank = 16, 3
-        for case, (n, k) in (("out_slot", (D, 768)), ("k384", (D, Is)), ("situ", (D, Is))):
+        for case, (n, k) in (("out_slot", (D, 768)), ("k384", (D, Is)), ("situ", (D, Is)),
+                             ("in_proj", (3216, D))):
             w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
             buf = torch.randn(world, m, n, generator=gen, device=dev).bfloat16()
             before = buf.clone()
@@ -348,11 +426,12 @@ def check_variants(rows: tuple[int, ...] = (1,), timing: bool = True) -> list[di
                 y_k = kernel_call()
             checks._sync()
             e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
-            r = {"kernel": "gemv_variants", "case": case, "M": m, "N": n, "K": k,
+            layout = "situ" if case == "situ" else ("split_k" if m > GEMV_MAX_ROWS else "warp_per_col")
+            r = {"kernel": "gemv_variants", "case": case, "layout": layout, "M": m, "N": n, "K": k,
                  "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s}
             ok = (tuple(y_k.shape) == (m, n) and y_k.dtype == torch.bfloat16
                   and e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3)
-            if case != "k384":
+            if case in ("out_slot", "situ"):
                 others = [i for i in range(world) if i != rank]
                 r["wrote_into_slot"] = y_k.data_ptr() == slot.data_ptr() and torch.equal(buf[rank], y_k)
                 r["other_slots_untouched"] = torch.equal(buf[others], before[others])

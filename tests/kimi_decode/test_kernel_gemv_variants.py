@@ -118,6 +118,50 @@ def test_situ_weight_loads_issued_before_the_prologue(tmp_path: Path) -> None:
     assert any(s.startswith("min.s32") and s.endswith("7167;") for s in lines[:first_bra])
 
 
+def test_splitk_compiles(tmp_path: Path) -> None:
+    """Split-K (M = 8, in_proj): 4 columns per CTA, 128-bit loads, one barrier, lane-0 stores
+    to shared memory, no shuffle inside a branch that is not warp-uniform (the K-tail branch
+    `warp < tail` is warp-uniform and holds no shuffle at all)."""
+    ptx = ptx_of(tmp_path, GemvConfig(3216, 7168, 8, cols=k_gemv.SPLITK_COLS))
+    common_checks(ptx)
+    assert "kernel_splitk" in ptx
+    assert "ld.global.v4.b32" in ptx and ptx.count("bar.sync") == 1
+    assert "st.shared.b32" in ptx and "ld.shared.b32" in ptx
+    assert "min.s32" in ptx and "3215;" in ptx                 # column clamp to N-1
+    assert not shuffles_in_branches(ptx)
+
+
+def test_splitk_k384_compiles(tmp_path: Path) -> None:
+    ptx = ptx_of(tmp_path, GemvConfig(7168, 384, 3, vec=4, cols=4))
+    common_checks(ptx)
+    assert "ld.global.v4.b16" in ptx and ptx.count("bar.sync") == 1
+
+
+def test_splitk_plan() -> None:
+    """The K slices are dealt round-robin: every slice to exactly one warp, once."""
+    for k, vec in ((7168, 8), (768, 8), (1536, 8), (384, 4), (2048, 8)):
+        g = Gemv(GemvConfig(3216, k, 8, vec=vec, cols=4))
+        got = sorted([w + i * 8 for w in range(8) for i in range(g.full)]
+                     + [w + g.full * 8 for w in range(g.tail)])
+        assert got == list(range(k // (vec * 32))), (k, vec)
+    assert Gemv(GemvConfig(3217, 7168, 8, cols=4)).ctas == 805
+
+
+def shuffles_in_branches(ptx: str) -> list[str]:
+    """shfl.sync between a predicated forward branch and its target label (as in
+    test_kernels_compile.py)."""
+    found, target = [], None
+    for line in ptx.splitlines():
+        s = line.strip()
+        if target is None and s.startswith("@%p") and " bra " in s:
+            target = s.split()[-1].rstrip(";")
+        elif target is not None and s == f"{target}:":
+            target = None
+        elif target is not None and s.startswith("shfl.sync"):
+            found.append(s)
+    return found
+
+
 def test_can_implement() -> None:
     f = (bf, bf)
     assert k_gemv.can_implement(1, 3216, 7168, f)
@@ -125,6 +169,8 @@ def test_can_implement() -> None:
     assert k_gemv.can_implement(1, 7168, 384, f, k_multiple=128)
     assert not k_gemv.can_implement(1, 7168, 320, f, k_multiple=128)
     assert not k_gemv.can_implement(2, 7168, 384, f, k_multiple=128)  # per-M table
+    assert k_gemv.can_implement(8, 3216, 7168, f, max_rows=k_gemv.SPLITK_MAX_ROWS)
+    assert not k_gemv.can_implement(9, 3216, 7168, f, max_rows=64)
     assert k_gemv.can_implement_situ(1, 7168, 384, f)
     assert not k_gemv.can_implement_situ(1, 7168, 384, (torch.float32, bf))
     assert k_gemv.vec_for(7168) == 8 and k_gemv.vec_for(384) == 4
@@ -205,12 +251,16 @@ def emulated(monkeypatch):
     return monkeypatch
 
 
+CASES = ["out_slot", "k384", "situ", "in_proj"]
+
+
 def test_check_variants_passes_faithful_emulation(emulated) -> None:
-    rows = k_gemv.check_variants(rows=(1,), timing=False)
-    assert [r["case"] for r in rows] == ["out_slot", "k384", "situ"]
+    rows = k_gemv.check_variants(rows=(1, 3, 8), timing=False)
+    assert [r["case"] for r in rows] == CASES * 3
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert all(r["kernel"] == "gemv_variants" for r in rows)
+    assert [r["layout"] for r in rows if r["case"] == "in_proj"] == ["warp_per_col", "split_k", "split_k"]
 
 
 def test_check_variants_rejects_wrong_slot(emulated) -> None:
@@ -240,4 +290,4 @@ def test_check_variants_rejects_wrong_situ(emulated, bug: str) -> None:
         return _emu_situ(torch.cat([h[:, inter:], h[:, :inter]], 1), w, inter, beta, lin_beta, out)
     emulated.setattr(k_gemv, "gemv_situ", wrong)
     rows = k_gemv.check_variants(rows=(1,), timing=False)
-    assert [r["ok"] for r in rows] == [True, True, False]
+    assert [r["ok"] for r in rows] == [True, True, False, True]
