@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode (M ≤ GEMV_MAX_ROWS rows): out = x @ Wᵀ, bf16 in and out, fp32
+"""Skinny GEMM for decode (M ≤ GEMV_MAX_ROWS rows; split-K up to SPLITK_MAX_ROWS): out = x @ Wᵀ, bf16 in and out, fp32
 accumulation, the weight streamed from HBM exactly once (KIMI_K3.md Part 4: cuBLAS reaches
 1–2 TB/s on these shapes at M = 1; a GEMV that keeps enough bytes in flight approaches the
 copy bandwidth). vLLM's "skinnyGEMM" / CuTe skinny GEMM plays this role (KIMI_K3.md §2.2, §2.5).
@@ -25,25 +25,43 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   row into registers before the prologue, so the HBM latency overlaps the SiTU math (the
   column is clamped to N-1 for that load; warps past N never store). Recomputing
   per CTA (not per warp) keeps the transcendentals (2 tanh + 1 exp per input) at
-  ceil(N/8)·M·K = 344 K evaluations at M = 1 for shared_down instead of 2.75 M.
+  ceil(N/8)·M·K = 344 K evaluations at M = 1 for shared_down instead of 2.75 M. Any M ≤ 8
+  (x for M = 8 is 6 KB of shared memory; the x re-reads per weight load come from smem).
+- `cols = C > 0` (split-K, what gemv() runs for 2 ≤ M ≤ SPLITK_MAX_ROWS): a CTA of 8 warps
+  owns C = 4 output columns; the K/(32·vec) slices are dealt round-robin to its warps (slice
+  s = warp + 8·i; the warps < slices % 8 take one more, a warp-uniform branch); per slice a
+  lane loads its vec elements of the C weight rows and of the M x rows and does C·M·vec FMAs,
+  so each x load serves C columns (the one-warp-per-column kernel re-read all M x rows per
+  weight load: in_proj at M = 8 took 33 µs vs torch's 13.8 µs). Then each warp butterflies
+  its C·M sums, lane 0 puts them in shared memory red[warp, c, m], one barrier, and thread
+  t < C·M adds the 8 warp sums in warp order and writes out[m, col] rounded to bf16. Weight
+  rows past N are clamped to N-1 for the loads and never stored. ceil(N/4) CTAs: in_proj
+  804, g_proj 192 (≥ 132 SMs for every K3 projection).
 
 Exact math (every rounding point; matches the stock ops):
 - plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
-  sums, then a butterfly), one rounding to bf16 at the end (torch's x @ wᵀ rounds its fp32
-  accumulator once, too; only the summation order differs).
+  sums, then a butterfly; split-K: per-warp partials, then the 8 warps in order), one
+  rounding to bf16 at the end (torch's x @ wᵀ rounds its fp32 accumulator once, too; only
+  the summation order differs).
 - situ: with g = fp32(h[m, k]), u = fp32(h[m, K + k]), all in fp32 and in stock_ops.situ's
   order: a = (β · tanh(g / β)) · σ(g), σ(g) = 1 / (1 + exp(-g)); b = β_lin · tanh(u / β_lin);
   x[m, k] = bf16(a · b)  (stock_ops.situ_glu's .to(bf16)); then the plain formula on x.
-  tanh and exp are the accurate (non-approx) cute.math functions, so x matches torch's fp32
-  SiTU to a few fp32 ulps and the bf16 rounding of x differs only on exact-tie-adjacent values.
+  tanh and exp are cute.math's non-fastmath functions (tanh lowers to an ex2/rcp expansion,
+  not tanh.approx.f32; σ's 1/(1+e) is rcp.rn and u/β_lin div.rn, as torch's IEEE ops), so x
+  matches torch's fp32 SiTU to a few fp32 ulps and its bf16 rounding differs only for values
+  within those ulps of a bf16 rounding boundary (one bf16 ulp there).
 
 Why it should reach its target: shared_down is 7168 × 384 bf16 = 5.5 MB; at ~4 TB/s that is
-~1.4 µs of HBM time, so the kernel is launch/latency bound (~3-4 µs at M = 1) versus the stock
-path's two launches (SiTU elementwise + cuBLAS GEMM, ~3 µs each at these shapes).
+~1.4 µs of HBM time, so gemv_situ is latency bound (~3-4 µs at M = 1: h load + SiTU + barrier
+overlap the weight fetch issued first, then 3 FMAs rounds and a butterfly) versus the stock
+path's two launches (SiTU elementwise + cuBLAS GEMM, ~3 µs each at these shapes). Split-K at
+M = 8 on in_proj: 46 MB of weight (~11.5 µs at 4 TB/s) against 184 M fp32 FMAs (~6.5 µs of
+the H200's FMA issue) plus the bf16→fp32 converts: ~12 µs expected vs torch's 13.8 µs, i.e.
+a modest win at best; check_variants measures it (the per-M table decides).
 
 Check on the GPU (against torch's matmul, the stock path's op; times both): check_gemv in
 checks.py (the plain kernel) and check_variants below (out= into an all-reduce slot, K = 384,
-gemv_situ vs stock situ_glu + matmul); both run by
+gemv_situ vs stock situ_glu + matmul, split-K at M = 3 and 8); both run by
     python -m kimi_decode.kernels.gemv
 """
 from __future__ import annotations
@@ -73,6 +91,7 @@ PRELOAD_SLICES = 4  # gemv_situ: K ≤ 4 slices per lane → the warp's weight r
 GEMV_MAX_ROWS = 1
 # The split-K layout (GemvConfig.cols > 0) for 2 ≤ M ≤ SPLITK_MAX_ROWS: SPLITK_COLS output
 # columns per CTA, K split over its 8 warps (not yet measured on the GPU: check_variants times it).
+SPLITK_MIN_ROWS = 2   # gemv() picks the layout by M alone; GEMV_MAX_ROWS only gates can_implement
 SPLITK_MAX_ROWS = 8
 SPLITK_COLS = 4
 
@@ -327,7 +346,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> t
         raise ValueError(f"gemv kernel cannot run M={m} N={n} K={k}")
     out = _out_for(m, n, x, out)
     vec = vec_for(k)
-    if m > GEMV_MAX_ROWS:
+    if m >= SPLITK_MIN_ROWS:
         cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS)
     else:
         cfg = GemvConfig(n, k, m) if vec == VEC else GemvConfig(n, k, m, vec=vec)
@@ -426,7 +445,7 @@ def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> li
                 y_k = kernel_call()
             checks._sync()
             e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
-            layout = "situ" if case == "situ" else ("split_k" if m > GEMV_MAX_ROWS else "warp_per_col")
+            layout = "situ" if case == "situ" else ("split_k" if m >= SPLITK_MIN_ROWS else "warp_per_col")
             r = {"kernel": "gemv_variants", "case": case, "layout": layout, "M": m, "N": n, "K": k,
                  "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s}
             ok = (tuple(y_k.shape) == (m, n) and y_k.dtype == torch.bfloat16
