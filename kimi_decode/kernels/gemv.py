@@ -371,7 +371,6 @@ def gemv_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin_bet
     return out
 
 
-
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ wᵀ in float64 (the formula; no roundings)."""
     return x.double() @ w.double().t()

@@ -255,12 +255,12 @@ CASES = ["out_slot", "k384", "situ", "in_proj"]
 
 
 def test_check_variants_passes_faithful_emulation(emulated) -> None:
-    rows = k_gemv.check_variants(rows=(1, 3, 8), timing=False)
-    assert [r["case"] for r in rows] == CASES * 3
+    rows = k_gemv.check_variants(rows=(1, 8), timing=False)
+    assert [r["case"] for r in rows] == CASES * 2
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert all(r["kernel"] == "gemv_variants" for r in rows)
-    assert [r["layout"] for r in rows if r["case"] == "in_proj"] == ["warp_per_col", "split_k", "split_k"]
+    assert [r["layout"] for r in rows if r["case"] == "in_proj"] == ["warp_per_col", "split_k"]
 
 
 def test_check_variants_rejects_wrong_slot(emulated) -> None:
