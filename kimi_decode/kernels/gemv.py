@@ -94,6 +94,7 @@ GEMV_MAX_ROWS = 1
 SPLITK_MIN_ROWS = 2   # gemv() picks the layout by M alone; GEMV_MAX_ROWS only gates can_implement
 SPLITK_MAX_ROWS = 8
 SPLITK_COLS = 4
+SPLITK_WARPS = 8      # warps per split-K CTA; check_variants also times 4 (fewer, longer K shares)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class GemvConfig:
     beta: float = 4.0
     lin_beta: float = 25.0
     cols: int = 0
+    kwarps: int = WARPS          # split-K: warps per CTA sharing the K slices (4 or 8)
 
 
 def vec_for(k: int) -> int:
@@ -150,8 +152,11 @@ class Gemv:
         self.steps = (self.units + WARPS * 32 - 1) // (WARPS * 32)
         self.preload = self.slices <= PRELOAD_SLICES     # situ: whole weight row in registers
         assert not (cfg.situ and cfg.cols), cfg
-        self.full = self.slices // WARPS                 # split-K: rounds every warp takes
-        self.tail = self.slices % WARPS                  # warps < tail take one more slice
+        assert cfg.kwarps in (4, 8), cfg
+        self.kw = cfg.kwarps if cfg.cols else WARPS      # warps per CTA of this layout
+        assert cfg.cols * cfg.rows <= self.kw * 32, cfg  # one finishing thread per (column, row)
+        self.full = self.slices // self.kw               # split-K: rounds every warp takes
+        self.tail = self.slices % self.kw                # warps < tail take one more slice
         self.ctas = (cfg.n + WARPS - 1) // WARPS if cfg.cols == 0 else (cfg.n + cfg.cols - 1) // cfg.cols
 
     @cute.jit
@@ -166,7 +171,7 @@ class Gemv:
                                                 block=[WARPS * 32, 1, 1], stream=stream)
         elif cutlass.const_expr(self.cfg.cols > 0):
             self.kernel_splitk(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
-                                                  block=[WARPS * 32, 1, 1], stream=stream)
+                                                  block=[self.kw * 32, 1, 1], stream=stream)
         else:
             self.kernel(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
                                            block=[WARPS * 32, 1, 1], stream=stream)
@@ -286,19 +291,19 @@ class Gemv:
         warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
         lane = cute.arch.lane_idx()
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, C, m), stride=(C * m, m, 1)),
+        red = smem.allocate_tensor(Float32, cute.make_layout((self.kw, C, m), stride=(C * m, m, 1)),
                                    byte_alignment=16)
         acc = cute.make_rmem_tensor(cute.make_layout((C, m), stride=(m, 1)), Float32)
         acc.fill(0.0)
         wv = cute.make_rmem_tensor(cute.make_layout((C, vec), stride=(vec, 1)), mW.element_type)
         xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
-        # Round i: warp w takes slice w + 8·i, so the CTA streams each of its C weight rows
-        # front to back in 8·512-byte steps (vec = 8).
+        # Round i: warp w takes slice w + kw·i, so the CTA streams each of its C weight rows
+        # front to back in kw·512-byte steps (vec = 8).
         for i in cutlass.range(self.full, unroll=2):
-            self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * WARPS, lane)
+            self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * self.kw, lane)
         if cutlass.const_expr(self.tail > 0):
             if warp < self.tail:                        # warp-uniform; no shuffles inside
-                self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + self.full * WARPS, lane)
+                self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + self.full * self.kw, lane)
         for q in cutlass.range_constexpr(C):
             for r in cutlass.range_constexpr(m):
                 tot = cute.arch.warp_reduction_sum(acc[q, r])
@@ -310,7 +315,7 @@ class Gemv:
             r = tidx - q * m
             col = bidx * C + q
             tot = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
+            for w in cutlass.range_constexpr(self.kw):
                 tot += red[w, q, r]
             if col < self.cfg.n:
                 mO[r, col] = tot.to(mO.element_type)
@@ -334,11 +339,13 @@ def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> to
     return out
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+         splitk_warps: int = SPLITK_WARPS) -> torch.Tensor:
     """x [M, K] @ w[N, K]ᵀ on the current stream; both contiguous bf16; returns [M, N] bf16,
     written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. buf[rank]).
     M = 1: K a multiple of 256 runs the original 128-bit kernel, a multiple of 128 the 64-bit
-    one; 2 ≤ M ≤ SPLITK_MAX_ROWS: the split-K layout (SPLITK_COLS columns per CTA)."""
+    one; 2 ≤ M ≤ SPLITK_MAX_ROWS: the split-K layout (SPLITK_COLS columns per CTA of
+    `splitk_warps` warps, 4 or 8)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype), k_multiple=VEC_NARROW * 32,
@@ -347,7 +354,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> t
     out = _out_for(m, n, x, out)
     vec = vec_for(k)
     if m >= SPLITK_MIN_ROWS:
-        cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS)
+        cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS, kwarps=splitk_warps)
     else:
         cfg = GemvConfig(n, k, m) if vec == VEC else GemvConfig(n, k, m, vec=vec)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
@@ -397,7 +404,8 @@ def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> li
       situ_glu (fp32 SiTU rounded to bf16) then torch's matmul (rounded to bf16), other
       slots unchanged;
     - "in_proj": gemv on the KDA in_proj shape [3216, 7168] (at M ≥ 2 the split-K layout: the
-      per-M table decision, M = 8 was 33 µs vs torch's 13.8 µs with the one-warp-per-column kernel).
+      per-M table decision, M = 8 was 33 µs vs torch's 13.8 µs with the one-warp-per-column
+      kernel); at M ≥ 2 also "in_proj_kw4": split-K with 4 warps per CTA instead of 8.
     At M ≥ 2 every gemv case runs the split-K kernel and gemv_situ its M-row prologue.
     Errors against stock ≤ 1e-2 and against float64 ≤ stock's own × 1.5 + 1e-3 (checks.py)."""
     from kimi_decode import stock_ops
@@ -411,8 +419,10 @@ def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> li
         beta, lin = cfg.situ_beta, cfg.situ_linear_beta
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
         world, rank = 16, 3
-        for case, (n, k) in (("out_slot", (D, 768)), ("k384", (D, Is)), ("situ", (D, Is)),
-                             ("in_proj", (3216, D))):
+        cases = [("out_slot", (D, 768)), ("k384", (D, Is)), ("situ", (D, Is)), ("in_proj", (3216, D))]
+        if m >= SPLITK_MIN_ROWS:
+            cases.append(("in_proj_kw4", (3216, D)))          # split-K over 4 warps per CTA
+        for case, (n, k) in cases:
             w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
             buf = torch.randn(world, m, n, generator=gen, device=dev).bfloat16()
             before = buf.clone()
@@ -435,6 +445,9 @@ def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> li
                 if case == "out_slot":
                     def kernel_call(x=x, w=w, slot=slot) -> torch.Tensor:
                         return gemv(x, w, out=slot)
+                elif case == "in_proj_kw4":
+                    def kernel_call(x=x, w=w) -> torch.Tensor:
+                        return gemv(x, w, splitk_warps=4)
                 else:
                     def kernel_call(x=x, w=w) -> torch.Tensor:
                         return gemv(x, w)
@@ -445,6 +458,8 @@ def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> li
             checks._sync()
             e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
             layout = "situ" if case == "situ" else ("split_k" if m >= SPLITK_MIN_ROWS else "warp_per_col")
+            if case == "in_proj_kw4":
+                layout = "split_k_4warps"
             r = {"kernel": "gemv_variants", "case": case, "layout": layout, "M": m, "N": n, "K": k,
                  "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s}
             ok = (tuple(y_k.shape) == (m, n) and y_k.dtype == torch.bfloat16

@@ -137,13 +137,22 @@ def test_splitk_k384_compiles(tmp_path: Path) -> None:
     assert "ld.global.v4.b16" in ptx and ptx.count("bar.sync") == 1
 
 
+def test_splitk_4warps_compiles(tmp_path: Path) -> None:
+    ptx = ptx_of(tmp_path, GemvConfig(3216, 7168, 8, cols=4, kwarps=4))
+    common_checks(ptx)
+    assert ".reqntid 128" in ptx and ptx.count("bar.sync") == 1
+    assert not shuffles_in_branches(ptx)
+
+
 def test_splitk_plan() -> None:
     """The K slices are dealt round-robin: every slice to exactly one warp, once."""
     for k, vec in ((7168, 8), (768, 8), (1536, 8), (384, 4), (2048, 8)):
-        g = Gemv(GemvConfig(3216, k, 8, vec=vec, cols=4))
-        got = sorted([w + i * 8 for w in range(8) for i in range(g.full)]
-                     + [w + g.full * 8 for w in range(g.tail)])
-        assert got == list(range(k // (vec * 32))), (k, vec)
+        for kw in (4, 8):
+            g = Gemv(GemvConfig(3216, k, 8, vec=vec, cols=4, kwarps=kw))
+            assert g.kw == kw
+            got = sorted([w + i * kw for w in range(kw) for i in range(g.full)]
+                         + [w + g.full * kw for w in range(g.tail)])
+            assert got == list(range(k // (vec * 32))), (k, vec, kw)
     assert Gemv(GemvConfig(3217, 7168, 8, cols=4)).ctas == 805
 
 
@@ -233,7 +242,7 @@ def _emu_dot(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torc
     return out
 
 
-def _emu_gemv(x, w, out=None):
+def _emu_gemv(x, w, out=None, splitk_warps=8):
     return _emu_dot(x, w, out)
 
 
@@ -256,15 +265,16 @@ CASES = ["out_slot", "k384", "situ", "in_proj"]
 
 def test_check_variants_passes_faithful_emulation(emulated) -> None:
     rows = k_gemv.check_variants(rows=(1, 8), timing=False)
-    assert [r["case"] for r in rows] == CASES * 2
+    assert [r["case"] for r in rows] == CASES + CASES + ["in_proj_kw4"]
     bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
     assert all(r["kernel"] == "gemv_variants" for r in rows)
-    assert [r["layout"] for r in rows if r["case"] == "in_proj"] == ["warp_per_col", "split_k"]
+    assert [r["layout"] for r in rows if r["case"].startswith("in_proj")] == [
+        "warp_per_col", "split_k", "split_k_4warps"]
 
 
 def test_check_variants_rejects_wrong_slot(emulated) -> None:
-    def wrong_slot(x, w, out=None):
+    def wrong_slot(x, w, out=None, splitk_warps=8):
         """Writes its slot and also slot 0 of the same buffer (a bad output offset)."""
         if out is None:
             return _emu_dot(x, w, None)
@@ -277,7 +287,7 @@ def test_check_variants_rejects_wrong_slot(emulated) -> None:
 
 
 def test_check_variants_rejects_allocating_out(emulated) -> None:
-    emulated.setattr(k_gemv, "gemv", lambda x, w, out=None: _emu_dot(x, w, None))
+    emulated.setattr(k_gemv, "gemv", lambda x, w, out=None, splitk_warps=8: _emu_dot(x, w, None))
     rows = k_gemv.check_variants(rows=(1,), timing=False)
     assert not rows[0]["ok"] and not rows[0]["wrote_into_slot"]
 
