@@ -36,7 +36,9 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   its C·M sums, lane 0 puts them in shared memory red[warp, c, m], one barrier, and thread
   t < C·M adds the 8 warp sums in warp order and writes out[m, col] rounded to bf16. Weight
   rows past N are clamped to N-1 for the loads and never stored. ceil(N/4) CTAs: in_proj
-  804, g_proj 192 (≥ 132 SMs for every K3 projection).
+  804, g_proj 192 (≥ 132 SMs for every K3 projection). `kwarps` = 4 instead of 8 halves the
+  CTA and doubles each warp's K share (the per-warp butterflies of C·M sums cost ~20% of the
+  work at M = 8 with 8 warps on K = 7168); check_variants times both.
 
 Exact math (every rounding point; matches the stock ops):
 - plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
