@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode (M ≤ GEMV_MAX_ROWS rows): out = x @ Wᵀ, bf16 in and out, fp32
+"""Skinny GEMM for decode (M ≤ GEMV_MAX_ROWS rows; split-K up to SPLITK_MAX_ROWS): out = x @ Wᵀ, bf16 in and out, fp32
 accumulation, the weight streamed from HBM exactly once (KIMI_K3.md Part 4: cuBLAS reaches
 1–2 TB/s on these shapes at M = 1; a GEMV that keeps enough bytes in flight approaches the
 copy bandwidth). vLLM's "skinnyGEMM" / CuTe skinny GEMM plays this role (KIMI_K3.md §2.2, §2.5).
@@ -10,7 +10,60 @@ the loop over slices is unrolled 4 deep so each lane keeps 4 weight loads in fli
 butterfly shuffle finishes each dot product and lane 0 writes out[m, n] rounded to bf16 (as
 cuBLAS rounds its fp32 accumulator). K must be a multiple of 256 (8 elements × 32 lanes).
 
-Check on the GPU (against torch's matmul, the stock path's op; times both):
+Variants (compile-time fields of GemvConfig; the defaults are the kernel above, unchanged):
+- `out=`: the wrapper writes into a caller-given contiguous [M, N] bf16 tensor (e.g. the
+  all-reduce slot buf[rank] of SimComm's [world, M, N] buffer) instead of allocating; the
+  kernel is the same (it only ever writes out[0:M, 0:N]).
+- `vec = 4` (64-bit loads, 4 bf16 per lane per slice): K a multiple of 128 only, e.g. the
+  shared expert's down projection, K = 384 (3 slices per lane). Same loop, same math.
+- `situ = True` (gemv_situ): the SiTU-GLU prologue of the shared expert. The kernel takes
+  h [M, 2·K] (gate K | up K, the bf16 output of shared_gate_up) instead of x; each CTA first
+  computes x = bf16(SiTU(h[:, :K], h[:, K:])) for all M·K inputs into shared memory (256
+  threads, `vec` consecutive inputs per thread per step; 96 of 256 threads busy at M = 1,
+  K = 384), one barrier, then the GEMV loop above reads x from shared memory. When K is at
+  most PRELOAD_SLICES slices per lane (shared_down: 3), each warp issues its whole weight
+  row into registers before the prologue, so the HBM latency overlaps the SiTU math (the
+  column is clamped to N-1 for that load; warps past N never store). Recomputing
+  per CTA (not per warp) keeps the transcendentals (2 tanh + 1 exp per input) at
+  ceil(N/8)·M·K = 344 K evaluations at M = 1 for shared_down instead of 2.75 M. Any M ≤ 8
+  (x for M = 8 is 6 KB of shared memory; the x re-reads per weight load come from smem).
+- `cols = C > 0` (split-K, what gemv() runs for 2 ≤ M ≤ SPLITK_MAX_ROWS): a CTA of 8 warps
+  owns C = 4 output columns; the K/(32·vec) slices are dealt round-robin to its warps (slice
+  s = warp + 8·i; the warps < slices % 8 take one more, a warp-uniform branch); per slice a
+  lane loads its vec elements of the C weight rows and of the M x rows and does C·M·vec FMAs,
+  so each x load serves C columns (the one-warp-per-column kernel re-read all M x rows per
+  weight load: in_proj at M = 8 took 33 µs vs torch's 13.8 µs). Then each warp butterflies
+  its C·M sums, lane 0 puts them in shared memory red[warp, c, m], one barrier, and thread
+  t < C·M adds the 8 warp sums in warp order and writes out[m, col] rounded to bf16. Weight
+  rows past N are clamped to N-1 for the loads and never stored. ceil(N/4) CTAs: in_proj
+  804, g_proj 192 (≥ 132 SMs for every K3 projection). `kwarps` = 4 instead of 8 halves the
+  CTA and doubles each warp's K share (the per-warp butterflies of C·M sums cost ~20% of the
+  work at M = 8 with 8 warps on K = 7168); check_variants times both.
+
+Exact math (every rounding point; matches the stock ops):
+- plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
+  sums, then a butterfly; split-K: per-warp partials, then the 8 warps in order), one
+  rounding to bf16 at the end (torch's x @ wᵀ rounds its fp32 accumulator once, too; only
+  the summation order differs).
+- situ: with g = fp32(h[m, k]), u = fp32(h[m, K + k]), all in fp32 and in stock_ops.situ's
+  order: a = (β · tanh(g / β)) · σ(g), σ(g) = 1 / (1 + exp(-g)); b = β_lin · tanh(u / β_lin);
+  x[m, k] = bf16(a · b)  (stock_ops.situ_glu's .to(bf16)); then the plain formula on x.
+  tanh and exp are cute.math's non-fastmath functions (tanh lowers to an ex2/rcp expansion,
+  not tanh.approx.f32; σ's 1/(1+e) is rcp.rn and u/β_lin div.rn, as torch's IEEE ops), so x
+  matches torch's fp32 SiTU to a few fp32 ulps and its bf16 rounding differs only for values
+  within those ulps of a bf16 rounding boundary (one bf16 ulp there).
+
+Why it should reach its target: shared_down is 7168 × 384 bf16 = 5.5 MB; at ~4 TB/s that is
+~1.4 µs of HBM time, so gemv_situ is latency bound (~3-4 µs at M = 1: h load + SiTU + barrier
+overlap the weight fetch issued first, then 3 FMAs rounds and a butterfly) versus the stock
+path's two launches (SiTU elementwise + cuBLAS GEMM, ~3 µs each at these shapes). Split-K at
+M = 8 on in_proj: 46 MB of weight (~11.5 µs at 4 TB/s) against 184 M fp32 FMAs (~6.5 µs of
+the H200's FMA issue) plus the bf16→fp32 converts: ~12 µs expected vs torch's 13.8 µs, i.e.
+a modest win at best; check_variants measures it (the per-M table decides).
+
+Check on the GPU (against torch's matmul, the stock path's op; times both): check_gemv in
+checks.py (the plain kernel) and check_variants below (out= into an all-reduce slot, K = 384,
+gemv_situ vs stock situ_glu + matmul, split-K at M = 3 and 8); both run by
     python -m kimi_decode.kernels.gemv
 """
 from __future__ import annotations
@@ -24,49 +77,106 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32  # noqa: F401
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import (compile_options, compiled, current_stream, dummy_ptr, ptr,
+                                         sigmoid)
 
 VEC = 8
+VEC_NARROW = 4  # 64-bit loads for K a multiple of 128 (not of 256)
 WARPS = 8
+PRELOAD_SLICES = 4  # gemv_situ: K ≤ 4 slices per lane → the warp's weight row is loaded up front
 # Per-M table, measured on the H200 (bench/fused_correctness.md): at M = 1 the GEMV beats
 # torch's GEMM on every K3 projection (in_proj 10.1 vs 14.0 us, 4.6 TB/s); at M = 8 it loses
 # (in_proj 33 vs 13.8 us: each lane re-reads 8 x-rows per weight load), so M >= 2 goes to the
 # stock GEMM. The kernel itself was checked correct at M = 1 and M = 8.
 GEMV_MAX_ROWS = 1
+# The split-K layout (GemvConfig.cols > 0) for 2 ≤ M ≤ SPLITK_MAX_ROWS: SPLITK_COLS output
+# columns per CTA, K split over its 8 warps (not yet measured on the GPU: check_variants times it).
+SPLITK_MIN_ROWS = 2   # gemv() picks the layout by M alone; GEMV_MAX_ROWS only gates can_implement
+SPLITK_MAX_ROWS = 8
+SPLITK_COLS = 4
+SPLITK_WARPS = 8      # warps per split-K CTA; check_variants also times 4 (fewer, longer K shares)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Compile-time sizes: output columns N, reduction K, rows M."""
+    """Compile-time sizes: output columns N, reduction K, rows M; the load width `vec`
+    (8: 128-bit loads, K % 256 == 0; 4: 64-bit loads, K % 128 == 0); and the SiTU-GLU
+    prologue (`situ`: the kernel's x operand is h [M, 2K], x = bf16(SiTU(h[:, :K], h[:, K:])))
+    with its β and β_lin; `cols` > 0 selects the split-K layout (`cols` output columns per
+    CTA, the K slices dealt round-robin to its 8 warps; not with situ). The defaults are the
+    original, GPU-verified kernel."""
 
     n: int
     k: int
     rows: int
+    vec: int = VEC
+    situ: bool = False
+    beta: float = 4.0
+    lin_beta: float = 25.0
+    cols: int = 0
+    kwarps: int = WARPS          # split-K: warps per CTA sharing the K slices (4 or 8)
 
 
-def can_implement(m: int, n: int, k: int, dtypes: tuple[torch.dtype, ...]) -> bool:
-    """Small M (the per-M table: the stock GEMM beyond GEMV_MAX_ROWS), K a multiple of 256, bf16."""
-    return (1 <= m <= GEMV_MAX_ROWS and k % (VEC * 32) == 0 and n >= 1
+def vec_for(k: int) -> int:
+    """The load width for K: 8 (the 128-bit fast path) when K % 256 == 0, else 4."""
+    return VEC if k % (VEC * 32) == 0 else VEC_NARROW
+
+
+def can_implement(m: int, n: int, k: int, dtypes: tuple[torch.dtype, ...],
+                  k_multiple: int = VEC * 32, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Small M (the per-M table: the stock GEMM beyond GEMV_MAX_ROWS), K a multiple of
+    `k_multiple`, bf16. The defaults are what fused.py's wiring expects today (K = 384 and
+    M ≥ 2 go to the stock GEMM); pass k_multiple=128 to admit the 64-bit-load variant
+    (shared_down, K = 384) and max_rows=SPLITK_MAX_ROWS to admit the split-K layout (M ≤ 8)."""
+    return (1 <= m <= min(max_rows, SPLITK_MAX_ROWS) and k_multiple in (VEC * 32, VEC_NARROW * 32)
+            and k >= 1 and k % k_multiple == 0 and n >= 1
             and all(d == torch.bfloat16 for d in dtypes))
+
+
+def can_implement_situ(m: int, n: int, inter: int, dtypes: tuple[torch.dtype, ...],
+                       max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """gemv_situ: h [M, 2·inter], w [N, inter]; inter a multiple of 128; bf16; M ≤ max_rows
+    (the kernel itself handles M ≤ SPLITK_MAX_ROWS: x staged in shared memory)."""
+    return can_implement(m, n, inter, dtypes, k_multiple=VEC_NARROW * 32, max_rows=max_rows)
 
 
 class Gemv:
     """See the module docstring."""
 
     def __init__(self, cfg: GemvConfig) -> None:
+        assert cfg.vec in (VEC, VEC_NARROW) and cfg.k % (cfg.vec * 32) == 0, cfg
         self.cfg = cfg
-        self.slices = cfg.k // (VEC * 32)
+        self.slices = cfg.k // (cfg.vec * 32)
+        self.kv = cfg.k // cfg.vec                       # vec-slices per x row
+        self.units = cfg.rows * self.kv                  # prologue work items (situ)
+        self.steps = (self.units + WARPS * 32 - 1) // (WARPS * 32)
+        self.preload = self.slices <= PRELOAD_SLICES     # situ: whole weight row in registers
+        assert not (cfg.situ and cfg.cols), cfg
+        assert cfg.kwarps in (4, 8), cfg
+        self.kw = cfg.kwarps if cfg.cols else WARPS      # warps per CTA of this layout
+        assert cfg.cols * cfg.rows <= self.kw * 32, cfg  # one finishing thread per (column, row)
+        self.full = self.slices // self.kw               # split-K: rounds every warp takes
+        self.tail = self.slices % self.kw                # warps < tail take one more slice
+        self.ctas = (cfg.n + WARPS - 1) // WARPS if cfg.cols == 0 else (cfg.n + cfg.cols - 1) // cfg.cols
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
-        n, k, m = self.cfg.n, self.cfg.k, self.cfg.rows
-        mX = cute.make_tensor(x, cute.make_layout((m, k // VEC, VEC), stride=(k, VEC, 1)))
-        mW = cute.make_tensor(w, cute.make_layout((n, k // VEC, VEC), stride=(k, VEC, 1)))
+        n, k, m, vec = self.cfg.n, self.cfg.k, self.cfg.rows, self.cfg.vec
+        xk = 2 * k if cutlass.const_expr(self.cfg.situ) else k     # h [M, 2K] for situ
+        mX = cute.make_tensor(x, cute.make_layout((m, xk // vec, vec), stride=(xk, vec, 1)))
+        mW = cute.make_tensor(w, cute.make_layout((n, k // vec, vec), stride=(k, vec, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
-        self.kernel(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
-                                       block=[WARPS * 32, 1, 1], stream=stream)
+        if cutlass.const_expr(self.cfg.situ):
+            self.kernel_situ(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
+                                                block=[WARPS * 32, 1, 1], stream=stream)
+        elif cutlass.const_expr(self.cfg.cols > 0):
+            self.kernel_splitk(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
+                                                  block=[self.kw * 32, 1, 1], stream=stream)
+        else:
+            self.kernel(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
+                                           block=[WARPS * 32, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
@@ -76,19 +186,141 @@ class Gemv:
         if col < self.cfg.n:
             acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
             acc.fill(0.0)
-            wv = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
-            xv = cute.make_rmem_tensor(cute.make_layout(VEC), mX.element_type)
+            wv = cute.make_rmem_tensor(cute.make_layout(self.cfg.vec), mW.element_type)
+            xv = cute.make_rmem_tensor(cute.make_layout(self.cfg.vec), mX.element_type)
             for i in cutlass.range(self.slices, unroll=4):
                 c = lane + i * 32
                 cute.autovec_copy(mW[col, c, None], wv)
                 for r in cutlass.range_constexpr(self.cfg.rows):
                     cute.autovec_copy(mX[r, c, None], xv)
-                    for j in cutlass.range_constexpr(VEC):
+                    for j in cutlass.range_constexpr(self.cfg.vec):
                         acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
             for r in cutlass.range_constexpr(self.cfg.rows):
                 tot = cute.arch.warp_reduction_sum(acc[r])
                 if lane == 0:
                     mO[r, col] = tot.to(mO.element_type)
+
+    @cute.jit
+    def situ(self, g: Float32, u: Float32) -> Float32:
+        """stock_ops.situ in fp32, same operation order: (β·tanh(g/β)·σ(g)) · (β_lin·tanh(u/β_lin))."""
+        beta = Float32(self.cfg.beta)
+        lin = Float32(self.cfg.lin_beta)
+        a = beta * cute.math.tanh(g / beta)
+        a = a * sigmoid(g)
+        b = lin * cute.math.tanh(u / lin)
+        return a * b
+
+    @cute.kernel
+    def kernel_situ(self, mH: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        m, vec, kv = self.cfg.rows, self.cfg.vec, self.kv
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        col = bidx * WARPS + cute.arch.warp_idx()      # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(mH.element_type,
+                                  cute.make_layout((m, kv, vec), stride=(self.cfg.k, vec, 1)),
+                                  byte_alignment=16)
+        # Short K (shared_down: 3 slices per lane): issue this warp's whole weight row before
+        # the prologue so the HBM latency overlaps the SiTU math. A warp past N (only in the
+        # last CTA when N % 8 != 0) loads row N-1 instead (in bounds) and never stores.
+        wall = cute.make_rmem_tensor(cute.make_layout((PRELOAD_SLICES, vec), stride=(vec, 1)),
+                                     mW.element_type)
+        if cutlass.const_expr(self.preload):
+            colc = cutlass.min(col, Int32(self.cfg.n - 1))
+            for i in cutlass.range_constexpr(self.slices):
+                cute.autovec_copy(mW[colc, lane + i * 32, None], wall[i, None])
+        # Prologue (every thread of the CTA, also warps past N): x = bf16(SiTU(gate, up)).
+        gv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
+        uv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
+        av = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
+        for s in cutlass.range_constexpr(self.steps):
+            unit = tidx + s * (WARPS * 32)
+            if unit < self.units:
+                r = unit // kv
+                c = unit - r * kv
+                cute.autovec_copy(mH[r, c, None], gv)          # gate: h[r, c·vec : c·vec+vec]
+                cute.autovec_copy(mH[r, kv + c, None], uv)     # up:   h[r, K + c·vec : ...]
+                for j in cutlass.range_constexpr(vec):
+                    av[j] = self.situ(gv[j].to(Float32), uv[j].to(Float32)).to(mH.element_type)
+                cute.autovec_copy(av, sX[r, c, None])
+        cute.arch.sync_threads()
+        if col < self.cfg.n:
+            acc = cute.make_rmem_tensor(cute.make_layout(m), Float32)
+            acc.fill(0.0)
+            xv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
+            if cutlass.const_expr(self.preload):
+                for i in cutlass.range_constexpr(self.slices):
+                    c = lane + i * 32
+                    for r in cutlass.range_constexpr(m):
+                        cute.autovec_copy(sX[r, c, None], xv)
+                        for j in cutlass.range_constexpr(vec):
+                            acc[r] = acc[r] + wall[i, j].to(Float32) * xv[j].to(Float32)
+            else:
+                wv = cute.make_rmem_tensor(cute.make_layout(vec), mW.element_type)
+                for i in cutlass.range(self.slices, unroll=4):
+                    c = lane + i * 32
+                    cute.autovec_copy(mW[col, c, None], wv)
+                    for r in cutlass.range_constexpr(m):
+                        cute.autovec_copy(sX[r, c, None], xv)
+                        for j in cutlass.range_constexpr(vec):
+                            acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
+            for r in cutlass.range_constexpr(m):
+                tot = cute.arch.warp_reduction_sum(acc[r])
+                if lane == 0:
+                    mO[r, col] = tot.to(mO.element_type)
+
+
+    @cute.jit
+    def splitk_slice(self, mX: cute.Tensor, mW: cute.Tensor, acc: cute.Tensor, wv: cute.Tensor,
+                     xv: cute.Tensor, bidx: Int32, s: Int32, lane: Int32):
+        """acc[q, r] += W[col_q, slice s] · x[r, slice s] for this lane's vec elements."""
+        c = s * 32 + lane                               # the warp reads 32·vec contiguous elements
+        for q in cutlass.range_constexpr(self.cfg.cols):
+            colq = cutlass.min(bidx * self.cfg.cols + q, Int32(self.cfg.n - 1))  # in bounds
+            cute.autovec_copy(mW[colq, c, None], wv[q, None])
+        for r in cutlass.range_constexpr(self.cfg.rows):
+            cute.autovec_copy(mX[r, c, None], xv)
+            for q in cutlass.range_constexpr(self.cfg.cols):
+                for j in cutlass.range_constexpr(self.cfg.vec):
+                    acc[q, r] = acc[q, r] + wv[q, j].to(Float32) * xv[j].to(Float32)
+
+    @cute.kernel
+    def kernel_splitk(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        m, vec, C = self.cfg.rows, self.cfg.vec, self.cfg.cols
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout((self.kw, C, m), stride=(C * m, m, 1)),
+                                   byte_alignment=16)
+        acc = cute.make_rmem_tensor(cute.make_layout((C, m), stride=(m, 1)), Float32)
+        acc.fill(0.0)
+        wv = cute.make_rmem_tensor(cute.make_layout((C, vec), stride=(vec, 1)), mW.element_type)
+        xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+        # Round i: warp w takes slice w + kw·i, so the CTA streams each of its C weight rows
+        # front to back in kw·512-byte steps (vec = 8).
+        for i in cutlass.range(self.full, unroll=2):
+            self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * self.kw, lane)
+        if cutlass.const_expr(self.tail > 0):
+            if warp < self.tail:                        # warp-uniform; no shuffles inside
+                self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + self.full * self.kw, lane)
+        for q in cutlass.range_constexpr(C):
+            for r in cutlass.range_constexpr(m):
+                tot = cute.arch.warp_reduction_sum(acc[q, r])
+                if lane == 0:
+                    red[warp, q, r] = tot
+        cute.arch.sync_threads()
+        if tidx < C * m:
+            q = tidx // m
+            r = tidx - q * m
+            col = bidx * C + q
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(self.kw):
+                tot += red[w, q, r]
+            if col < self.cfg.n:
+                mO[r, col] = tot.to(mO.element_type)
 
 
 def compile_for(cfg: GemvConfig) -> object:
@@ -99,17 +331,160 @@ def compile_for(cfg: GemvConfig) -> object:
     return compiled(("gemv", cfg), build)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K]ᵀ on the current stream; both contiguous bf16; returns [M, N] bf16."""
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype)):
-        raise ValueError(f"gemv kernel cannot run M={m} N={n} K={k}")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    compile_for(GemvConfig(n, k, m))(ptr(x), ptr(w), ptr(out), current_stream())
+def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=torch.bfloat16, device=like.device)
+    if (tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous()
+            or out.device != like.device):
+        raise ValueError(f"gemv out must be a contiguous [{m}, {n}] bf16 tensor on {like.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()} {out.device}")
     return out
 
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+         splitk_warps: int = SPLITK_WARPS) -> torch.Tensor:
+    """x [M, K] @ w[N, K]ᵀ on the current stream; both contiguous bf16; returns [M, N] bf16,
+    written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. buf[rank]).
+    M = 1: K a multiple of 256 runs the original 128-bit kernel, a multiple of 128 the 64-bit
+    one; 2 ≤ M ≤ SPLITK_MAX_ROWS: the split-K layout (SPLITK_COLS columns per CTA of
+    `splitk_warps` warps, 4 or 8)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype), k_multiple=VEC_NARROW * 32,
+                                            max_rows=SPLITK_MAX_ROWS):
+        raise ValueError(f"gemv kernel cannot run M={m} N={n} K={k}")
+    out = _out_for(m, n, x, out)
+    vec = vec_for(k)
+    if m >= SPLITK_MIN_ROWS:
+        cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS, kwarps=splitk_warps)
+    else:
+        cfg = GemvConfig(n, k, m) if vec == VEC else GemvConfig(n, k, m, vec=vec)
+    compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
+    return out
+
+
+def gemv_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin_beta: float,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16(SiTU(h[:, :inter], h[:, inter:2·inter])) @ w[N, inter]ᵀ in one kernel (the shared
+    expert's situ_glu + shared_down); h [M, 2·inter] and w contiguous bf16; returns [M, N] bf16
+    (into `out` when given). Equals stock_ops.situ_glu(h, inter, β, β_lin) @ wᵀ up to the fp32
+    summation order."""
+    m = h.shape[0]
+    n = w.shape[0]
+    if (h.dim() != 2 or h.shape[1] != 2 * inter or w.dim() != 2 or w.shape[1] != inter
+            or not can_implement_situ(m, n, inter, (h.dtype, w.dtype), max_rows=SPLITK_MAX_ROWS)):
+        raise ValueError(f"gemv_situ cannot run h {tuple(h.shape)} w {tuple(w.shape)} inter={inter}")
+    out = _out_for(m, n, h, out)
+    cfg = GemvConfig(n, inter, m, vec=vec_for(inter), situ=True, beta=float(beta), lin_beta=float(lin_beta))
+    compile_for(cfg)(ptr(h), ptr(w), ptr(out), current_stream())
+    return out
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ in float64 (the formula; no roundings)."""
+    return x.double() @ w.double().t()
+
+
+def reference_situ_act(h: torch.Tensor, inter: int, beta: float, lin_beta: float) -> torch.Tensor:
+    """SiTU(h[:, :inter], h[:, inter:2·inter]) in float64: [β·tanh(g/β)·σ(g)]·[β_lin·tanh(u/β_lin)]."""
+    g, u = h[..., :inter].double(), h[..., inter:2 * inter].double()
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))
+
+
+def reference_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin_beta: float) -> torch.Tensor:
+    """gemv_situ's formula in float64: SiTU(gate, up) @ wᵀ (no bf16 rounding of the activation)."""
+    return reference_situ_act(h, inter, beta, lin_beta) @ w.double().t()
+
+
+def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> list[dict]:
+    """The variants vs the stock ops on K3 TP16 shapes (kernel "gemv_variants"):
+    - "out_slot": gemv(x, o_proj, out=buf[rank]) into a slot of a [16, M, N] buffer (the
+      SimComm all-reduce buffer): returns that very slot, equals torch's x @ wᵀ, and every
+      other slot is bit-for-bit unchanged;
+    - "k384": gemv with K = 384 (shared_down [7168, 384], the 64-bit-load variant) vs x @ wᵀ;
+    - "situ": gemv_situ(h, shared_down, 384, β, β_lin, out=buf[rank]) vs the stock
+      situ_glu (fp32 SiTU rounded to bf16) then torch's matmul (rounded to bf16), other
+      slots unchanged;
+    - "in_proj": gemv on the KDA in_proj shape [3216, 7168] (at M ≥ 2 the split-K layout: the
+      per-M table decision, M = 8 was 33 µs vs torch's 13.8 µs with the one-warp-per-column
+      kernel); at M ≥ 2 also "in_proj_kw4": split-K with 4 warps per CTA instead of 8.
+    At M ≥ 2 every gemv case runs the split-K kernel and gemv_situ its M-row prologue.
+    Errors against stock ≤ 1e-2 and against float64 ≤ stock's own × 1.5 + 1e-3 (checks.py)."""
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    dev = torch.device(checks.DEVICE)
+    out = []
+    for m in rows:
+        cfg = k3_tp16(batch=m, spec_tokens=0)
+        D, Is = cfg.hidden, cfg.shared_local_inter                     # 7168, 384
+        beta, lin = cfg.situ_beta, cfg.situ_linear_beta
+        gen = torch.Generator(device=dev).manual_seed(1000 + m)
+        world, rank = 16, 3
+        cases = [("out_slot", (D, 768)), ("k384", (D, Is)), ("situ", (D, Is)), ("in_proj", (3216, D))]
+        if m >= SPLITK_MIN_ROWS:
+            cases.append(("in_proj_kw4", (3216, D)))          # split-K over 4 warps per CTA
+        for case, (n, k) in cases:
+            w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
+            buf = torch.randn(world, m, n, generator=gen, device=dev).bfloat16()
+            before = buf.clone()
+            slot = buf[rank]
+            if case == "situ":
+                h = (torch.randn(m, 2 * Is, generator=gen, device=dev) * 3.0).bfloat16()
+
+                def stock_call(h=h, w=w) -> torch.Tensor:
+                    return stock_ops.situ_glu(h, Is, beta, lin) @ w.t()
+
+                def kernel_call(h=h, w=w, slot=slot) -> torch.Tensor:
+                    return gemv_situ(h, w, Is, beta, lin, out=slot)
+                ref = reference_situ(h, w, Is, beta, lin)
+            else:
+                x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+
+                def stock_call(x=x, w=w) -> torch.Tensor:
+                    return x @ w.t()
+
+                if case == "out_slot":
+                    def kernel_call(x=x, w=w, slot=slot) -> torch.Tensor:
+                        return gemv(x, w, out=slot)
+                elif case == "in_proj_kw4":
+                    def kernel_call(x=x, w=w) -> torch.Tensor:
+                        return gemv(x, w, splitk_warps=4)
+                else:
+                    def kernel_call(x=x, w=w) -> torch.Tensor:
+                        return gemv(x, w)
+                ref = reference(x, w)
+            with torch.no_grad():
+                y_s = stock_call()
+                y_k = kernel_call()
+            checks._sync()
+            e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
+            layout = "situ" if case == "situ" else ("split_k" if m >= SPLITK_MIN_ROWS else "warp_per_col")
+            if case == "in_proj_kw4":
+                layout = "split_k_4warps"
+            r = {"kernel": "gemv_variants", "case": case, "layout": layout, "M": m, "N": n, "K": k,
+                 "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s}
+            ok = (tuple(y_k.shape) == (m, n) and y_k.dtype == torch.bfloat16
+                  and e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3)
+            if case in ("out_slot", "situ"):
+                others = [i for i in range(world) if i != rank]
+                r["wrote_into_slot"] = y_k.data_ptr() == slot.data_ptr() and torch.equal(buf[rank], y_k)
+                r["other_slots_untouched"] = torch.equal(buf[others], before[others])
+                ok = ok and r["wrote_into_slot"] and r["other_slots_untouched"]
+            r["ok"] = bool(ok)
+            if timing:
+                r["stock_us"] = checks.time_us(stock_call)
+                r["kernel_us"] = checks.time_us(kernel_call)
+                r["kernel_tbs"] = n * k * 2 / (r["kernel_us"] * 1e-6) / 1e12
+            out.append(r)
+    return out
+
+
+def main_variants() -> None:
+    from kimi_decode.kernels.checks import _print
+    _print(check_variants())
 
 if __name__ == "__main__":
     from kimi_decode.kernels.checks import main_gemv
     main_gemv()
+    main_variants()
