@@ -33,9 +33,11 @@ Layout: 128 threads = d (4 warps). Thread tid: column c = tid mod C of the CTA's
 C fp32 registers of S. For a fixed r the CTA reads 128/C rows × C consecutive columns, i.e.
 whole 32-byte sectors for C ≥ 8. kᵀS and qᵀS for a column: butterfly shuffles over lane
 bits ≥ log2 C (lanes that share c), then the 4 warp partials meet in shared memory.
-Prelude: thread tid convolves q channel tid and k channel tid, threads tid < C the CTA's
-v channels; thread tid computes gate g[tid] as one dot product over f_b row h·d+tid (128-bit
-loads, f_a from shared memory, broadcast).
+Prelude: the z inputs the CTA needs for all T tokens (q, k channels, f_a, its v channels, β)
+are staged into shared memory once, so T = 8 pays one load latency, not eight. Per token,
+thread tid convolves q channel tid and k channel tid, threads tid < C the CTA's v channels;
+thread tid computes gate g[tid] as one dot product over f_b row h·d+tid (128-bit loads, L1
+after the first token; f_a from shared memory, broadcast).
 
 Ownership (CTAs do not synchronise, so read and write sets of different CTAs are disjoint
 or ordered by the arrival counter):
@@ -174,13 +176,17 @@ class KDASplit:
         smem = cutlass.memory.SmemAllocator()
         s_q = smem.allocate_tensor(Float32, cute.make_layout(d))
         s_k = smem.allocate_tensor(Float32, cute.make_layout(d))
-        s_fa = smem.allocate_tensor(Float32, cute.make_layout(d))
         s_eg = smem.allocate_tensor(Float32, cute.make_layout(d))        # exp(g) per key
         s_v = smem.allocate_tensor(Float32, cute.make_layout(C))
         s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
         s_red = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS), stride=(WARPS, 1)))
-        s_beta = smem.allocate_tensor(Float32, cute.make_layout(1))
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+        # This CTA's z inputs for all T tokens, staged once (one load latency, not T).
+        s_zq = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
+        s_zk = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
+        s_fa = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
+        s_zv = smem.allocate_tensor(Float32, cute.make_layout((T, C), stride=(C, 1)))
+        s_beta = smem.allocate_tensor(Float32, cute.make_layout(T))
 
         # This CTA's state slice and conv histories into registers (all reads before any write).
         S = cute.make_rmem_tensor(cute.make_layout(C), Float32)
@@ -210,14 +216,23 @@ class KDASplit:
                 wv[j] = mCw[gv, j]
         decay = cute.math.exp(mA[h])
         fbv = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        for t in cutlass.range_constexpr(T):
+            row = b * T + t
+            s_zq[t, tid] = mZ[row, gq].to(Float32)
+            s_zk[t, tid] = mZ[row, gk].to(Float32)
+            s_fa[t, tid] = mZ[row, 4 * P + tid].to(Float32)
+            if tid < C:
+                s_zv[t, tid] = mZ[row, gv].to(Float32)
+            if tid == 0:
+                s_beta[t] = sigmoid(mZ[row, 4 * P + d + h].to(Float32))
 
         for t in range(T):
             row = b * T + t
-            cute.arch.sync_threads()                    # the previous token's readers are done
+            cute.arch.sync_threads()                    # staged z; the previous token's readers are done
             # Conv update + SiLU: q and k channel tid; v channels of the slice on tid < C.
-            xq = mZ[row, gq].to(Float32)
+            xq = s_zq[t, tid]
             yq = xq * wq[CONV - 1]
-            xk = mZ[row, gk].to(Float32)
+            xk = s_zk[t, tid]
             yk = xk * wk[CONV - 1]
             for j in cutlass.range_constexpr(CONV - 1):
                 yq += hq[j] * wq[j]
@@ -232,7 +247,7 @@ class KDASplit:
             s_q[tid] = aq
             s_k[tid] = ak
             if tid < C:
-                xv = mZ[row, gv].to(Float32)
+                xv = s_zv[t, tid]
                 yv = xv * wv[CONV - 1]
                 for j in cutlass.range_constexpr(CONV - 1):
                     yv += hv[j] * wv[j]
@@ -240,9 +255,6 @@ class KDASplit:
                     hv[j] = hv[j + 1]
                 hv[CONV - 2] = xv
                 s_v[tid] = yv * sigmoid(yv)
-            s_fa[tid] = mZ[row, 4 * P + tid].to(Float32)
-            if tid == 0:
-                s_beta[0] = sigmoid(mZ[row, 4 * P + d + h].to(Float32))
             # ‖q‖², ‖k‖²: whole-warp shuffles (uniform code), one value per warp.
             sq = cute.arch.warp_reduction_sum(aq * aq)
             sk = cute.arch.warp_reduction_sum(ak * ak)
@@ -255,7 +267,7 @@ class KDASplit:
             for vi in cutlass.range_constexpr(d // VEC):
                 cute.autovec_copy(mFb[h * d + tid, vi, None], fbv)
                 for j in cutlass.range_constexpr(VEC):
-                    acc += fbv[j].to(Float32) * s_fa[vi * VEC + j]
+                    acc += fbv[j].to(Float32) * s_fa[t, vi * VEC + j]
             gr = acc.to(BFloat16).to(Float32) + mDt[h * d + tid]
             g = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
             s_eg[tid] = cute.math.exp(g)
@@ -281,7 +293,7 @@ class KDASplit:
             kS = Float32(0.0)
             for w in cutlass.range_constexpr(WARPS):
                 kS += s_part[0, w, c]
-            u = s_beta[0] * (s_v[c] - kS)
+            u = s_beta[t] * (s_v[c] - kS)
             # Delta-rule update, then this thread's share of q̂ᵀS[:, c].
             part = Float32(0.0)
             for r in cutlass.range_constexpr(C):
