@@ -272,34 +272,41 @@ def test_thread_level_emulation_matches_reference(splits: int) -> None:
     assert torch.equal(cs_n, cs_r) and rel(rec_n, rec_r) > 1e-3 and rel(out_n, out_r) > 1e-2
 
 
+def _fake_split(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits=None):
+    """kda_decode_split's contract, by the thread-level emulation (CTAs in reverse order)."""
+    B = conv_state.shape[0]
+    vs = splits or splits_for(B)
+    a = dict(z=z, f_b=f_b, conv_w=conv_w, conv_state=conv_state, dt_bias=dt_bias, a_log=a_log,
+             rec_state=rec_state, o_norm=o_norm)
+    ctas = [(sp, h, b) for b in range(B) for h in range(kcfg.heads) for sp in range(vs)][::-1]
+    out, cs, rec, counter = emulate(a, kcfg, vs, ctas)
+    conv_state.copy_(cs)
+    rec_state.copy_(rec)
+    scratch.counter.copy_(torch.tensor(counter, dtype=torch.int32))
+    return out
+
+
 def test_check_harness_on_cpu_with_emulated_kernel(monkeypatch) -> None:
     """kda_split.check() itself (stock module, 3 steps with state carried, reference, counters)
-    runs on the CPU with the thread-level emulation standing in for the launch, and passes;
-    an emulated kernel with a wrong gate lower bound fails it."""
+    runs on the CPU with the thread-level emulation standing in for the launch, and passes."""
     from kimi_decode.kernels import checks
     from kimi_decode.kernels import kda_split as mod
-
-    def fake(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits=None):
-        B = conv_state.shape[0]
-        vs = splits or splits_for(B)
-        a = dict(z=z, f_b=f_b, conv_w=conv_w, conv_state=conv_state, dt_bias=dt_bias, a_log=a_log,
-                 rec_state=rec_state, o_norm=o_norm)
-        ctas = [(sp, h, b) for b in range(B) for h in range(kcfg.heads) for sp in range(vs)][::-1]
-        out, cs, rec, counter = emulate(a, kcfg, vs, ctas)
-        conv_state.copy_(cs)
-        rec_state.copy_(rec)
-        scratch.counter.copy_(torch.tensor(counter, dtype=torch.int32))
-        return out
-
     monkeypatch.setattr(checks, "DEVICE", "cpu")
-    monkeypatch.setattr(mod, "kda_decode_split", fake)
+    monkeypatch.setattr(mod, "kda_decode_split", _fake_split)
     rows = mod.check(timing=False, batches=(1,), spec=(0,))
     assert len(rows) == 1 and rows[0]["ok"], rows
     assert rows[0]["rel_out"] <= 5e-3 and rows[0]["conv_state_equal"] and rows[0]["counter_zero"]
 
+
+def test_check_harness_can_fail(monkeypatch) -> None:
+    """An emulated kernel with a wrong gate lower bound fails check()."""
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels import kda_split as mod
+
     def wrong(*args, **kw):
-        kcfg = args[8]
-        return fake(*args[:8], KDAConfig(kcfg.heads, kcfg.head_dim, kcfg.tokens, kcfg.in_proj_rows,
-                                          gate_lower_bound=-4.0), *args[9:], **kw)
+        k = args[8]
+        bad = KDAConfig(k.heads, k.head_dim, k.tokens, k.in_proj_rows, gate_lower_bound=-4.0)
+        return _fake_split(*args[:8], bad, *args[9:], **kw)
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(mod, "kda_decode_split", wrong)
     assert not mod.check(timing=False, batches=(1,), spec=(0,))[0]["ok"]
