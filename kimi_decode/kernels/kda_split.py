@@ -373,8 +373,10 @@ def kda_decode_split(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
             or scratch.o.shape[0] < z.shape[0] or scratch.o.shape[1] != p
             or scratch.counter.numel() < batch * kcfg.heads):
         raise ValueError("kda_decode_split: operand shapes do not match the config")
-    if not can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1], kcfg.in_proj_rows,
-                         (z.dtype, f_b.dtype, conv_state.dtype, o_norm.dtype), vs):
+    fp32 = (conv_w, dt_bias, a_log, rec_state, scratch.o)
+    if (not can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1], kcfg.in_proj_rows,
+                          (z.dtype, f_b.dtype, conv_state.dtype, o_norm.dtype), vs)
+            or any(t.dtype != torch.float32 for t in fp32) or scratch.counter.dtype != torch.int32):
         raise ValueError("kda_decode_split cannot run this configuration")
     out = torch.empty(z.shape[0], p, dtype=torch.bfloat16, device=z.device)
     compile_for(KDASplitConfig(kcfg, vs))(
