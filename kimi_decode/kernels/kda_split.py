@@ -429,15 +429,39 @@ def _stock_core(mod: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
     return k.gated_rms_norm(o, mod.o_norm, gate_out, cfg.rms_eps, z.dtype)
 
 
+@torch.no_grad()
+def _timings(mod: torch.nn.Module, kcfg: KDAConfig, scratch: KDAScratch, conv_k: torch.Tensor,
+             rec_k: torch.Tensor, batch: int) -> dict:
+    """µs per call: the stock ops, this kernel (its V_SPLIT and the alternatives), and the
+    verified one-CTA-per-head kernel, on one in_proj output."""
+    from kimi_decode.kernels.checks import time_us
+    from kimi_decode.kernels.kda_decode import kda_decode
+    cfg = mod.cfg
+    z = mod.k.linear(torch.randn(cfg.rows, cfg.hidden, device=rec_k.device).bfloat16(), mod.in_proj)
+    conv_v, rec_v = mod.conv_state.clone(), mod.rec_state.clone()
+
+    def split(vs: int | None = None) -> torch.Tensor:
+        return kda_decode_split(z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm,
+                                kcfg, scratch, splits=vs)
+    r = {"stock_us": time_us(lambda: _stock_core(mod, z)), "kernel_us": time_us(split),
+         "verified_us": time_us(lambda: kda_decode(z, mod.f_b, mod.conv_w, conv_v, mod.dt_bias, mod.a_log,
+                                                   rec_v, mod.o_norm, kcfg))}
+    for vs in (4, 8, 16, 32):                       # the V_SPLIT table's alternatives
+        if vs != splits_for(batch):
+            r[f"kernel_us_vs{vs}"] = time_us(lambda vs=vs: split(vs))
+    return r
+
+
 def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64),
-          spec: tuple[int, ...] = (0, 7)) -> list[dict]:
+          spec: tuple[int, ...] = (0, 7), alt_splits: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
     """Kernel vs the stock KDAAttention ops on the module's own tensors (z = the stock in_proj
     of fresh inputs), 3 steps with state carried, and vs the float64 reference on the same
-    pre-step state; timing vs the stock ops and vs the verified kda_decode kernel."""
+    pre-step state; timing vs the stock ops and vs the verified kda_decode kernel. Each V_SPLIT
+    in `alt_splits` is checked once more against the reference ("alt_splits_ok"), so a
+    re-tuned splits_for table rests on verified configurations."""
     from kimi_decode.comm import LocalComm, SideStream
     from kimi_decode.config import k3_tp16
-    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
-    from kimi_decode.kernels.kda_decode import kda_decode
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel
     from kimi_decode.stock import KDAAttention, Runtime
     from kimi_decode.weights import Seeder
     dev = torch.device(DEVICE)
@@ -473,25 +497,29 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64),
                 # continue from stock's state so the three steps compare like for like
                 conv_k.copy_(mod.conv_state)
                 rec_k.copy_(mod.rec_state)
+            alt_ok, alt_err = True, 0.0
+            x = torch.randn(cfg.rows, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(3), device=dev)
+            with torch.no_grad():
+                z = mod.k.linear(torch.nn.functional.rms_norm(x, (cfg.hidden,)).bfloat16(), mod.in_proj)
+                ref, cs_ref, s_ref = reference(z, mod.f_b, mod.conv_w, mod.conv_state, mod.dt_bias, mod.a_log,
+                                               mod.rec_state, mod.o_norm, kcfg)
+                for vs in alt_splits:
+                    cs_a, rec_a = mod.conv_state.clone(), mod.rec_state.clone()
+                    o_a = kda_decode_split(z, mod.f_b, mod.conv_w, cs_a, mod.dt_bias, mod.a_log, rec_a,
+                                           mod.o_norm, kcfg, scratch, splits=vs)
+                    _sync()
+                    alt_err = max(alt_err, rel(o_a, ref))
+                    alt_ok &= (rel(o_a, ref) <= 1e-2 and rel(rec_a, s_ref) <= 1e-3
+                               and torch.equal(cs_a, cs_ref))
             counter_zero = int(scratch.counter.abs().sum().item()) == 0
             r = {"kernel": "kda_split", "B": b, "k": k, "splits": splits_for(b), "rel_out": e["out"],
                  "rel_out_vs_f64": e["out_f64"], "stock_rel_vs_f64": e["stock_f64"],
                  "rel_rec_state": e["rec"], "conv_state_equal": conv_equal, "counter_zero": counter_zero,
+                 "alt_splits_ok": alt_ok, "alt_splits_rel_out_vs_f64": alt_err,
                  "ok": (e["out"] <= 1e-2 and e["out_f64"] <= 1.5 * e["stock_f64"] + 1e-3
                         and e["rec"] <= 1e-3 and conv_equal and counter_zero)}
             if timing:
-                z = mod.k.linear(torch.randn(cfg.rows, cfg.hidden, device=dev).bfloat16(), mod.in_proj)
-                conv_v, rec_v = mod.conv_state.clone(), mod.rec_state.clone()
-                r["stock_us"] = time_us(lambda: _stock_core(mod, z))
-                r["kernel_us"] = time_us(lambda: kda_decode_split(z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias,
-                                                                  mod.a_log, rec_k, mod.o_norm, kcfg, scratch))
-                r["verified_us"] = time_us(lambda: kda_decode(z, mod.f_b, mod.conv_w, conv_v, mod.dt_bias,
-                                                              mod.a_log, rec_v, mod.o_norm, kcfg))
-                for vs in (4, 8, 16, 32):                # the V_SPLIT table's alternatives
-                    if vs != splits_for(b):
-                        r[f"kernel_us_vs{vs}"] = time_us(lambda vs=vs: kda_decode_split(
-                            z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm,
-                            kcfg, scratch, splits=vs))
+                r.update(_timings(mod, kcfg, scratch, conv_k, rec_k, b))
             out.append(r)
             del mod
     return out

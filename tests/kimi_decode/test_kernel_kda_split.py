@@ -293,8 +293,8 @@ def test_check_harness_on_cpu_with_emulated_kernel(monkeypatch) -> None:
     from kimi_decode.kernels import kda_split as mod
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(mod, "kda_decode_split", _fake_split)
-    rows = mod.check(timing=False, batches=(1,), spec=(0,))
-    assert len(rows) == 1 and rows[0]["ok"], rows
+    rows = mod.check(timing=False, batches=(1,), spec=(0,), alt_splits=(8,))
+    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["alt_splits_ok"], rows
     assert rows[0]["rel_out"] <= 5e-3 and rows[0]["conv_state_equal"] and rows[0]["counter_zero"]
 
 
@@ -309,4 +309,5 @@ def test_check_harness_can_fail(monkeypatch) -> None:
         return _fake_split(*args[:8], bad, *args[9:], **kw)
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(mod, "kda_decode_split", wrong)
-    assert not mod.check(timing=False, batches=(1,), spec=(0,))[0]["ok"]
+    row = mod.check(timing=False, batches=(1,), spec=(0,), alt_splits=(8,))[0]
+    assert not row["ok"] and not row["alt_splits_ok"]
