@@ -14,7 +14,7 @@ state plus the prelude, so the launch is bound by one CTA's short dependency cha
 
 Math per sequence b, head h, token t (row m = b·T + t of z [M, R]; P = H·d), as the stock ops:
     x      = conv input channel ch: z[m, ch] (bf16), history conv_state[b, ch, 0:3] (bf16)
-    y      = Σ_{j<3} hist_j·w[ch, j] + x·w[ch, 3]             fp32; hist ← (hist_1, hist_2, x)
+    y      = x·w[ch, 3] + Σ_{j<3} hist_j·w[ch, j]  (that order)  fp32; hist ← (hist_1, hist_2, x)
     q,k,v  = SiLU(y)                                          fp32 (q: ch = h·d+i, k: P+h·d+i, v: 2P+h·d+j)
     q̂ = q · d^-½ / max(‖q‖, 1e-6),  k̂ = k / max(‖k‖, 1e-6)   fp32
     g[i]  = lb · σ( e^{A_log[h]} · (bf16(Σ_j f_b[h·d+i, j] · z[m, 4P+j]) + dt_bias[h·d+i]) )
@@ -54,8 +54,10 @@ or ordered by the arrival counter):
 Expected time at B = 1, k = 0 (96 CTAs, one per SM): one CTA's chain is ≈ 1 µs of loads (S
 slice 4 KB, f_b row 256 B/thread from L2 or HBM, conv history), a few hundred ns of math and
 6 barriers, one atomic round trip + the last CTA's 512 B scratch read (~1 µs): ≈ 3-5 µs plus
-launch, target ≤ 8 µs. At B = 64 (V_SPLIT = 4, 1536 CTAs) the 49 MB of state read + written
-bounds it at ≈ 13-15 µs.
+launch, target ≤ 8 µs. k = 7 adds per token only shared-memory work, 5 barriers and the f_b
+row from L1 (≈ 0.4-0.6 µs): ≈ 7-10 µs at B = 1. At B = 64 (V_SPLIT = 4, 1536 CTAs) the 49 MB
+of state read + written bounds it at ≈ 13-15 µs (k = 0); the 32 KB f_b read per CTA (50 MB of
+L2 traffic) is the next cost, which is why V_SPLIT shrinks as B grows (splits_for).
 
 Check on the GPU (against the stock KDAAttention ops and the verified one-CTA-per-head kernel):
     python -m kimi_decode.kernels.kda_split
