@@ -63,7 +63,7 @@ def save(out: Path, key: str, value: Any) -> None:
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
 
 
-def isolated_checks(out: Path) -> frozenset[str]:
+def isolated_checks(out: Path, names: tuple[str, ...] | None = None) -> frozenset[str]:
     """Correctness of each kernel in its own process, all at once: a kernel that faults
     (an illegal address poisons the CUDA context) cannot take this process down with it,
     and the four compiles overlap."""
@@ -73,7 +73,7 @@ def isolated_checks(out: Path) -> frozenset[str]:
     from kimi_decode.kernels import KERNELS
     procs = {k: subprocess.Popen([sys.executable, "-m", "bench.fused_device", "--out", str(out),
                                   "--isolated", k], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 env=dict(os.environ)) for k in KERNELS}
+                                 env=dict(os.environ)) for k in (names or KERNELS)}
     ok, notes = set(), {}
     for k, p in procs.items():
         try:
@@ -100,12 +100,16 @@ def run_isolated(name: str) -> None:
         print("ISOLATED-OK", flush=True)
 
 
-def kernel_checks(out: Path, names: frozenset[str]) -> tuple[frozenset[str], list[dict]]:
+def kernel_checks(out: Path, names: frozenset[str],
+                  checked: frozenset[str] | None = None) -> tuple[frozenset[str], list[dict]]:
     """Full checks with timings, in this process, for the kernels that passed in isolation."""
     from kimi_decode.kernels.checks import CHECKS
+    checked = frozenset(CHECKS) if checked is None else checked
     rows: list[dict] = []
     passed = set()
     for name, fn in CHECKS.items():
+        if name not in checked:
+            continue
         if name not in names:
             rows.append({"kernel": name, "ok": False, "error": "failed its isolated check (results.json: isolated)"})
             continue
@@ -346,6 +350,8 @@ def main() -> None:
     ap.add_argument("--passed-file", type=Path,
                     help="write the kernels that passed here (a path on the GPU machine, outside the tree: "
                          "a second call on the same machine reads it with --kernels-from)")
+    ap.add_argument("--check", nargs="*", help="check only these kernels")
+    ap.add_argument("--kernels-ok", nargs="*", help="with --check: kernels that passed in an earlier run")
     ap.add_argument("--kernels-from", type=Path, help="skip the kernel checks: read the passing set from this file")
     args = ap.parse_args()
     if args.isolated:
@@ -369,6 +375,11 @@ def main() -> None:
         passed, krows = frozenset(args.kernels) & frozenset(KERNELS), []
     elif "kernels" in args.skip:
         passed, krows = frozenset(KERNELS), []
+    elif args.check:
+        # only these are checked now; the others count as passed when listed in --kernels-ok
+        names = tuple(args.check)
+        passed, krows = kernel_checks(args.out, isolated_checks(args.out, names), frozenset(names))
+        passed |= frozenset(args.kernels_ok or ())
     else:
         passed, krows = kernel_checks(args.out, isolated_checks(args.out))
     log("kernels passing:", sorted(passed))

@@ -295,9 +295,11 @@ class LatentMoE(stock.LatentMoE):
         variant the GLU is the down GEMV's prologue (one launch fewer)."""
         cfg, Is = self.cfg, self.cfg.shared_local_inter
         h = _linear(y, self.shared_gate_up, self.use_gemv, self.k)
-        if self.use_gemv_situ and y.shape[0] == 1:
-            from kimi_decode.kernels.gemv import gemv_situ
-            return gemv_situ(h, self.shared_down, Is, cfg.situ_beta, cfg.situ_linear_beta)
+        if self.use_gemv_situ:
+            from kimi_decode.kernels.gemv import can_implement_situ, gemv_situ
+            if h.is_contiguous() and can_implement_situ(h.shape[0], self.shared_down.shape[0], Is,
+                                                        (h.dtype, self.shared_down.dtype)):
+                return gemv_situ(h, self.shared_down, Is, cfg.situ_beta, cfg.situ_linear_beta)
         sh = self.fx["situ"](h, Is, cfg.situ_beta, cfg.situ_linear_beta)
         return _linear(sh, self.shared_down, self.use_gemv, self.k)
 
@@ -326,7 +328,7 @@ class LatentMoE(stock.LatentMoE):
             self.last_idx = idx
         _join(self.rt, z, sh)
         rank = comm.rank
-        if self.use_up_kernel:
+        if self.use_up_kernel and self._up_applies(y):
             # the collectives finish inside kernels: experts write this rank's all-reduce slot,
             # moe_up sums the slots (r and the shared reduce-scatter), normalises, projects,
             # adds, and writes this rank's all-gather slot; one concatenation remains
@@ -352,6 +354,11 @@ class LatentMoE(stock.LatentMoE):
             part = self.fx["up"](r, self.latent_norm, self.up[rank * n:(rank + 1) * n], sh, cfg.rms_eps)
         with op_range("moe_gather"):
             return comm.all_gather_cols(part)
+
+    def _up_applies(self, y: torch.Tensor) -> bool:
+        from kimi_decode.kernels.moe_up import can_implement
+        return can_implement(y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world,
+                             (y.dtype, self.up.dtype))
 
     def _prefetch(self) -> None:
         """The L2 prefetch of the next layer's first weight, on the side stream, while the

@@ -203,3 +203,73 @@ def test_restate_shares_runtime_and_weights() -> None:
     new = _restate(attn, KDAAttention)
     assert new.rt is attn.rt and new.in_proj is attn.in_proj
     assert new.rec_state.data_ptr() != attn.rec_state.data_ptr() and type(new) is KDAAttention
+
+
+def _emulate_attn_res_ar(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta=None, write_slot=None,
+                         out=None, *, delta_slots=None, reset=False):
+    """attn_res_rmsnorm's contract with the all-reduce slots (kernel attn_res_ar)."""
+    from kimi_decode.kernels.attn_res import prefix_reference
+    if delta_slots is None:
+        return _emulate_attn_res(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta, write_slot, out)
+    new_prefix = prefix_reference(prefix, delta_slots, reset)
+    if write_slot is not None:
+        blocks[:, write_slot].copy_(new_prefix)
+    return _emulate_attn_res(blocks, num_blocks, new_prefix, w_mix, norm_w, eps)[0], new_prefix
+
+
+@pytest.mark.parametrize("moe_kernels", [True, False])
+def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) -> None:
+    """tp_sim with the slot path on (o_proj writes its all-reduce slot, the AttnRes kernel sums
+    the slots; experts write theirs and moe_up finishes both MoE collectives): the step equals
+    stock's, whose SimComm runs copy + sum kernels, when the other ranks' slots are zero AND
+    when they hold data (both paths read the same persistent buffers, so the "other ranks"
+    contribute identically). Each kernel is a torch emulation of its contract: this checks the
+    wiring (which slot, which buffer, reset vs add, the shared slice), not the kernels."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.kernels.attn_res as k_ar
+    from kimi_decode.runner import build
+    monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res_ar)
+    if moe_kernels:
+        import kimi_decode.kernels.moe_experts as k_ex
+        import kimi_decode.kernels.moe_up as k_up
+        from kimi_decode import stock_ops as ops
+
+        def experts(z, idx, w, w13, w2, beta, lin_beta, out=None):
+            r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+            return r if out is None else out.copy_(r)
+
+        def moe_up(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None):
+            n = up_rows.shape[0]
+            others = sh_slots.sum(0) - sh_slots[rank]
+            shared = others + sh_full[:, rank * n:(rank + 1) * n]
+            part = ops.latent_up(r_slots.sum(0), latent_norm, up_rows, shared, eps)
+            return part if out is None else out.copy_(part)
+        monkeypatch.setattr(k_ex, "experts", experts)
+        monkeypatch.setattr(k_ex, "can_implement", lambda *a: True)
+        monkeypatch.setattr(k_up, "moe_up", moe_up)
+        monkeypatch.setattr(k_up, "can_implement", lambda *a: True)
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7, tp=2, weight_chunks=2, tp_sim=True, sim_world=2)
+    stock, rt = build("stock", cfg, "cpu")
+    fused = FusedDecoder.from_stock(stock)
+    assert fused.rt is stock.rt                             # the same slot buffers
+    for layer in fused.layers:
+        layer.attn_res.use_kernel = layer.mlp_res.use_kernel = True
+        layer.attn_res.use_slots = layer.mlp_res.use_slots = True
+        layer.attn.ar_slots = True
+        if hasattr(layer.mlp, "use_up_kernel"):
+            layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = moe_kernels
+    for s in range(3):
+        if s == 2:   # the other ranks contribute data now
+            gen = torch.Generator().manual_seed(5)
+            for buf in rt.comm.bufs.values():
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+        m, prefix, blocks = stock.make_inputs(seed=70 + s)
+        blocks_f = blocks.clone()
+        with torch.no_grad():
+            out_s = stock(m, prefix, blocks)
+            out_f = fused(m, prefix, blocks_f)
+        for a, b in zip(out_s, out_f):
+            assert float((a - b).norm() / a.norm()) < 1e-5
+        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    ar_shapes = {k[1] for k in rt.comm.bufs if k[0] == "ar"}
+    assert (cfg.sim_world, cfg.rows, cfg.hidden) in ar_shapes             # o_proj's slots were used
