@@ -313,20 +313,25 @@ class MLAAttend:
             cute.arch.sync_threads()
 
             # Online softmax: warp w owns rows w, w + 8, ...; lane = token.
+            # Warps past the last row compute on row R - 1 and store nothing, so the shuffles
+            # never sit inside a branch.
             for i in cutlass.range_constexpr(self.RW):
                 r = warp + i * WARPS
-                if r < R:                  # warp-uniform
-                    sv = s_p[r, lane]
-                    mx = cute.arch.warp_reduction_max(sv)
-                    m_old = mreg[i]
-                    m_new = cute.arch.fmax(m_old, mx)
-                    alpha = cute.math.exp(m_old - m_new)
-                    p = Float32(0.0)
-                    if sv > Float32(VALID):
-                        p = cute.math.exp(sv - m_new)
-                    ps = cute.arch.warp_reduction_sum(p)
-                    lreg[i] = lreg[i] * alpha + ps
-                    mreg[i] = m_new
+                rc = r
+                if rc > R - 1:
+                    rc = R - 1
+                sv = s_p[rc, lane]
+                mx = cute.arch.warp_reduction_max(sv)
+                m_old = mreg[i]
+                m_new = cute.arch.fmax(m_old, mx)
+                alpha = cute.math.exp(m_old - m_new)
+                p = Float32(0.0)
+                if sv > Float32(VALID):
+                    p = cute.math.exp(sv - m_new)
+                ps = cute.arch.warp_reduction_sum(p)
+                lreg[i] = lreg[i] * alpha + ps
+                mreg[i] = m_new
+                if r < R:                  # warp-uniform, no shuffles inside
                     s_p[r, lane] = p
                     if lane == 0:
                         s_a[r] = alpha
