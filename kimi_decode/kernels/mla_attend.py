@@ -519,10 +519,13 @@ def reference(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, hea
     return torch.softmax(scores, -1) @ cache[..., :kv_rank].double()
 
 
-def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0, 7)) -> list[dict]:
-    """Kernel vs stock_ops.mla_attend (eager, and the torch.compile'd op the stock module runs)
-    and the float64 reference at the K3 TP16 shapes, `last` inside the cache (mask matters,
-    positions past it hold NaN so a read of them would show)."""
+def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0, 7),
+          sms_sweep: tuple[int, ...] = (33, 66)) -> list[dict]:
+    """Kernel vs stock_ops.mla_attend (eager, and the torch.compile'd op the stock module runs:
+    stock.MLAAttention.fx["attend"] is the same cached torch.compile of that function) and the
+    float64 reference at the K3 TP16 shapes, `last` inside the cache (mask matters, positions
+    past it hold NaN so a read of them would show). With timing, B = 1 is also timed with
+    fewer splits (make_scratch(..., sms=n) for n in sms_sweep) to tune the plan."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
@@ -564,6 +567,17 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
                 r["stock_eager_us"] = time_us(lambda: stock_ops.mla_attend(q_full, clean, last, H, c, scale))
                 r["kernel_us"] = time_us(lambda: mla_attend(q_full, cache, last, H, c, scale, scratch))
             out.append(r)
+            if timing and bsz == 1:
+                for n in sms_sweep:
+                    sc2 = make_scratch(bsz, T * H, C, c, dev, sms=n)
+                    with torch.no_grad():
+                        o_n = mla_attend(q_full, cache, last, H, c, scale, sc2)
+                    _sync()
+                    e_n = rel(o_n, ref)
+                    out.append({"kernel": "mla_attend", "B": bsz, "k": k, "C": C, "sms": n,
+                                "splits": sc2.splits, "groups": sc2.groups, "rel_vs_f64": e_n,
+                                "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc2.counters.abs().sum()) == 0,
+                                "kernel_us": time_us(lambda: mla_attend(q_full, cache, last, H, c, scale, sc2))})
             del cache, scratch
     return out
 
