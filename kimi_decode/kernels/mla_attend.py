@@ -41,10 +41,14 @@ keep every merge small (≤ 16 partials of R × 2 KB, read from L2 with 128-bit 
 in flight) while ~130 CTAs stream the cache at B = 1.
 
 Why it should reach ≲ 6 µs at B = 1, k = 0 (C = 4160, R = 6): 130 CTAs each read one 36 KB
-tile (4.8 MB in all: 1.3 µs at HBM rate, about one load latency per CTA), do ~1 µs of fp32
-math (110 K MACs for scores and 98 K for P·V per tile on 256 threads), then two merges of
-≤ 12 partials × 12 KB from L2 (~1 µs each). Large B·T is compute-bound on CUDA cores (no
-tensor cores here): R = 48 does 8× the math per tile; see `can_implement`/`profitable`.
+tile (4.8 MB in all: 1.3 µs at HBM rate, about one load latency per CTA, overlapped with the
+q load), do ~1.3 µs of fp32 math (110 K MACs for scores and 98 K for P·V per tile on 256
+threads: ~1.2 K instructions per thread), then two merges of ≤ 12 partials × 12 KB from L2
+(~0.8 µs each): ~5-6 µs with the launch. Large B·T is compute-bound on CUDA cores (no tensor
+cores here): R = 48 does 8× the math per tile (~8 µs per tile), so B = 64, k = 7 is several
+times slower than stock's tensor-core bmm; see `profitable`. The split plan is host-side
+(`make_scratch(..., sms=n)`), so it can be tuned from device timings without recompiling.
+Compile time on one CPU core: ~5 s for T = 1, ~35-80 s for T = 8 (R = 48 unrolls far more).
 
 Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd; times both):
     python -m kimi_decode.kernels.mla_attend
