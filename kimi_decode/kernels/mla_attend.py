@@ -1,0 +1,591 @@
+"""Absorbed MLA decode attention in one launch (replaces the stock op `mla_decode`,
+stock_ops.mla_attend: bmm, mask, softmax, cast, bmm = 5 kernels under torch.compile).
+
+Per sequence b, query row r = t·H + h (R = T·H rows, all heads share the latent cache),
+cache row j (576 = c + rope bf16 values), scale = (nope + rope)^-½:
+    s[r, j]  = bf16( Σ_d q[b, r, d] · cache[b, j, d] ) · scale        fp32 accumulation, then
+                                                                       rounded to bf16 (as the
+                                                                       stock bf16 bmm), × scale in fp32
+    valid    = j ≤ last[t]                                             last: int64 [T] on the GPU
+    p[r, j]  = exp(s − max) / Σ exp(s − max)   over valid j            fp32
+    o[b, r]  = bf16( Σ_j p[r, j] · cache[b, j, :c] )                   fp32 accumulation
+Rounding difference to stock: stock rounds the normalised p to bf16 before its second bmm;
+a flash (online-softmax) kernel never holds the normalised p, so this kernel keeps the
+unnormalised exp(s − m) in fp32 and divides the fp32 sum once at the end (more accurate than
+stock: it drops stock's bf16 rounding of p, ~2⁻⁹ relative per probability). The scores are
+rounded at the same point as stock, so the masks and maxima agree.
+
+Layout: grid (splits, B), 256 threads. Split s owns `tiles_per_split` tiles of TILE = 32 cache
+positions; positions past min(C, max_t last[t] + 1) are never read (a tile's tail rows clamp
+their loads to the last valid row and are masked). Per CTA:
+  - q[b] (R × 576 bf16) is converted once to fp32 into shared memory, split in two planes of 4
+    values so that a warp's 128-bit reads of 8 consecutive vectors are conflict-free;
+  - per tile: the 32 × 576 cache rows are read from HBM with 128-bit loads (9 per thread) into
+    registers one tile ahead (software pipeline: the next tile's loads fly during this tile's
+    math; for R > 24 the registers go to the accumulators and the tile loads just before its
+    math) and stored to shared memory; every cache row is read once per CTA for all R rows;
+  - scores: thread (token j = tid / 8, dim group g = tid % 8) dots vectors g, g+8, ... (9 of
+    72) with all R query rows (R fp32 accumulators), a 3-step shuffle sums the 8 groups;
+  - online softmax: warp w owns rows w, w+8, ...; lane = token; running max m and sum l in
+    registers; p and the rescale factor α go to shared memory;
+  - P·V: thread tid owns latent columns 2·tid, 2·tid+1 for all R rows (2R fp32 registers),
+    reads p as 4-token vectors (broadcast) and V pairs (conflict-free);
+  - the partial (m, l, o unnormalised fp32) goes to the scratch buffer.
+Combine without a second launch, in two levels of the grid-completion counter of router.py:
+splits are grouped `group` at a time; the last CTA of a group to finish (atomic counter,
+acq_rel at GPU scope) merges the group's partials (M = max m, L = Σ l·e^{m−M},
+O = Σ o·e^{m−M}); with one group it writes o_lat = bf16(O / L), otherwise it writes a group
+partial and bumps the per-sequence counter, and the last group merges the group partials.
+Each merging CTA resets the counter it won to 0 (CUDA-graph replays find zeros). Two levels
+keep every merge small (≤ 16 partials of R × 2 KB, read from L2 with 128-bit loads, all 16
+in flight) while ~130 CTAs stream the cache at B = 1.
+
+Why it should reach ≲ 6 µs at B = 1, k = 0 (C = 4160, R = 6): 130 CTAs each read one 36 KB
+tile (4.8 MB in all: 1.3 µs at HBM rate, about one load latency per CTA, overlapped with the
+q load), do ~1.3 µs of fp32 math (110 K MACs for scores and 98 K for P·V per tile on 256
+threads: ~1.2 K instructions per thread), then two merges of ≤ 12 partials × 12 KB from L2
+(~0.8 µs each): ~5-6 µs with the launch. Large B·T is compute-bound on CUDA cores (no tensor
+cores here): R = 48 does 8× the math per tile (~8 µs per tile), so B = 64, k = 7 is several
+times slower than stock's tensor-core bmm; see `profitable`. The split plan is host-side
+(`make_scratch(..., sms=n)`), so it can be tuned from device timings without recompiling.
+Compile time on one CPU core: ~5 s for T = 1, ~35-80 s for T = 8 (R = 48 unrolls far more).
+
+Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd; times both):
+    python -m kimi_decode.kernels.mla_attend
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+
+TILE = 32        # cache positions per tile (one per lane in the softmax)
+THREADS = 256
+WARPS = THREADS // 32
+VEC = 8          # bf16 per 128-bit load
+DG = 8           # dim groups per token in the score phase (threads per token)
+GMAX = 16        # most partials one merge reads (splits per group, groups per sequence)
+MAX_ROWS = 48    # R = T·H: registers (2R accumulators for P·V, R for the scores)
+PREFETCH_MAX_ROWS = 24
+NEG = -1.0e30    # "minus infinity" that keeps exp(NEG - NEG) finite
+VALID = -1.0e29  # a score above this is a real (unmasked) score
+SMS = 132
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Compile-time sizes: local heads H, tokens per sequence T, latent rank c, rope dims."""
+
+    heads: int
+    tokens: int
+    kv_rank: int = 512
+    rope: int = 64
+    scale: float = 192 ** -0.5
+
+    @property
+    def rows(self) -> int:
+        return self.heads * self.tokens
+
+    @property
+    def dim(self) -> int:
+        return self.kv_rank + self.rope
+
+
+def can_implement(heads: int, tokens: int, kv_rank: int, rope: int,
+                  dtypes: tuple[torch.dtype, ...]) -> bool:
+    """c = 512 (2 latent columns per thread), c + rope a multiple of 64 (8 dim groups × 8),
+    R = T·H ≤ 48 (register budget), bf16 operands."""
+    d = kv_rank + rope
+    return (kv_rank == 2 * THREADS and d % (DG * VEC) == 0 and (d // VEC) * TILE % THREADS == 0
+            and 1 <= heads * tokens <= MAX_ROWS and all(dt == torch.bfloat16 for dt in dtypes))
+
+
+def profitable(batch: int, tokens: int, heads: int) -> bool:
+    """Where the kernel is expected to beat the stock op (tensor-core bmm): few query rows in
+    all. An estimate until the device check's timings say otherwise."""
+    return batch * tokens * heads <= 48
+
+
+@dataclass
+class MLAScratch:
+    """Persistent partial buffers and counters for one (B, R, C, c); the caller keeps it."""
+
+    batch: int
+    rows: int
+    cache_len: int
+    kv_rank: int
+    splits: int
+    group: int
+    groups: int
+    tiles_per_split: int
+    part_o: torch.Tensor      # [B·S, R, c] fp32
+    part_ml: torch.Tensor     # [B·S, 2, R] fp32 (m, l)
+    grp_o: torch.Tensor       # [B·G, R, c] fp32
+    grp_ml: torch.Tensor      # [B·G, 2, R] fp32
+    counters: torch.Tensor    # [B·G + B] int32, zero between calls
+
+
+def plan(batch: int, cache_len: int, sms: int = SMS) -> tuple[int, int, int, int]:
+    """(splits, group, groups, tiles_per_split): about `sms` CTAs in all, whole tiles per
+    split, group ≈ √splits so both merge levels read ≤ GMAX partials."""
+    n_tiles = (cache_len + TILE - 1) // TILE
+    target = max(1, min(n_tiles, sms // batch))
+    tps = (n_tiles + target - 1) // target
+    splits = (n_tiles + tps - 1) // tps
+    group = min(GMAX, max(1, math.ceil(math.sqrt(splits))))
+    groups = (splits + group - 1) // group
+    while groups > GMAX:          # not reached for splits ≤ 256
+        group += 1
+        groups = (splits + group - 1) // group
+    return splits, group, groups, tps
+
+
+def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int,
+                 device: torch.device | str, sms: int = SMS) -> MLAScratch:
+    splits, group, groups, tps = plan(batch, cache_len, sms)
+    f32 = dict(dtype=torch.float32, device=device)
+    return MLAScratch(
+        batch, rows, cache_len, kv_rank, splits, group, groups, tps,
+        part_o=torch.empty(batch * splits, rows, kv_rank, **f32),
+        part_ml=torch.empty(batch * splits, 2, rows, **f32),
+        grp_o=torch.empty(batch * groups, rows, kv_rank, **f32),
+        grp_ml=torch.empty(batch * groups, 2, rows, **f32),
+        counters=torch.zeros(batch * groups + batch, dtype=torch.int32, device=device))
+
+
+class MLAAttend:
+    """See the module docstring."""
+
+    def __init__(self, cfg: MLAConfig) -> None:
+        self.cfg = cfg
+        self.H, self.T, self.R = cfg.heads, cfg.tokens, cfg.rows
+        self.C, self.D = cfg.kv_rank, cfg.dim
+        self.NV = self.D // VEC                       # 72 vectors per cache row
+        self.VPT = self.NV // DG                      # 9 vectors per thread (scores)
+        self.LPT = self.NV * TILE // THREADS          # 9 vectors per thread (tile load)
+        self.RW = (self.R + WARPS - 1) // WARPS       # softmax rows per warp
+        # Load the next tile during this tile's math (36 registers) unless R is large
+        # (R = 48 needs its registers for the 2R + R accumulators).
+        self.prefetch = self.R <= PREFETCH_MAX_ROWS
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, cache: cute.Pointer, last: cute.Pointer, out: cute.Pointer,
+                 part_o: cute.Pointer, part_ml: cute.Pointer, grp_o: cute.Pointer,
+                 grp_ml: cute.Pointer, counters: cute.Pointer, batch: Int32, cache_len: Int32,
+                 tiles_per_split: Int32, splits: Int32, group: Int32, groups: Int32,
+                 stream: cuda.CUstream):
+        R, D, C, NV = self.R, self.D, self.C, self.NV
+        # Only the outermost modes are dynamic, so every 8-vector keeps its 16-byte alignment.
+        mQ = cute.make_tensor(q, cute.make_layout((batch, R, NV, VEC), stride=(R * D, D, VEC, 1)))
+        mK = cute.make_tensor(cache, cute.make_layout((batch * cache_len, NV, VEC), stride=(D, VEC, 1)))
+        mL = cute.make_tensor(last, cute.make_layout(self.T))
+        mO = cute.make_tensor(out, cute.make_layout((batch, R, C // 4, 4), stride=(R * C, C, 4, 1)))
+        mPo2 = cute.make_tensor(part_o, cute.make_layout((batch * splits, R, C // 2, 2), stride=(R * C, C, 2, 1)))
+        mPo4 = cute.make_tensor(part_o, cute.make_layout((batch * splits, R, C // 4, 4), stride=(R * C, C, 4, 1)))
+        mPml = cute.make_tensor(part_ml, cute.make_layout((batch * splits, 2, R), stride=(2 * R, R, 1)))
+        mGo4 = cute.make_tensor(grp_o, cute.make_layout((batch * groups, R, C // 4, 4), stride=(R * C, C, 4, 1)))
+        mGml = cute.make_tensor(grp_ml, cute.make_layout((batch * groups, 2, R), stride=(2 * R, R, 1)))
+        mCnt = cute.make_tensor(counters, cute.make_layout(batch * groups + batch))
+        self.kernel(mQ, mK, mL, mO, mPo2, mPo4, mPml, mGo4, mGml, mCnt, batch, cache_len,
+                    tiles_per_split, splits, group, groups).launch(
+            grid=[splits, batch, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mL: cute.Tensor, mO: cute.Tensor,
+               mPo2: cute.Tensor, mPo4: cute.Tensor, mPml: cute.Tensor, mGo4: cute.Tensor,
+               mGml: cute.Tensor, mCnt: cute.Tensor, batch: Int32, cache_len: Int32, tiles_per_split: Int32,
+               splits: Int32, group: Int32, groups: Int32):
+        R, D, NV, H = self.R, self.D, self.NV, self.H
+        tid, _, _ = cute.arch.thread_idx()
+        s, b, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()          # full-warp shuffle: here, outside every branch
+        lane = cute.arch.lane_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        s_k = smem.allocate_tensor(BFloat16, cute.make_layout((TILE, NV, VEC), stride=(D, VEC, 1)),
+                                   byte_alignment=16)
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((R, NV, 2, 4), stride=(NV * 4, 4, R * NV * 4, 1)),
+                                   byte_alignment=16)
+        s_p = smem.allocate_tensor(Float32, cute.make_layout((R, TILE), stride=(TILE, 1)), byte_alignment=16)
+        s_a = smem.allocate_tensor(Float32, cute.make_layout(R), byte_alignment=16)
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
+        s_k2 = cute.make_tensor(s_k.iterator, cute.make_layout((TILE, D // 2, 2), stride=(D, 2, 1)))
+        s_p4 = cute.make_tensor(s_p.iterator, cute.make_layout((R, TILE // 4, 4), stride=(TILE, 4, 1)))
+
+        # Positions this CTA reads: [t0, end), end ≤ max_t last[t] + 1 and ≤ C.
+        lastv = cute.make_rmem_tensor(cute.make_layout(self.T), Int32)
+        maxlast = Int32(-1)
+        for t in cutlass.range_constexpr(self.T):
+            lv = mL[t].to(Int32)
+            lastv[t] = lv
+            if lv > maxlast:
+                maxlast = lv
+        t0 = s * tiles_per_split * TILE
+        end = t0 + tiles_per_split * TILE
+        if end > cache_len:
+            end = cache_len
+        if end > maxlast + 1:
+            end = maxlast + 1
+        ntile = Int32(0)
+        if end > t0:
+            ntile = (end - t0 + TILE - 1) // TILE
+        row0 = b * cache_len
+
+        # Next tile's cache vectors, in registers (tail rows clamp to the last valid row).
+        kbuf = cute.make_rmem_tensor(cute.make_layout((self.LPT, VEC), stride=(VEC, 1)), BFloat16)
+        if cutlass.const_expr(self.prefetch):
+            if ntile > 0:
+                self.load_tile(mK, kbuf, row0, t0, end, tid)
+
+        # q[b] -> fp32 shared memory, two planes of 4.
+        qb = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        for i in range(tid, R * NV, THREADS):
+            r = i // NV
+            v = i - r * NV
+            cute.autovec_copy(mQ[b, r, v, None], qb)
+            for e in cutlass.range_constexpr(4):
+                s_q[r, v, 0, e] = qb[e].to(Float32)
+                s_q[r, v, 1, e] = qb[4 + e].to(Float32)
+
+        mreg = cute.make_rmem_tensor(cute.make_layout(self.RW), Float32)
+        lreg = cute.make_rmem_tensor(cute.make_layout(self.RW), Float32)
+        mreg.fill(NEG)
+        lreg.fill(0.0)
+        acc = cute.make_rmem_tensor(cute.make_layout((R, 2), stride=(2, 1)), Float32)
+        acc.fill(0.0)
+        sacc = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+        kv = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        kf = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        q0 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        q1 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        vb = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        vv = cute.make_rmem_tensor(cute.make_layout((4, 2), stride=(2, 1)), Float32)
+        p4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        jt = tid // DG                     # score phase: token of this thread
+        g = tid - jt * DG                  # and its dim group
+
+        for it in range(ntile):
+            tstart = t0 + it * TILE
+            if cutlass.const_expr(not self.prefetch):
+                self.load_tile(mK, kbuf, row0, tstart, end, tid)
+            cute.arch.sync_threads()       # last tile's readers of s_k / s_p are done
+            for i in cutlass.range_constexpr(self.LPT):
+                idx = tid + i * THREADS
+                j = idx // NV
+                v = idx - j * NV
+                cute.autovec_copy(kbuf[i, None], s_k[j, v, None])
+            cute.arch.sync_threads()
+            if cutlass.const_expr(self.prefetch):
+                if it + 1 < ntile:
+                    self.load_tile(mK, kbuf, row0, tstart + TILE, end, tid)
+
+            # Scores: 8 threads per token, 9 vectors each, all R rows.
+            sacc.fill(0.0)
+            for i in cutlass.range_constexpr(self.VPT):
+                v = g + i * DG
+                cute.autovec_copy(s_k[jt, v, None], kv)
+                for e in cutlass.range_constexpr(VEC):
+                    kf[e] = kv[e].to(Float32)
+                for r in cutlass.range_constexpr(R):
+                    cute.autovec_copy(s_q[r, v, 0, None], q0)
+                    cute.autovec_copy(s_q[r, v, 1, None], q1)
+                    a = sacc[r]
+                    for e in cutlass.range_constexpr(4):
+                        a += kf[e] * q0[e]
+                        a += kf[4 + e] * q1[e]
+                    sacc[r] = a
+            pos = tstart + jt
+            for r in cutlass.range_constexpr(R):
+                tot = cute.arch.warp_reduction_sum(sacc[r], threads_in_group=DG)
+                sc = tot.to(BFloat16).to(Float32) * Float32(self.cfg.scale)
+                if pos >= end:
+                    sc = Float32(NEG)
+                if pos > lastv[r // H]:
+                    sc = Float32(NEG)
+                if g == 0:
+                    s_p[r, jt] = sc
+            cute.arch.sync_threads()
+
+            # Online softmax: warp w owns rows w, w + 8, ...; lane = token.
+            # Warps past the last row compute on row R - 1 and store nothing, so the shuffles
+            # never sit inside a branch.
+            for i in cutlass.range_constexpr(self.RW):
+                r = warp + i * WARPS
+                rc = r
+                if rc > R - 1:
+                    rc = R - 1
+                sv = s_p[rc, lane]
+                mx = cute.arch.warp_reduction_max(sv)
+                m_old = mreg[i]
+                m_new = cute.arch.fmax(m_old, mx)
+                alpha = cute.math.exp(m_old - m_new)
+                p = Float32(0.0)
+                if sv > Float32(VALID):
+                    p = cute.math.exp(sv - m_new)
+                ps = cute.arch.warp_reduction_sum(p)
+                lreg[i] = lreg[i] * alpha + ps
+                mreg[i] = m_new
+                if r < R:                  # warp-uniform, no shuffles inside
+                    s_p[r, lane] = p
+                    if lane == 0:
+                        s_a[r] = alpha
+            cute.arch.sync_threads()
+
+            # P·V: latent columns 2·tid, 2·tid + 1 for all rows.
+            for r in cutlass.range_constexpr(R):
+                al = s_a[r]
+                acc[r, 0] = acc[r, 0] * al
+                acc[r, 1] = acc[r, 1] * al
+            for jq in cutlass.range_constexpr(TILE // 4):
+                for u in cutlass.range_constexpr(4):
+                    cute.autovec_copy(s_k2[jq * 4 + u, tid, None], vb)
+                    vv[u, 0] = vb[0].to(Float32)
+                    vv[u, 1] = vb[1].to(Float32)
+                for r in cutlass.range_constexpr(R):
+                    cute.autovec_copy(s_p4[r, jq, None], p4)
+                    a0 = acc[r, 0]
+                    a1 = acc[r, 1]
+                    for u in cutlass.range_constexpr(4):
+                        a0 += p4[u] * vv[u, 0]
+                        a1 += p4[u] * vv[u, 1]
+                    acc[r, 0] = a0
+                    acc[r, 1] = a1
+
+        # This split's partial (written even when it saw no valid position: m = NEG, l = 0, o = 0).
+        srow = b * splits + s
+        for i in cutlass.range_constexpr(self.RW):
+            r = warp + i * WARPS
+            if r < R:
+                if lane == 0:
+                    mPml[srow, 0, r] = mreg[i]
+                    mPml[srow, 1, r] = lreg[i]
+        ob = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        for r in cutlass.range_constexpr(R):
+            ob[0] = acc[r, 0]
+            ob[1] = acc[r, 1]
+            cute.autovec_copy(ob, mPo2[srow, r, tid, None])
+        cute.arch.fence_acq_rel_gpu()       # this thread's partial before the counter bump
+
+        grp = s // group
+        gbase = grp * group
+        count = splits - gbase
+        if count > group:
+            count = group
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            old = cute.arch.atomic_add(mCnt.iterator + (b * groups + grp), Int32(1), sem="acq_rel", scope="gpu")
+            s_flag[0] = old
+        cute.arch.sync_threads()
+        if s_flag[0] == count - 1:          # CTA-uniform: the group's last CTA
+            cute.arch.fence_acq_rel_gpu()
+            if groups == 1:
+                self.merge(mPml, mPo4, b * splits + gbase, count, mO, mGml, mGo4, b, 0, True, tid)
+            else:
+                self.merge(mPml, mPo4, b * splits + gbase, count, mO, mGml, mGo4, b, b * groups + grp,
+                           False, tid)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tid == 0:
+                    mCnt[b * groups + grp] = Int32(0)
+                    cute.arch.fence_acq_rel_gpu()
+                    old2 = cute.arch.atomic_add(mCnt.iterator + (batch * groups + b), Int32(1),
+                                                sem="acq_rel", scope="gpu")
+                    s_flag[1] = old2
+                cute.arch.sync_threads()
+                if s_flag[1] == groups - 1:  # the sequence's last group
+                    cute.arch.fence_acq_rel_gpu()
+                    self.merge(mGml, mGo4, b * groups, groups, mO, mGml, mGo4, b, 0, True, tid)
+                    if tid == 0:
+                        mCnt[batch * groups + b] = Int32(0)
+            if groups == 1:
+                if tid == 0:
+                    mCnt[b * groups + grp] = Int32(0)
+
+    @cute.jit
+    def load_tile(self, mK: cute.Tensor, kbuf: cute.Tensor, row0: Int32, tstart: Int32, end: Int32,
+                  tid: Int32):
+        """kbuf[i] = cache vector (j, v) of the tile at tstart, idx = tid + i·THREADS = j·72 + v;
+        rows at or past `end` read row end − 1 instead (masked later, never garbage)."""
+        for i in cutlass.range_constexpr(self.LPT):
+            idx = tid + i * THREADS
+            j = idx // self.NV
+            v = idx - j * self.NV
+            pos = tstart + j
+            if pos > end - 1:
+                pos = end - 1
+            cute.autovec_copy(mK[row0 + pos, v, None], kbuf[i, None])
+
+    @cute.jit
+    def merge(self, mSml: cute.Tensor, mSo4: cute.Tensor, base: Int32, count: Int32, mO: cute.Tensor,
+              mDml: cute.Tensor, mDo4: cute.Tensor, b: Int32, dst: Int32, final: cutlass.Constexpr[bool],
+              tid: Int32):
+        """Merge partials base .. base + count − 1 (count ≤ GMAX): thread owns 4 latent columns
+        (tid mod 128) of every other row (tid div 128); all loads of a row are in flight at once."""
+        c4 = tid % (THREADS // 2)
+        half = tid // (THREADS // 2)
+        mv = cute.make_rmem_tensor(cute.make_layout(GMAX), Float32)
+        lv = cute.make_rmem_tensor(cute.make_layout(GMAX), Float32)
+        ov = cute.make_rmem_tensor(cute.make_layout((GMAX, 4), stride=(4, 1)), Float32)
+        o = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        ob = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
+        for rp in range((self.R + 1) // 2):
+            r = rp * 2 + half
+            if r < self.R:                      # warp-uniform (warps 0-3 vs 4-7)
+                for i in cutlass.range_constexpr(GMAX):
+                    mv[i] = Float32(NEG)
+                    lv[i] = Float32(0.0)
+                    if i < count:
+                        mv[i] = mSml[base + i, 0, r]
+                        lv[i] = mSml[base + i, 1, r]
+                        cute.autovec_copy(mSo4[base + i, r, c4, None], ov[i, None])
+                    else:
+                        for e in cutlass.range_constexpr(4):
+                            ov[i, e] = Float32(0.0)
+                big = mv[0]
+                for i in cutlass.range_constexpr(1, GMAX):
+                    big = cute.arch.fmax(big, mv[i])
+                tot = Float32(0.0)
+                o.fill(0.0)
+                for i in cutlass.range_constexpr(GMAX):
+                    w = cute.math.exp(mv[i] - big)
+                    tot += lv[i] * w
+                    for e in cutlass.range_constexpr(4):
+                        o[e] = o[e] + ov[i, e] * w
+                if cutlass.const_expr(final):
+                    inv = Float32(0.0)
+                    if tot > Float32(0.0):
+                        inv = Float32(1.0) / tot
+                    for e in cutlass.range_constexpr(4):
+                        ob[e] = (o[e] * inv).to(BFloat16)
+                    cute.autovec_copy(ob, mO[b, r, c4, None])
+                else:
+                    cute.autovec_copy(o, mDo4[dst, r, c4, None])
+                    if c4 == 0:
+                        mDml[dst, 0, r] = big
+                        mDml[dst, 1, r] = tot
+
+
+def compile_for(cfg: MLAConfig) -> object:
+    """The compiled kernel for `cfg` (cached)."""
+    def build() -> object:
+        bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
+        i32, i64 = dummy_ptr(torch.int32), dummy_ptr(torch.int64)
+        return cute.compile(MLAAttend(cfg), bf, bf, i64, bf, f32, f32, f32, f32, i32, Int32(1),
+                            Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), current_stream(),
+                            options=compile_options())
+    return compiled(("mla_attend", cfg), build)
+
+
+def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
+               kv_rank: int, scale: float, scratch: MLAScratch | None = None) -> torch.Tensor:
+    """Launch on the current stream. q_full [B, T·H, c + rope] bf16, cache [B, C, c + rope]
+    bf16, last [T] int64 (on the GPU; read by the kernel), scratch from make_scratch (the
+    caller keeps it across calls; its counters stay zeroed between calls). Returns o_lat
+    [B, T·H, c] bf16."""
+    B, R, D = q_full.shape
+    C = cache.shape[1]
+    T = last.shape[0]
+    if (cache.shape != (B, C, D) or R != T * heads or last.dtype != torch.int64
+            or not can_implement(heads, T, kv_rank, D - kv_rank, (q_full.dtype, cache.dtype))):
+        raise ValueError(f"mla_attend kernel cannot run q {tuple(q_full.shape)} cache {tuple(cache.shape)}")
+    if scratch is None:
+        scratch = make_scratch(B, R, C, kv_rank, q_full.device)
+    if (scratch.batch, scratch.rows, scratch.cache_len, scratch.kv_rank) != (B, R, C, kv_rank):
+        raise ValueError("mla_attend: scratch was made for other shapes")
+    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale))
+    out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
+    sc = scratch
+    compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(out), ptr(sc.part_o), ptr(sc.part_ml),
+                     ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), Int32(B), Int32(C),
+                     Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group), Int32(sc.groups),
+                     current_stream())
+    return out
+
+
+def reference(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
+              kv_rank: int, scale: float) -> torch.Tensor:
+    """float64 statement of the module docstring (scores rounded to bf16 as stock and kernel
+    do; p and o unrounded). Returns o_lat [B, T·H, c] float64."""
+    scores = (q_full.double() @ cache.double().transpose(1, 2)).to(torch.bfloat16).double() * scale
+    allowed = torch.arange(cache.shape[1], device=cache.device) <= last.to(cache.device)[:, None]
+    scores = scores.masked_fill(~allowed.repeat_interleave(heads, 0), float("-inf"))
+    return torch.softmax(scores, -1) @ cache[..., :kv_rank].double()
+
+
+def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0, 7),
+          sms_sweep: tuple[int, ...] = (33, 66)) -> list[dict]:
+    """Kernel vs stock_ops.mla_attend (eager, and the torch.compile'd op the stock module runs:
+    stock.MLAAttention.fx["attend"] is the same cached torch.compile of that function) and the
+    float64 reference at the K3 TP16 shapes, `last` inside the cache (mask matters, positions
+    past it hold NaN so a read of them would show). With timing, B = 1 is also timed with
+    fewer splits (make_scratch(..., sms=n) for n in sms_sweep) to tune the plan."""
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
+    dev = torch.device(DEVICE)
+    compiled_attend = stock_ops.maybe_compiled(stock_ops.mla_attend, True)
+    out = []
+    for bsz in batches:
+        for k in spec:
+            cfg = k3_tp16(batch=bsz, spec_tokens=k)
+            H, T, c, rope = cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim
+            C, scale = cfg.cache_len, (cfg.qk_nope_dim + rope) ** -0.5
+            gen = torch.Generator(device=dev).manual_seed(1000 * bsz + k)
+            cache = torch.randn(bsz, C, c + rope, generator=gen, device=dev)
+            cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
+            # q_lat = q_nope @ w_uk (absorbed): |q| ~ √c per row; scores then span a few units
+            q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
+            pos0 = cfg.context_len + 5 * (1 + k)          # a mid-run step: last < C - 1
+            last = pos0 + torch.arange(T, device=dev)
+            cache[:, pos0 + T:] = float("nan")            # never to be read
+            cache = cache.bfloat16()
+            scratch = make_scratch(bsz, T * H, C, c, dev)
+            with torch.no_grad():
+                o_s = stock_ops.mla_attend(q_full, cache.nan_to_num(0.0), last, H, c, scale)
+                o_c = compiled_attend(q_full, cache.nan_to_num(0.0), last, H, c, scale)
+                o_k = mla_attend(q_full, cache, last, H, c, scale, scratch)
+                o_k2 = mla_attend(q_full, cache, last, H, c, scale, scratch)   # counters reset?
+            _sync()
+            ref = reference(q_full, cache.nan_to_num(0.0), last, H, c, scale)
+            e_ks, e_k, e_s = rel(o_k, o_s), rel(o_k, ref), rel(o_s, ref)
+            e_kc = rel(o_k, o_c)
+            ok = (e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(o_k, o_k2)
+                  and bool(torch.isfinite(o_k).all()) and int(scratch.counters.abs().sum()) == 0)
+            r = {"kernel": "mla_attend", "B": bsz, "k": k, "C": C, "splits": scratch.splits,
+                 "groups": scratch.groups, "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc,
+                 "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s, "ok": ok}
+            if timing:
+                clean = cache.nan_to_num(0.0)
+                r["stock_us"] = time_us(lambda: compiled_attend(q_full, clean, last, H, c, scale))
+                r["stock_eager_us"] = time_us(lambda: stock_ops.mla_attend(q_full, clean, last, H, c, scale))
+                r["kernel_us"] = time_us(lambda: mla_attend(q_full, cache, last, H, c, scale, scratch))
+            out.append(r)
+            if timing and bsz == 1:
+                for n in sms_sweep:
+                    sc2 = make_scratch(bsz, T * H, C, c, dev, sms=n)
+                    with torch.no_grad():
+                        o_n = mla_attend(q_full, cache, last, H, c, scale, sc2)
+                    _sync()
+                    e_n = rel(o_n, ref)
+                    out.append({"kernel": "mla_attend", "B": bsz, "k": k, "C": C, "sms": n,
+                                "splits": sc2.splits, "groups": sc2.groups, "rel_vs_f64": e_n,
+                                "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc2.counters.abs().sum()) == 0,
+                                "kernel_us": time_us(lambda: mla_attend(q_full, cache, last, H, c, scale, sc2))})
+            del cache, scratch
+    return out
+
+
+if __name__ == "__main__":
+    for row in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})

@@ -1,0 +1,194 @@
+"""CPU tests of the MLA decode-attention kernel (kimi_decode/kernels/mla_attend.py).
+
+Oracles:
+- the kernel compiles to sm_90a PTX at the K3 TP16 shape (H = 6, T = 1) with the
+  instructions it exists for (128-bit global and shared loads, the acq_rel grid-completion
+  atomic, bf16 rounding of the scores), no local-memory arrays, and warp_idx()'s shuffle
+  before any branch (warp_idx() in a divergent branch deadlocked the GPU once);
+- `reference` (float64, the formula of the module docstring) equals the stock op
+  stock_ops.mla_attend on random inputs, small and at K3 shapes (so the device check's
+  reference is right), and the mask matters (a different `last` changes it);
+- the split/merge plan covers every cache tile exactly once with ≤ GMAX partials per merge,
+  and a float64 emulation of the kernel's tiles, online softmax and two-level merge (same
+  plan, same masks, same clamped loads) equals the reference: the algorithm, not the DSL, is
+  checked here; the DSL indexing is checked on the GPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+from cutlass import Int32  # noqa: E402
+
+from kimi_decode import stock_ops  # noqa: E402
+from kimi_decode.config import k3_tp16  # noqa: E402
+from kimi_decode.kernels import _common  # noqa: E402
+from kimi_decode.kernels.mla_attend import (GMAX, TILE, MLAAttend, MLAConfig, can_implement,  # noqa: E402
+                                            plan, reference)
+
+bf, f32 = torch.bfloat16, torch.float32
+P = _common.dummy_ptr
+
+
+def ptx_of(tmp_path: Path, cfg: MLAConfig) -> str:
+    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    cute.compile(MLAAttend(cfg), P(bf), P(bf), P(torch.int64), P(bf), P(f32), P(f32), P(f32), P(f32),
+                 P(torch.int32), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                 _common.current_stream(), options=opts)
+    files = list(tmp_path.glob("*.ptx"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
+def idx_shuffles_after_first_branch(ptx: str) -> list[str]:
+    """shfl.sync.idx instructions (warp_idx()'s and lane broadcasts) after the kernel's first
+    branch. The kernel calls warp_idx() once, at the top, before any branch; its other
+    shuffles (butterfly sums and maxima) sit only in CTA-uniform loops and warp-uniform code
+    (test_kernels_compile.py's forward-branch scan cannot tell a uniform loop guard from a
+    lane branch, so it is not used here)."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    first = next(i for i, s in enumerate(lines) if " bra " in s)
+    return [s for s in lines[first:] if s.startswith("shfl.sync.idx")]
+
+
+def test_compiles_k3_t1(tmp_path: Path) -> None:
+    cfg = k3_tp16()
+    mc = MLAConfig(cfg.mla_local_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_dim,
+                   (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5)
+    ptx = ptx_of(tmp_path, mc)
+    assert ".target sm_90a" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "ld.global.v4" in ptx                  # 128-bit cache / partial loads
+    assert "ld.shared.v4" in ptx                  # 128-bit q / k / p reads from shared memory
+    assert "atom.global.acq_rel.add" in ptx       # the grid-completion counters
+    assert "fence.acq_rel.gpu" in ptx
+    assert "cvt.rn.bf16.f32" in ptx               # the scores' bf16 rounding (as stock's bmm)
+    assert "ex2" in ptx
+    assert "shfl.sync.bfly" in ptx
+    assert not idx_shuffles_after_first_branch(ptx)
+
+
+def test_can_implement() -> None:
+    cfg = k3_tp16()
+    assert can_implement(cfg.mla_local_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_dim, (bf, bf))
+    assert can_implement(cfg.mla_local_heads, 8, cfg.kv_lora_rank, cfg.qk_rope_dim, (bf, bf))
+    assert not can_implement(cfg.mla_local_heads, 9, cfg.kv_lora_rank, cfg.qk_rope_dim, (bf, bf))
+    assert not can_implement(4, 1, 16, 8, (f32, f32))           # the tiny CPU config
+    assert not can_implement(cfg.mla_local_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_dim, (f32, bf))
+
+
+def _inputs(b: int, t: int, h: int, c: int, rope: int, cache_len: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(b, cache_len, c + rope, generator=g)
+    cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
+    q = torch.randn(b, t * h, c + rope, generator=g) * (0.5 if c >= 256 else 2.0)
+    return q.bfloat16(), cache.bfloat16()
+
+
+@pytest.mark.parametrize("b,t,h,c,rope,cache_len,last0", [
+    (2, 2, 3, 16, 8, 40, 30),          # small
+    (1, 1, 6, 512, 64, 4160, 3000),    # K3 TP16, k = 0 (a third of the cache masked)
+    (1, 8, 6, 512, 64, 4608, 3500),    # K3 TP16, k = 7
+])
+def test_reference_matches_stock(b: int, t: int, h: int, c: int, rope: int, cache_len: int, last0: int) -> None:
+    q, cache = _inputs(b, t, h, c, rope, cache_len, b * 100 + t)
+    scale = 192 ** -0.5
+    last = last0 + torch.arange(t)
+    ref = reference(q, cache, last, h, c, scale)
+    stock = stock_ops.mla_attend(q, cache, last, h, c, scale)
+    assert stock.dtype == torch.bfloat16 and stock.shape == ref.shape == (b, t * h, c)
+    err = float((stock.double() - ref).norm() / ref.norm())
+    assert err < 1e-2, err                                 # stock rounds p and o to bf16
+    err_out = float((ref.to(torch.bfloat16).double() - ref).norm() / ref.norm())
+    assert err_out < 5e-3
+    # the mask matters: the stock op ignoring it would fail the comparison above ...
+    full = stock_ops.mla_attend(q, cache, torch.full_like(last, cache_len - 1), h, c, scale)
+    assert float((full.double() - ref).norm() / ref.norm()) > 2e-2
+    # ... and the reference follows `last` (half the positions: a different result)
+    other = reference(q, cache, last // 2, h, c, scale)
+    assert float((other - ref).norm() / ref.norm()) > 10 * err_out
+
+
+def test_plan_covers_cache() -> None:
+    for bsz in (1, 2, 8, 64):
+        for k in (0, 7):
+            cache_len = k3_tp16(batch=bsz, spec_tokens=k).cache_len
+            splits, group, groups, tps = plan(bsz, cache_len)
+            n_tiles = math.ceil(cache_len / TILE)
+            assert splits * tps >= n_tiles > (splits - 1) * tps      # every tile once, no empty split
+            assert 1 <= group <= GMAX and 1 <= groups <= GMAX and group * groups >= splits
+            assert (groups - 1) * group < splits                     # no empty group
+            assert bsz * splits <= 2 * 132
+    assert plan(1, 4160)[0] == 130 and plan(64, 4160)[0] == 2
+
+
+def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c: int, scale: float,
+            sms: int = 132) -> torch.Tensor:
+    """The kernel's algorithm in float64: splits of whole tiles, clamped loads, masked
+    bf16-rounded scores, online softmax per tile, partials (m, l, o), two-level merge."""
+    B, R, D = q.shape
+    C = cache.shape[1]
+    NEG, VALID = -1.0e30, -1.0e29
+    splits, group, groups, tps = plan(B, C, sms)
+    out = torch.zeros(B, R, c, dtype=torch.float64)
+    t_of_row = torch.arange(R) // h
+    for b in range(B):
+        parts = []
+        maxlast = int(last.max())
+        for s in range(splits):
+            t0 = s * tps * TILE
+            end = min(t0 + tps * TILE, C, maxlast + 1)
+            m = torch.full((R,), NEG, dtype=torch.float64)
+            l_ = torch.zeros(R, dtype=torch.float64)
+            o = torch.zeros(R, c, dtype=torch.float64)
+            ntile = (end - t0 + TILE - 1) // TILE if end > t0 else 0
+            for it in range(ntile):
+                ts = t0 + it * TILE
+                pos = ts + torch.arange(TILE)
+                rows = cache[b, pos.clamp(max=end - 1)].double()                  # clamped loads
+                sc = (q[b].double() @ rows.t()).to(torch.bfloat16).double() * scale  # [R, TILE]
+                bad = (pos[None, :] >= end) | (pos[None, :] > last[t_of_row][:, None])
+                sc = sc.masked_fill(bad, NEG)
+                m_new = torch.maximum(m, sc.max(1).values)
+                alpha = torch.exp(m - m_new)
+                p = torch.where(sc > VALID, torch.exp(sc - m_new[:, None]), torch.zeros_like(sc))
+                l_ = l_ * alpha + p.sum(1)
+                o = o * alpha[:, None] + p @ rows[:, :c]
+                m = m_new
+            parts.append((m, l_, o))
+
+        def merge(ps):
+            big = torch.stack([x[0] for x in ps]).max(0).values
+            w = [torch.exp(x[0] - big) for x in ps]
+            return big, sum(x[1] * wi for x, wi in zip(ps, w)), sum(x[2] * wi[:, None] for x, wi in zip(ps, w))
+
+        grp = [merge(parts[g * group:(g + 1) * group]) for g in range(groups)]
+        _, L, O = merge(grp) if groups > 1 else grp[0]
+        out[b] = O / L[:, None]
+    return out
+
+
+@pytest.mark.parametrize("b,t,h,c,rope,cache_len,last0,sms", [
+    (2, 2, 3, 16, 8, 300, 250, 132),     # 10 tiles: 10 one-tile splits per sequence
+    (1, 3, 2, 16, 8, 1000, 900, 132),    # 32 tiles, several groups, a tail tile and skipped splits
+    (1, 1, 6, 512, 64, 4160, 4101, 132),  # K3 TP16 k = 0: 130 splits, 11 groups
+    (3, 2, 2, 16, 8, 700, 650, 16),      # several tiles per split
+])
+def test_emulated_kernel_matches_reference(b: int, t: int, h: int, c: int, rope: int, cache_len: int,
+                                           last0: int, sms: int) -> None:
+    q, cache = _inputs(b, t, h, c, rope, cache_len, 7 + b + t)
+    scale = 192 ** -0.5
+    last = last0 + torch.arange(t)
+    cache_nan = cache.clone()
+    cache_nan[:, last0 + t:] = float("nan")                 # never read by the kernel's plan
+    ref = reference(q, cache, last, h, c, scale)
+    emu = emulate(q, cache_nan, last, h, c, scale, sms)
+    assert torch.isfinite(emu).all()
+    assert float((emu - ref).norm() / ref.norm()) < 1e-9
