@@ -252,7 +252,7 @@ class MLAAttention(stock.MLAAttention):
             last = pos + self.t_off
             if self.attend_scratch is not None:           # one launch (kernels/mla_attend.py)
                 from kimi_decode.kernels.mla_attend import mla_attend
-                o_lat = mla_attend(q_full, self.cache, last, H, c, (nope + rope) ** -0.5,
+                o_lat = mla_attend(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
                                    scratch=self.attend_scratch)
             else:
                 o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
@@ -450,8 +450,13 @@ class FusedDecoder(StockDecoder):
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.attend_scratch = None
                 if "mla_attend" in on:
-                    from kimi_decode.kernels.mla_attend import make_scratch as mla_scratch
-                    layer.attn.attend_scratch = mla_scratch(cfg, dev)
+                    from kimi_decode.kernels import mla_attend as k_mla
+                    T, H = cfg.tokens_per_seq, cfg.mla_local_heads
+                    # one launch where it beats stock's tensor-core bmm (few query rows)
+                    if k_mla.profitable(cfg.batch, T, H) and k_mla.can_implement(
+                            H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, (cfg.torch_dtype,)):
+                        layer.attn.attend_scratch = k_mla.make_scratch(cfg.batch, T * H, cfg.cache_len,
+                                                                       cfg.kv_lora_rank, dev)
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
                 layer.attn.ar_slots = ar_slots
