@@ -66,10 +66,13 @@ VEC = 8
 WARPS = 8
 KSPLIT = 4                 # warps per expert row (quarters of D)
 EPC = WARPS // KSPLIT      # experts per CTA
-CAP = 128                  # candidates per row kept in shared memory (more: exact fallback)
+CAP = 256                  # candidates per row kept in shared memory (more: exact fallback)
 MAX_ROWS = 8               # this kernel's M range; above, route() delegates to router.route
 GEMV_MAX_ROWS = _slow.GEMV_MAX_ROWS  # the wrapper contract: logits needed only above this
 NEG = -3.0e38
+MIN_CTAS = 4               # .minnctapersm: ≤ 64 registers, so all E/EPC = 448 CTAs are resident at once
+SMEM_CARVEOUT = 50         # percent of the SM's 228 KB as shared memory (4 CTAs × ~19 KB); set
+                           # explicitly, else the DSL queries the device when compiling
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,8 @@ class RouterFast:
         mI = cute.make_tensor(ids, cute.make_layout((m, self.K), stride=(self.K, 1)))
         mO = cute.make_tensor(weights, cute.make_layout((m, self.K), stride=(self.K, 1)))
         self.kernel(mY, mW, mB, mL, mC, mI, mO, m).launch(
-            grid=[self.E // EPC, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+            grid=[self.E // EPC, 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
+            min_blocks_per_mp=MIN_CTAS, preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mL: cute.Tensor,
@@ -138,7 +142,6 @@ class RouterFast:
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
         cK = smem.allocate_tensor(Float32, cute.make_layout((WARPS, CAP), stride=(CAP, 1)), 16)
         cI = smem.allocate_tensor(Int32, cute.make_layout((WARPS, CAP), stride=(CAP, 1)), 16)
-        cS = smem.allocate_tensor(Float32, cute.make_layout((WARPS, CAP), stride=(CAP, 1)), 16)
         selI = smem.allocate_tensor(Int32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
         selS = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
 
@@ -185,22 +188,22 @@ class RouterFast:
         if flag[0] == gdim - 1:                                 # CTA-uniform
             cute.arch.fence_acq_rel_gpu()
             for row in range(warp, m, WARPS):                   # warp-uniform
-                self.topk_row(mL, mB, mI, mO, cK, cI, cS, selI, selS, row, warp, lane)
+                self.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
 
     @cute.jit
     def topk_row(self, mL: cute.Tensor, mB: cute.Tensor, mI: cute.Tensor, mO: cute.Tensor,
-                 cK: cute.Tensor, cI: cute.Tensor, cS: cute.Tensor, selI: cute.Tensor,
-                 selS: cute.Tensor, row: Int32, warp: Int32, lane: Int32):
-        """Sigmoid, biased top-k, renormalised unbiased weights for one row (one warp)."""
+                 cK: cute.Tensor, cI: cute.Tensor, selI: cute.Tensor, selS: cute.Tensor,
+                 row: Int32, warp: Int32, lane: Int32):
+        """Sigmoid, biased top-k, renormalised unbiased weights for one row (one warp).
+        Only the keys live in registers (28 per lane); the k winners' s are recomputed from
+        their logits at the end (the same fp32 formula, so the same values)."""
         P = self.per_lane
-        sc = cute.make_rmem_tensor(cute.make_layout(P), Float32)
         key = cute.make_rmem_tensor(cute.make_layout(P), Float32)
         for i in cutlass.range_constexpr(P):
             e = lane + i * 32                                   # < E
-            sc[i] = sigmoid(mL[row, e].to(Float32))
-            key[i] = sc[i] + mB[e]
+            key[i] = sigmoid(mL[row, e].to(Float32)) + mB[e]
         # lane maximum (a tree), group maximum, then the minimum over the groups: lo
         lo = _tree_max([key[i] for i in range(P)])
         for sh in cutlass.range_constexpr(self.cfg.group_bits):
@@ -224,7 +227,6 @@ class RouterFast:
                 if key[i] >= lo:
                     cK[warp, pos] = key[i]                      # pos < n ≤ CAP
                     cI[warp, pos] = lane + i * 32
-                    cS[warp, pos] = sc[i]
                     pos = pos + 1
             cute.arch.sync_warp()
             for c in range(lane, n, 32):
@@ -237,52 +239,49 @@ class RouterFast:
                     if kj > kc or (kj == kc and ij < ic):
                         rank = rank + 1
                 if rank < self.K:
-                    selI[warp, rank] = ic
-                    selS[warp, rank] = cS[warp, c]
-            cute.arch.sync_warp()
-            if lane < self.K:
-                total = Float32(0.0)
-                for r in cutlass.range_constexpr(self.K):
-                    total += selS[warp, r]
-                mI[row, lane] = selI[warp, lane].to(cutlass.Int64)
-                mO[row, lane] = selS[warp, lane] / total * Float32(self.cfg.scaling)
-            cute.arch.sync_warp()                               # smem reused by the next row
+                    selI[warp, rank] = ic                       # ranks are distinct
         else:
-            self.topk_rounds(mI, mO, sc, key, row, lane)
+            self.topk_rounds(key, selI, warp, lane)
+        cute.arch.sync_warp()
+        # the k winners: s recomputed from the logits, sum in output order, store
+        if lane < self.K:
+            win = selI[warp, lane]                              # < E
+            selS[warp, lane] = sigmoid(mL[row, win].to(Float32))
+        cute.arch.sync_warp()
+        if lane < self.K:
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(self.K):
+                total += selS[warp, r]
+            mI[row, lane] = selI[warp, lane].to(cutlass.Int64)
+            mO[row, lane] = selS[warp, lane] / total * Float32(self.cfg.scaling)
+        cute.arch.sync_warp()                                   # smem reused by the next row
 
     @cute.jit
-    def topk_rounds(self, mI: cute.Tensor, mO: cute.Tensor, sc: cute.Tensor, key: cute.Tensor,
-                    row: Int32, lane: Int32):
-        """router.py's exact k rounds of warp argmax (the fallback for > CAP candidates)."""
-        my_id = Int32(0)
-        my_s = Float32(0.0)
-        total = Float32(0.0)
+    def topk_rounds(self, key: cute.Tensor, selI: cute.Tensor, warp: Int32, lane: Int32):
+        """Fallback for > CAP candidates: router.py's k rounds of warp argmax (value, then
+        lower index), exact and slower. Instead of masking winners, round r takes the best
+        element strictly below round r-1's winner in the (key desc, index asc) order, so the
+        key registers stay read-only. selI[warp, r] = round r's winner."""
+        pk = Float32(3.0e38)
+        pi = Int32(-1)
         for r in cutlass.range_constexpr(self.K):
             bv = Float32(NEG)
             bi = Int32(self.E)
             for i in cutlass.range_constexpr(self.per_lane):
-                if key[i] > bv:
+                e = lane + i * 32
+                if (key[i] < pk or (key[i] == pk and e > pi)) and key[i] > bv:
                     bv = key[i]
-                    bi = lane + i * 32
+                    bi = e
             for sh in cutlass.range_constexpr(5):
                 ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << sh)
                 oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << sh)
                 if ov > bv or (ov == bv and oi < bi):
                     bv = ov
                     bi = oi
-            owner_s = Float32(0.0)
-            for i in cutlass.range_constexpr(self.per_lane):
-                if lane + i * 32 == bi:
-                    owner_s = sc[i]
-                    key[i] = Float32(NEG)
-            s_win = cute.arch.shuffle_sync(owner_s, offset=bi % 32)
-            total += s_win
-            if lane == r:
-                my_id = bi
-                my_s = s_win
-        if lane < self.K:
-            mI[row, lane] = my_id.to(cutlass.Int64)
-            mO[row, lane] = my_s / total * Float32(self.cfg.scaling)
+            pk = bv
+            pi = bi
+            if lane == 0:
+                selI[warp, r] = bi
 
 
 def _tree_max(vals: list) -> Float32:
