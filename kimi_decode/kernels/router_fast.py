@@ -221,6 +221,9 @@ class RouterFast:
             if lane >= (1 << sh):
                 incl = incl + v
         n = cute.arch.shuffle_sync(incl, offset=31)             # warp-uniform
+        if lane < self.K:
+            selI[warp, lane] = Int32(0)     # every slot defined even if NaN keys leave n < k
+        cute.arch.sync_warp()               # before any lane writes a winner into selI
         if n <= CAP:
             pos = incl - cnt
             for i in cutlass.range_constexpr(P):
@@ -245,7 +248,10 @@ class RouterFast:
         cute.arch.sync_warp()
         # the k winners: s recomputed from the logits, sum in output order, store
         if lane < self.K:
-            win = selI[warp, lane]                              # < E
+            win = selI[warp, lane]
+            if win < 0 or win >= self.E:                        # only with NaN keys
+                win = Int32(0)
+                selI[warp, lane] = win
             selS[warp, lane] = sigmoid(mL[row, win].to(Float32))
         cute.arch.sync_warp()
         if lane < self.K:
