@@ -7,6 +7,8 @@ tie-heavy rows.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import re
 from pathlib import Path
 
@@ -127,3 +129,47 @@ def test_select_algorithm_ties(k: int) -> None:
     s = torch.rand(16, e, generator=g)
     ns = _check_rows(key, s, k)
     assert max(ns) == e                                       # the all-equal row: every expert a candidate
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on this machine")
+def test_registers_allow_all_ctas_resident(tmp_path: Path) -> None:
+    """≤ 64 registers (.minnctapersm 4): 4 CTAs of 256 threads per SM, so all E/2 = 448 CTAs
+    of the K3 grid fit in one wave on 132 SMs; no spills at M = 1."""
+    cfg = RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling)
+    ptx_of(tmp_path, cfg)
+    f = next(tmp_path.glob("*.ptx"))
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-O3", str(f), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    assert regs <= 64, out
+    assert "0 bytes spill stores" in out, out
+    assert 4 * 132 >= K3.num_experts // 2
+
+
+def _rounds(key: torch.Tensor, k: int) -> torch.Tensor:
+    """The fallback in torch: round r takes the best (key, then lower index) element strictly
+    below round r-1's winner in (key desc, index asc) order; lane l holds l + 32 i."""
+    e = key.numel()
+    pk, pi, out = float("inf"), -1, []
+    for _ in range(k):
+        below = (key < pk) | ((key == pk) & (torch.arange(e) > pi))
+        cand = torch.where(below, key, torch.full_like(key, -3e38))
+        # per lane: first maximum in ascending index; then across lanes: value, lower index
+        best_v, best_i = -3e38, e
+        for lane in range(32):
+            idx = torch.arange(lane, e, 32)
+            v = cand[idx]
+            j = int(torch.argmax(v))          # first occurrence
+            if bool(v[j] > best_v) or (bool(v[j] == best_v) and int(idx[j]) < best_i):
+                best_v, best_i = float(v[j]), int(idx[j])
+        pk, pi = best_v, best_i
+        out.append(best_i)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("k", [4, 16])
+def test_fallback_rounds_equal_stable_sort(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    for key in (torch.randint(0, 3, (128,), generator=g).float() / 4, torch.rand(128, generator=g),
+                torch.full((128,), 0.5)):
+        assert torch.equal(_rounds(key, k), _stable_topk(key, k))
