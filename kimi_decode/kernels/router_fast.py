@@ -431,7 +431,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
         dropin = (ids_k.dtype == ids_p.dtype and w_k.dtype == w_p.dtype and ids_k.shape == ids_p.shape
                   and w_k.shape == w_p.shape)
         key_k = torch.sigmoid(logits.double()).gather(1, ids_k) + bias.double()[ids_k]
-        descending = bool((key_k[:, :-1] >= key_k[:, 1:] - 1e-6).all())
+        descending = bool((key_k[:, :-1] >= key_k[:, 1:] - 1e-5).all())   # fp32 sum-order slack
         czero = int(counter.item()) == 0
         r = {"kernel": "router_fast", "M": m, "rows_same_experts": agree, "max_weight_err": werr,
              "rows_same_experts_f64": agree_f64, "max_weight_err_f64": werr_f64,
