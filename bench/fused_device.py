@@ -77,7 +77,7 @@ def isolated_checks(out: Path, names: tuple[str, ...] | None = None) -> frozense
     ok, notes = set(), {}
     for k, p in procs.items():
         try:
-            text = p.communicate(timeout=150)[0].decode(errors="replace")
+            text = p.communicate(timeout=240)[0].decode(errors="replace")
         except subprocess.TimeoutExpired:
             p.kill()
             text = "timeout"
