@@ -1,0 +1,354 @@
+"""Routed experts for small M in two kernels: FC1 + SiTU-GLU, then FC2 + the weighted top-k
+reduce (replaces stock_ops.experts_grouped / stock_triton.experts: a sort, two grouped GEMMs,
+the GLU and the finalize, 48.8 us in 4 kernels at B = 1 on the H200). Every selected expert's
+weights are streamed from HBM once per (row, slot) pair at near copy bandwidth; nothing else
+of size is read.
+
+Math (stock_ops.experts_grouped with situ_glu; P = M·K pairs p = m·K + j, e = idx[m, j]):
+    h[p]    = bf16( w13[e] @ z[m] )                 [2·Ip]  fp32 accumulation, bf16 output
+                                                            (the grouped GEMM's output dtype)
+    a[p]    = bf16( SiTU(h[p, :Ip], h[p, Ip:]) )    [Ip]    SiTU in fp32, evaluated as
+              (β·tanh(g/β) · σ(g)) · (β_lin·tanh(u/β_lin))  (stock_ops.situ's order)
+    e[p]    = bf16( w2[e] @ a[p] )                  [L]     fp32 accumulation, bf16 output
+    r[m]    = bf16( Σ_j w[m, j] · float(e[m·K + j]) )       fp32, j in order, then bf16
+Rounding points: h, a, e, r, as stock. Only the fp32 summation orders differ (lane-strided
+partial sums + a butterfly), which moves a bf16 rounding by one ulp now and then.
+
+Padding: w13 rows I..Ip-1 of each half and w2 columns I..Ip-1 are zero by construction
+(stock.LatentMoE concatenates zero blocks; I = 192 real, Ip = 256 at TP16). With
+`inter=I` the kernels skip them: h = 0 there, SiTU(0, 0) = 0 and a zero term adds nothing, so
+the result is bit-identical to reading them, and 25% fewer bytes are read. With `inter=None`
+(I = Ip) everything is read and nothing is assumed.
+
+Kernel 1 (ExpertsFC1): one warp per (pair p, output column c < I); grid = P·I / 8 CTAs of 8
+warps (warp g = p·I + c, so a CTA covers 8 consecutive rows of one expert). The warp computes
+both gate row c and up row Ip + c of w13[e] (so the GLU is local): lane l reads the 128-bit
+slices l, l+32, ... of both rows (coalesced 512-byte warp loads, unrolled 7 deep: 14 weight
+loads in flight per lane) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
+finish the dots, every lane computes SiTU, lane 0 writes a[p, c] to a [P, Ip] bf16 scratch
+(columns ≥ I are never written and never read).
+Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8 warps. For
+each row m, the warp first issues all K loads w2[e_j, l, 8·lane : 8·lane+8] (one 512-byte
+row per expert, coalesced; lanes with 8·lane ≥ I skip theirs) and the K matching a-slices
+(L2-resident, 8 KB at M = 1), then per j: 8 FMAs, a butterfly, bf16 round, and
+acc += w[m, j] · that (j in order). Lane 0 writes out[m, l] in bf16. `out` may be any
+contiguous [M, L] bf16 view (e.g. a slot of the all-reduce buffer).
+
+Why it should reach its target (M = 1, K = 16, L = 3584, I = 192): FC1 reads 16·2·192·3584·2 B
+= 44 MB, FC2 16·3584·192·2 B = 22 MB: 66 MB, 17 us at 3.9 TB/s, plus two ramp/tails (~2 us
+each) -> ~21 us (88 MB and ~26 us with inter=None), against 48.8 us stock. Both grids hold
+384 and 448 CTAs of 8 warps, all resident at once (one wave), each SM with >100 KB of loads
+in flight, well above what 3.9 TB/s · ~1 us latency / 132 SMs needs (~30 KB).
+At M = 8 the bytes scale with the number of pairs (each pair re-reads its expert; repeats
+across rows may hit L2), like a gather-bmm: ~128·5.5 MB·0.75 at worst.
+
+Indices: all offsets are int32 element offsets; the largest, into w13, is E·2·Ip·L < 2^31
+(1.64e9 at K3 TP16), which the wrapper checks. Expert ids outside [0, E) contribute 0
+(never happens with router output). No shuffle sits in a lane-dependent branch: guards clamp
+indices and predicate loads and stores (warp_idx() included, see _common.block_sum).
+
+Check on the GPU (against stock_ops.experts_grouped and the float64 reference; times both):
+    python -m kimi_decode.kernels.moe_experts
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
+
+VEC = 8          # bf16 per 128-bit load
+WARPS = 8        # warps per CTA (both kernels)
+MAX_ROWS = 8     # M
+MAX_PAIRS = 128  # M·K
+FC1_UNROLL = 7   # slices of the L loop in flight per lane (L / 256 = 14 at K3: two rounds)
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Compile-time sizes (M is a runtime argument of both kernels)."""
+
+    latent: int              # L
+    inter_padded: int        # Ip: row length of w2, half the rows of w13
+    inter: int               # I ≤ Ip: rows of w13 / columns of w2 actually read
+    top_k: int               # K
+    experts: int             # E
+    idx_dtype: torch.dtype   # int32 or int64
+
+
+def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
+                  inter: int | None = None) -> bool:
+    """1 ≤ M ≤ 8, M·K ≤ 128; L a multiple of 256 (8 bf16 × 32 lanes); Ip a multiple of 256
+    with K·Ip/256 ≤ 16 (FC2 keeps K·Ip/256 slices of w2 and a per lane in registers); the
+    skipped padding I..Ip-1 starts on a 128-bit slice (I % 8 == 0); bf16 tensors."""
+    i = inter_padded if inter is None else inter
+    return (1 <= m <= MAX_ROWS and 1 <= k and m * k <= MAX_PAIRS
+            and latent % (VEC * 32) == 0 and latent > 0
+            and inter_padded % (VEC * 32) == 0 and k * (inter_padded // (VEC * 32)) <= 16
+            and 0 < i <= inter_padded and i % VEC == 0
+            and all(d == torch.bfloat16 for d in dtypes))
+
+
+class ExpertsFC1:
+    """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
+
+    def __init__(self, cfg: ExpertsConfig) -> None:
+        self.cfg = cfg
+        self.slices = cfg.latent // (VEC * 32)
+        self.unroll = FC1_UNROLL if self.slices % FC1_UNROLL == 0 else 1
+
+    @cute.jit
+    def __call__(self, z: cute.Pointer, idx: cute.Pointer, w13: cute.Pointer, act: cute.Pointer,
+                 m: Int32, beta: Float32, lin_beta: Float32, stream: cuda.CUstream):
+        L, Ip, I, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
+        nv = L // VEC
+        mZ = cute.make_tensor(z, cute.make_layout((m, nv, VEC), stride=(L, VEC, 1)))
+        mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
+        mW = cute.make_tensor(w13, cute.make_layout((E, 2 * Ip, nv, VEC), stride=(2 * Ip * L, L, VEC, 1)))
+        mA = cute.make_tensor(act, cute.make_layout((m * K, Ip), stride=(Ip, 1)))
+        self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
+            grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor,
+               m: Int32, beta: Float32, lin_beta: Float32):
+        Ip, I, K, E = self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
+        lane = cute.arch.lane_idx()
+        g = bidx * WARPS + warp
+        p = g // I                           # pair
+        c = g - p * I                        # output column (gate row c, up row Ip + c)
+        # Every lane reaches the shuffles below: out-of-range warps (none: the grid is exact)
+        # clamp their indices, load nothing and store nothing.
+        pairs = m * K
+        pc = p
+        if p >= pairs:
+            pc = pairs - 1
+        row = pc // K
+        e = mIdx[row, pc - row * K].to(Int32)
+        acc = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        acc.fill(0.0)
+        wg = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
+        wu = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
+        zv = cute.make_rmem_tensor(cute.make_layout(VEC), mZ.element_type)
+        if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
+            for i in cutlass.range(self.slices, unroll=self.unroll):
+                q = lane + i * 32
+                cute.autovec_copy(mW[e, c, q, None], wg)
+                cute.autovec_copy(mW[e, Ip + c, q, None], wu)
+                cute.autovec_copy(mZ[row, q, None], zv)
+                for t in cutlass.range_constexpr(VEC):
+                    zf = zv[t].to(Float32)
+                    acc[0] = acc[0] + wg[t].to(Float32) * zf
+                    acc[1] = acc[1] + wu[t].to(Float32) * zf
+        hg = cute.arch.warp_reduction_sum(acc[0]).to(mA.element_type).to(Float32)   # bf16 h
+        hu = cute.arch.warp_reduction_sum(acc[1]).to(mA.element_type).to(Float32)
+        gate = beta * cute.math.tanh(hg / beta) * sigmoid(hg)
+        up = lin_beta * cute.math.tanh(hu / lin_beta)
+        a = gate * up
+        if lane == 0 and p < pairs:
+            mA[p, c] = a.to(mA.element_type)
+
+
+class ExpertsFC2:
+    """Kernel 2: out[m, l] = bf16(Σ_j w[m, j] · bf16(w2[e_j, l] · a[m·K + j]))."""
+
+    def __init__(self, cfg: ExpertsConfig) -> None:
+        self.cfg = cfg
+        self.chunks = cfg.inter_padded // (VEC * 32)   # 128-bit slices per lane per w2 row
+
+    @cute.jit
+    def __call__(self, act: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, w2: cute.Pointer,
+                 out: cute.Pointer, m: Int32, stream: cuda.CUstream):
+        L, Ip, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.top_k, self.cfg.experts
+        ni = Ip // VEC
+        mA = cute.make_tensor(act, cute.make_layout((m * K, ni, VEC), stride=(Ip, VEC, 1)))
+        mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
+        mWt = cute.make_tensor(w, cute.make_layout((m, K), stride=(K, 1)))
+        mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
+        self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
+            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
+               mO: cute.Tensor, m: Int32):
+        L, I, K, E = self.cfg.latent, self.cfg.inter, self.cfg.top_k, self.cfg.experts
+        nch = self.chunks
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
+        lane = cute.arch.lane_idx()
+        col = bidx * WARPS + warp
+        # every lane runs the row loop and its shuffles; an out-of-range warp (none: the grid
+        # is exact) reads column L-1 and stores nothing
+        cc = col
+        if col >= L:
+            cc = L - 1
+        wv = cute.make_rmem_tensor(cute.make_layout((VEC, nch, K)), mW2.element_type)
+        av = cute.make_rmem_tensor(cute.make_layout((VEC, nch, K)), mA.element_type)
+        wt = cute.make_rmem_tensor(cute.make_layout(K), Float32)
+        ev = cute.make_rmem_tensor(cute.make_layout(K), Int32)
+        for row in range(m):
+            # the row's K ids and weights (one 128-byte line each); an id outside [0, E)
+            # reads expert 0 with weight 0 (never happens with router output)
+            for j in cutlass.range_constexpr(K):
+                e = mIdx[row, j].to(Int32)
+                wj = mWt[row, j]
+                if e < 0 or e >= E:
+                    e = Int32(0)
+                    wj = Float32(0.0)
+                ev[j] = e
+                wt[j] = wj
+            # all K experts' loads next (K·nch 128-bit loads in flight per lane) ...
+            wv.fill(0.0)
+            av.fill(0.0)
+            for j in cutlass.range_constexpr(K):
+                for i in cutlass.range_constexpr(nch):
+                    q = lane + i * 32
+                    if q * VEC < I:                  # lane-divergent: loads only
+                        cute.autovec_copy(mW2[ev[j], cc, q, None], wv[None, i, j])
+                        cute.autovec_copy(mA[row * K + j, q, None], av[None, i, j])
+            # ... then the K dot products, each rounded to bf16, weighted in j order
+            acc = Float32(0.0)
+            for j in cutlass.range_constexpr(K):
+                s = Float32(0.0)
+                for i in cutlass.range_constexpr(nch):
+                    for t in cutlass.range_constexpr(VEC):
+                        s = s + wv[t, i, j].to(Float32) * av[t, i, j].to(Float32)
+                tot = cute.arch.warp_reduction_sum(s).to(mO.element_type).to(Float32)
+                acc = acc + wt[j] * tot
+            if lane == 0 and col < L:
+                mO[row, col] = acc.to(mO.element_type)
+
+
+def compile_for(cfg: ExpertsConfig) -> tuple[object, object]:
+    """The two compiled kernels for `cfg` (cached)."""
+    def build1() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(ExpertsFC1(cfg), bf, dummy_ptr(cfg.idx_dtype), bf, bf, Int32(1),
+                            Float32(4.0), Float32(25.0), current_stream(), options=compile_options())
+
+    def build2() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(ExpertsFC2(cfg), bf, dummy_ptr(cfg.idx_dtype), dummy_ptr(torch.float32),
+                            bf, bf, Int32(1), current_stream(), options=compile_options())
+    return compiled(("experts_fc1", cfg), build1), compiled(("experts_fc2", cfg), build2)
+
+
+def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
+            inter: int | None = None) -> torch.Tensor:
+    """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
+    z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
+    dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
+    contiguous [M, L] bf16 view to write into. `inter`: the real intermediate I (w13 rows and
+    w2 columns I..Ip-1 are zero padding, skipped); None reads all Ip. Returns out [M, L]."""
+    m, L = z.shape
+    k = idx.shape[1]
+    E, two_ip, L13 = w13.shape
+    ip = two_ip // 2
+    i = ip if inter is None else inter
+    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
+            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
+            or not can_implement(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
+        raise ValueError(f"experts kernel cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.to(torch.int32)
+    idx = idx.contiguous()
+    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
+    if out is None:
+        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
+    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
+    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype))
+    stream = current_stream()
+    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
+    fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
+    return out
+
+
+def reference(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              beta: float, lin_beta: float, inter: int | None = None, round_bf16: bool = True) -> torch.Tensor:
+    """float64 statement of the module docstring: r [M, L] float64 (before its final bf16
+    rounding). round_bf16 rounds h, a and e to bf16 where stock does; `inter` uses only w13
+    rows / w2 columns < I of each half (equal to the full result when the padding is zero)."""
+    M, K = idx.shape
+    ip = w2.shape[-1]
+    i = ip if inter is None else inter
+    rnd = (lambda t: t.to(torch.bfloat16).double()) if round_bf16 else (lambda t: t)
+    flat = idx.reshape(-1).long()
+    zz = z.double().repeat_interleave(K, dim=0)                                   # [P, L]
+    out = torch.zeros(M * K, z.shape[1], dtype=torch.float64, device=z.device)
+    for p in range(M * K):                                                        # one pair at a time (memory)
+        e = int(flat[p])
+        g = rnd(w13[e, :i].double() @ zz[p])
+        u = rnd(w13[e, ip:ip + i].double() @ zz[p])
+        a = rnd((beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta)))
+        out[p] = rnd(w2[e, :, :i].double() @ a)
+    return (w.double().reshape(M * K, 1) * out).reshape(M, K, -1).sum(1)
+
+
+def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Kernel (with and without the padding skip) vs stock_ops.experts_grouped and the float64
+    reference on the real LatentMoE weights at K3 TP16 shapes; times vs OpSet(cfg).experts."""
+    from kimi_decode import stock_ops
+    from kimi_decode.comm import LocalComm, SideStream
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
+    from kimi_decode.stock import LatentMoE, Runtime
+    from kimi_decode.weights import Seeder
+    dev = torch.device(DEVICE)
+    cfg0 = k3_tp16()
+    with torch.no_grad():
+        moe = LatentMoE(cfg0, Seeder(cfg0, dev).sub("check.experts"), Runtime(LocalComm(), SideStream(dev)))
+    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
+    I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    out = []
+    for m in rows:
+        cfg = k3_tp16(batch=m)
+        gen = torch.Generator(device=dev).manual_seed(1000 + m)
+        z = torch.randn(m, L, generator=gen, device=dev).bfloat16()                 # rms ≈ 1
+        scores = torch.rand(m, E, generator=gen, device=dev)
+        idx = scores.topk(K, dim=-1).indices                                         # distinct per row
+        w = scores.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True) * cfg.routed_scaling                         # positive, renormalised
+        with torch.no_grad():
+            r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+            ref = reference(z, idx, w, w13, w2, beta, lin_beta)
+            for skip in (True, False):
+                buf = torch.full((m + 1, L), float("nan"), dtype=torch.bfloat16, device=dev)
+                r_k = experts(z, idx, w, w13, w2, beta, lin_beta, out=buf[1:], inter=I if skip else None)
+                r_k32 = experts(z, idx.int(), w, w13, w2, beta, lin_beta, inter=I if skip else None)
+                _sync()
+                e_ks, e_k, e_s = rel(r_k, r_s), rel(r_k, ref), rel(r_s, ref)
+                ok = (e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(r_k, r_k32)
+                      and bool(torch.isnan(buf[0]).all()) and bool(torch.isfinite(r_k).all()))
+                r = {"kernel": "experts", "M": m, "skip_pad": skip, "rel_vs_stock": e_ks, "rel_vs_f64": e_k,
+                     "stock_rel_vs_f64": e_s, "int32_idx_equal": torch.equal(r_k, r_k32), "ok": ok}
+                if timing:
+                    ops = stock_ops.OpSet(cfg)
+                    dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
+                    r["stock_us"] = time_us(lambda: ops.experts(z, idx, w, w13, w2, beta, lin_beta))
+                    r["kernel_us"] = time_us(lambda: experts(z, idx, w, w13, w2, beta, lin_beta, out=dst,
+                                                             inter=I if skip else None))
+                    nbytes = m * K * 3 * (I if skip else w2.shape[-1]) * L * 2
+                    r["kernel_tbs"] = nbytes / (r["kernel_us"] * 1e-6) / 1e12
+                out.append(r)
+    del moe, w13, w2
+    return out
+
+
+if __name__ == "__main__":
+    for row in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})

@@ -1,0 +1,193 @@
+"""The routed-experts kernels (kimi_decode/kernels/moe_experts.py) on the CPU.
+
+Oracles:
+- compile: both kernels compile to sm_90a PTX at the K3 TP16 shapes (L = 3584, Ip = 256,
+  I = 192, K = 16, E = 896) with 128-bit weight loads (`ld.global.v4`), no local-memory spills,
+  no shuffle inside a lane-dependent branch, and the expected load counts: FC1 issues 3 loads
+  (gate, up, z) per unrolled slice, 7 slices per loop trip; FC2 issues all 2·K loads of a row
+  (w2 and a, one slice each per lane) in one block, before its K butterflies (5 shuffles each).
+- math: `reference` (float64 with stock's bf16 rounding points) equals stock_ops.experts_grouped
+  on the CPU. Stock rounds r to bf16 (relative error ~1e-3 alone) and its intermediates from
+  fp32 sums, so the tolerance is 4e-3; a wrong formula (gate/up swapped, weights ignored, SiTU
+  betas of 1) moves the result by more than 5e-2, which the negative cases assert.
+- padding skip: with the LatentMoE weights (zero padding by construction), the reference that
+  reads only I of Ip rows/columns is bit-identical to the full one; with nonzero padding it
+  is not (so the test can fail).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+from cutlass import Float32, Int32  # noqa: E402
+
+from kimi_decode import stock_ops  # noqa: E402
+from kimi_decode.comm import LocalComm, SideStream  # noqa: E402
+from kimi_decode.config import k3_tp16, tiny  # noqa: E402
+from kimi_decode.kernels import _common  # noqa: E402
+from kimi_decode.kernels.moe_experts import (ExpertsConfig, ExpertsFC1, ExpertsFC2,  # noqa: E402
+                                             can_implement, reference)
+from kimi_decode.stock import LatentMoE, Runtime  # noqa: E402
+from kimi_decode.weights import Seeder  # noqa: E402
+
+bf, f32, i64 = torch.bfloat16, torch.float32, torch.int64
+P = _common.dummy_ptr
+K3 = k3_tp16()
+K3_CFG = ExpertsConfig(K3.latent_dim, K3.expert_local_inter_padded, K3.expert_local_inter, K3.top_k,
+                       K3.num_experts, i64)
+
+
+def ptx_of(tmp_path: Path, kernel: object, *args: object) -> str:
+    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    cute.compile(kernel, *args, _common.current_stream(), options=opts)
+    files = list(tmp_path.glob("*.ptx"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
+def divergent_shuffles(ptx: str) -> list[str]:
+    """shfl.sync between a predicated forward branch and its target label, except where the
+    branch skips a whole loop (its region holds a back-edge to a label inside it: the `m < 1`
+    guard of a uniform loop, which every lane takes alike)."""
+    lines = [s.strip() for s in ptx.splitlines()]
+    label = {s[:-1]: i for i, s in enumerate(lines) if s.startswith("$") and s.endswith(":")}
+
+    def target(s: str) -> str:
+        return s.split()[-1].rstrip(";")
+
+    found = []
+    for i, s in enumerate(lines):
+        if not (s.startswith("@%p") and " bra " in s) or label[target(s)] < i:
+            continue
+        j = label[target(s)]
+        region = lines[i + 1:j]
+        loop_guard = any(" bra " in r and i < label.get(target(r), -1) < i + 1 + k
+                         for k, r in enumerate(region))
+        if not loop_guard:
+            found += [r for r in region if r.startswith("shfl.sync")]
+    return found
+
+
+def common_checks(ptx: str) -> None:
+    assert ".target sm_90a" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert not divergent_shuffles(ptx)
+
+
+def test_divergent_shuffles_helper_can_fail() -> None:
+    bad = "@%p1 bra $L__BB0_2;\nshfl.sync.bfly.b32 %r1, %r2, 1, 31, -1;\n$L__BB0_2:\n"
+    ok_loop = ("@%p1 bra $L__BB0_3;\n$L__BB0_2:\nshfl.sync.bfly.b32 %r1, %r2, 1, 31, -1;\n"
+               "@%p2 bra $L__BB0_2;\n$L__BB0_3:\n")
+    assert divergent_shuffles(bad) and not divergent_shuffles(ok_loop)
+
+
+def test_fc1_compiles(tmp_path: Path) -> None:
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+    common_checks(ptx)
+    assert ptx.count("ld.global.v4") == 3 * 7        # gate, up, z per slice; 7 slices per trip
+    assert ptx.count("shfl.sync.bfly") == 2 * 5      # two butterflies (gate, up)
+    assert "st.global.b16" in ptx
+
+
+def test_fc2_compiles(tmp_path: Path) -> None:
+    ptx = ptx_of(tmp_path, ExpertsFC2(K3_CFG), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
+    common_checks(ptx)
+    K = K3.top_k
+    lines = [s.strip() for s in ptx.splitlines()]
+    vec = [i for i, s in enumerate(lines) if s.startswith("ld.global.v4")]
+    shf = [i for i, s in enumerate(lines) if s.startswith("shfl.sync.bfly")]
+    assert len(shf) == 5 * K                          # one butterfly per expert slot
+    # ids + weights (vectorised) and the 2K weight/activation slices, all before the first butterfly
+    assert len([i for i in vec if i < shf[0]]) >= 2 * K
+    assert "st.global.b16" in ptx
+
+
+def test_fc1_int32_idx_compiles(tmp_path: Path) -> None:
+    cfg = ExpertsConfig(3584, 256, 256, 16, 896, torch.int32)    # no padding skip, int32 ids
+    ptx = ptx_of(tmp_path, ExpertsFC1(cfg), P(bf), P(torch.int32), P(bf), P(bf), Int32(8), Float32(4.0), Float32(25.0))
+    common_checks(ptx)
+    assert "ld.global.v4" in ptx
+
+
+def test_can_implement() -> None:
+    L, Ip, I, K = K3.latent_dim, K3.expert_local_inter_padded, K3.expert_local_inter, K3.top_k
+    assert can_implement(1, K, L, Ip, (bf,) * 3, inter=I) and can_implement(8, K, L, Ip, (bf,) * 3)
+    assert not can_implement(9, K, L, Ip, (bf,) * 3)                   # M > 8
+    assert not can_implement(1, K, 32, 24, (f32,) * 3)                  # tiny: stock op
+    assert not can_implement(1, K, L, 512, (bf,) * 3)                   # K·Ip/256 > 16 registers
+    assert not can_implement(1, K, L, Ip, (bf,) * 3, inter=190)         # I not on a 128-bit slice
+
+
+def _moe(cfg):
+    with torch.no_grad():
+        return LatentMoE(cfg, Seeder(cfg, torch.device("cpu")).sub("check.experts"),
+                         Runtime(LocalComm(), SideStream(torch.device("cpu"))))
+
+
+def _inputs(m: int, k: int, e: int, L: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(m, L, generator=gen).bfloat16()
+    scores = torch.rand(m, e, generator=gen)
+    idx = scores.topk(k, dim=-1).indices
+    w = scores.gather(1, idx)
+    return z, idx, w / w.sum(-1, keepdim=True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_reference_matches_stock_tiny(m: int) -> None:
+    """Tiny LatentMoE in bf16 with padding (I = 16 of Ip = 24)."""
+    cfg = tiny(dtype="bfloat16", moe_pad_local_inter=24)
+    moe = _moe(cfg)
+    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    assert w2.shape[-1] == 24 and cfg.expert_local_inter == 16
+    z, idx, w = _inputs(m, cfg.top_k, cfg.num_experts, cfg.latent_dim, seed=m)
+    b, lb = cfg.situ_beta, cfg.situ_linear_beta
+    r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, b, lb)
+    ref = reference(z, idx, w, w13, w2, b, lb)
+    assert rel(r_s, ref) < 4e-3
+    # padding is zero by construction: reading only I rows / columns is exact
+    assert torch.equal(reference(z, idx, w, w13, w2, b, lb, inter=16), ref)
+    # and the test can fail: wrong formulas are far away
+    w13_swapped = torch.cat([w13[:, 24:], w13[:, :24]], dim=1)
+    assert rel(r_s, reference(z, idx, w, w13_swapped, w2, b, lb)) > 5e-2
+    assert rel(r_s, reference(z, idx, torch.full_like(w, 1 / cfg.top_k), w13, w2, b, lb)) > 5e-2
+    assert rel(r_s, reference(z, idx, w, w13, w2, 1.0, 1.0)) > 5e-2      # wrong SiTU betas
+
+
+def test_padding_skip_detects_nonzero_padding() -> None:
+    cfg = tiny(dtype="bfloat16", moe_pad_local_inter=24)
+    moe = _moe(cfg)
+    w13, w2 = moe.w13.detach().clone(), moe.w2.detach().clone()
+    w13[:, 16:24] = 0.5
+    w13[:, 40:48] = 0.5
+    w2[:, :, 16:] = 0.5
+    z, idx, w = _inputs(2, cfg.top_k, cfg.num_experts, cfg.latent_dim, seed=7)
+    full = reference(z, idx, w, w13, w2, 4.0, 25.0)
+    assert not torch.equal(reference(z, idx, w, w13, w2, 4.0, 25.0, inter=16), full)
+
+
+def test_reference_matches_stock_k3_shapes() -> None:
+    """K3 TP16 per-expert shapes (L = 3584, Ip = 256 with zero rows 192..255, K = 16, M = 1 and
+    2) on a 40-expert slice of random weights at the LatentMoE scales."""
+    E, L, If, Ip, K = 40, K3.latent_dim, K3.expert_local_inter, K3.expert_local_inter_padded, K3.top_k
+    gen = torch.Generator().manual_seed(3)
+    zpad = torch.zeros(E, Ip - If, L)
+    w1, w3 = (torch.randn(E, If, L, generator=gen) * L ** -0.5 for _ in range(2))
+    w13 = torch.cat([w1, zpad, w3, zpad], dim=1).bfloat16()
+    w2 = torch.cat([torch.randn(E, L, If, generator=gen) * 1536 ** -0.5, zpad.transpose(1, 2)], dim=2).bfloat16()
+    for m in (1, 2):
+        z, idx, w = _inputs(m, K, E, L, seed=10 + m)
+        r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta)
+        ref = reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, inter=If)
+        assert rel(r_s, ref) < 4e-3
+        assert rel(r_s, reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, round_bf16=False)) < 1e-2
