@@ -82,6 +82,7 @@ class ExpertsConfig:
     top_k: int               # K
     experts: int             # E
     idx_dtype: torch.dtype   # int32 or int64
+    pdl: bool = False        # launch FC2 with programmatic dependent launch (see `experts`)
 
 
 def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
@@ -124,6 +125,10 @@ class ExpertsFC1:
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
         lane = cute.arch.lane_idx()
+        # PDL hint: FC2 (when launched with use_pdl) may start once every FC1 CTA is running;
+        # it waits (griddepcontrol.wait) for this grid's end before reading `a`. No effect
+        # on results; without use_pdl on FC2 it is a no-op.
+        cute.arch.griddepcontrol_launch_dependents()
         g = bidx * WARPS + warp
         p = g // I                           # pair
         c = g - p * I                        # output column (gate row c, up row Ip + c)
@@ -177,7 +182,7 @@ class ExpertsFC2:
         mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
         self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
-            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
@@ -208,7 +213,7 @@ class ExpertsFC2:
                     wj = Float32(0.0)
                 ev[j] = e
                 wt[j] = wj
-            # all K experts' loads next (K·nch 128-bit loads in flight per lane) ...
+            # all K experts' w2 loads next (K·nch 128-bit loads in flight per lane) ...
             wv.fill(0.0)
             av.fill(0.0)
             for j in cutlass.range_constexpr(K):
@@ -216,6 +221,13 @@ class ExpertsFC2:
                     q = lane + i * 32
                     if q * VEC < I:                  # lane-divergent: loads only
                         cute.autovec_copy(mW2[ev[j], cc, q, None], wv[None, i, j])
+            # ... FC1's `a` is complete and visible past this point (a no-op unless this grid
+            # was launched with use_pdl; idx, w and w2 above were written before FC1 started) ...
+            cute.arch.griddepcontrol_wait()
+            for j in cutlass.range_constexpr(K):
+                for i in cutlass.range_constexpr(nch):
+                    q = lane + i * 32
+                    if q * VEC < I:
                         cute.autovec_copy(mA[row * K + j, q, None], av[None, i, j])
             # ... then the K dot products, each rounded to bf16, weighted in j order
             acc = Float32(0.0)
@@ -246,12 +258,14 @@ def compile_for(cfg: ExpertsConfig) -> tuple[object, object]:
 
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
-            inter: int | None = None) -> torch.Tensor:
+            inter: int | None = None, pdl: bool = False) -> torch.Tensor:
     """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
     z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
     dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
     contiguous [M, L] bf16 view to write into. `inter`: the real intermediate I (w13 rows and
-    w2 columns I..Ip-1 are zero padding, skipped); None reads all Ip. Returns out [M, L]."""
+    w2 columns I..Ip-1 are zero padding, skipped); None reads all Ip. `pdl`: launch FC2 with
+    programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
+    waits for FC1 before reading FC1's output; results are identical). Returns out [M, L]."""
     m, L = z.shape
     k = idx.shape[1]
     E, two_ip, L13 = w13.shape
@@ -270,7 +284,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     elif out.shape != (m, L) or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
     act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
-    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype))
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl))
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
     fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
@@ -291,16 +305,18 @@ def reference(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Te
     out = torch.zeros(M * K, z.shape[1], dtype=torch.float64, device=z.device)
     for p in range(M * K):                                                        # one pair at a time (memory)
         e = int(flat[p])
-        g = rnd(w13[e, :i].double() @ zz[p])
-        u = rnd(w13[e, ip:ip + i].double() @ zz[p])
+        h = w13[e].double() @ zz[p]                                               # [2·Ip]
+        g, u = rnd(h[:i]), rnd(h[ip:ip + i])
         a = rnd((beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta)))
-        out[p] = rnd(w2[e, :, :i].double() @ a)
+        out[p] = rnd(w2[e].double()[:, :i] @ a)
     return (w.double().reshape(M * K, 1) * out).reshape(M, K, -1).sum(1)
 
 
 def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
-    """Kernel (with and without the padding skip) vs stock_ops.experts_grouped and the float64
-    reference on the real LatentMoE weights at K3 TP16 shapes; times vs OpSet(cfg).experts."""
+    """Kernel vs stock_ops.experts_grouped and the float64 reference on the real LatentMoE
+    weights at K3 TP16 shapes, for M in `rows`: with the padding skip (inter=I), without it,
+    then (last, each guarded: a launch/capture failure is reported in its row) with PDL.
+    Timings vs OpSet(cfg).experts, the stock path's op."""
     from kimi_decode import stock_ops
     from kimi_decode.comm import LocalComm, SideStream
     from kimi_decode.config import k3_tp16
@@ -314,38 +330,53 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     w13, w2 = moe.w13.detach(), moe.w2.detach()
     beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
     I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
-    out = []
+    cases = {}
     for m in rows:
-        cfg = k3_tp16(batch=m)
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
         z = torch.randn(m, L, generator=gen, device=dev).bfloat16()                 # rms ≈ 1
         scores = torch.rand(m, E, generator=gen, device=dev)
         idx = scores.topk(K, dim=-1).indices                                         # distinct per row
         w = scores.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True) * cfg.routed_scaling                         # positive, renormalised
+        w = w / w.sum(-1, keepdim=True) * cfg0.routed_scaling                        # positive, renormalised
         with torch.no_grad():
             r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-            ref = reference(z, idx, w, w13, w2, beta, lin_beta)
-            for skip in (True, False):
-                buf = torch.full((m + 1, L), float("nan"), dtype=torch.bfloat16, device=dev)
-                r_k = experts(z, idx, w, w13, w2, beta, lin_beta, out=buf[1:], inter=I if skip else None)
-                r_k32 = experts(z, idx.int(), w, w13, w2, beta, lin_beta, inter=I if skip else None)
-                _sync()
-                e_ks, e_k, e_s = rel(r_k, r_s), rel(r_k, ref), rel(r_s, ref)
-                ok = (e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(r_k, r_k32)
-                      and bool(torch.isnan(buf[0]).all()) and bool(torch.isfinite(r_k).all()))
-                r = {"kernel": "experts", "M": m, "skip_pad": skip, "rel_vs_stock": e_ks, "rel_vs_f64": e_k,
-                     "stock_rel_vs_f64": e_s, "int32_idx_equal": torch.equal(r_k, r_k32), "ok": ok}
-                if timing:
-                    ops = stock_ops.OpSet(cfg)
-                    dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
-                    r["stock_us"] = time_us(lambda: ops.experts(z, idx, w, w13, w2, beta, lin_beta))
-                    r["kernel_us"] = time_us(lambda: experts(z, idx, w, w13, w2, beta, lin_beta, out=dst,
-                                                             inter=I if skip else None))
-                    nbytes = m * K * 3 * (I if skip else w2.shape[-1]) * L * 2
-                    r["kernel_tbs"] = nbytes / (r["kernel_us"] * 1e-6) / 1e12
-                out.append(r)
-    del moe, w13, w2
+        ref = reference(z, idx, w, w13, w2, beta, lin_beta)
+        cases[m] = (z, idx, w, r_s, ref)
+
+    def one(m: int, skip: bool, pdl: bool) -> dict:
+        z, idx, w, r_s, ref = cases[m]
+        inter = I if skip else None
+        r = {"kernel": "experts", "M": m, "skip_pad": skip, "pdl": pdl}
+        with torch.no_grad():
+            buf = torch.full((m + 1, L), float("nan"), dtype=torch.bfloat16, device=dev)
+            r_k = experts(z, idx, w, w13, w2, beta, lin_beta, out=buf[1:], inter=inter, pdl=pdl)
+            r_k32 = experts(z, idx.int(), w, w13, w2, beta, lin_beta, inter=inter, pdl=pdl)
+        _sync()
+        e_ks, e_k, e_s = rel(r_k, r_s), rel(r_k, ref), rel(r_s, ref)
+        same32 = torch.equal(r_k, r_k32)
+        untouched = bool(torch.isnan(buf[0]).all())          # nothing written outside `out`
+        r.update(rel_vs_stock=e_ks, rel_vs_f64=e_k, stock_rel_vs_f64=e_s, int32_idx_equal=same32,
+                 out_bounds_ok=untouched,
+                 ok=(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and same32 and untouched
+                     and bool(torch.isfinite(r_k).all())))
+        if timing:
+            ops = stock_ops.OpSet(k3_tp16(batch=m))
+            dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
+            r["stock_us"] = time_us(lambda: ops.experts(z, idx, w, w13, w2, beta, lin_beta))
+            r["kernel_us"] = time_us(lambda: experts(z, idx, w, w13, w2, beta, lin_beta, out=dst,
+                                                     inter=inter, pdl=pdl))
+            nbytes = m * K * 3 * (I if skip else w2.shape[-1]) * L * 2       # FC1 2·I·L + FC2 I·L per pair
+            r["kernel_tbs"] = nbytes / (r["kernel_us"] * 1e-6) / 1e12
+        return r
+
+    out = [one(m, skip, False) for m in rows for skip in (True, False)]
+    for m in rows:                                            # PDL last: a failure stays contained
+        try:
+            out.append(one(m, True, True))
+        except Exception as exc:  # noqa: BLE001  (report, do not abort the batched device job)
+            out.append({"kernel": "experts", "M": m, "skip_pad": True, "pdl": True, "ok": False,
+                        "error": f"{type(exc).__name__}: {exc}"[:300]})
+    del moe, w13, w2, cases
     return out
 
 

@@ -93,6 +93,7 @@ def test_fc1_compiles(tmp_path: Path) -> None:
     assert ptx.count("ld.global.v4") == 3 * 7        # gate, up, z per slice; 7 slices per trip
     assert ptx.count("shfl.sync.bfly") == 2 * 5      # two butterflies (gate, up)
     assert "st.global.b16" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx  # the PDL hint for FC2
 
 
 def test_fc2_compiles(tmp_path: Path) -> None:
@@ -106,6 +107,18 @@ def test_fc2_compiles(tmp_path: Path) -> None:
     # ids + weights (vectorised) and the 2K weight/activation slices, all before the first butterfly
     assert len([i for i in vec if i < shf[0]]) >= 2 * K
     assert "st.global.b16" in ptx
+    # w2 slices (and the ids/weights) are loaded before waiting for FC1; `a` after
+    wait = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait")]
+    assert len(wait) == 1
+    assert len([i for i in vec if i < wait[0]]) >= K and len([i for i in vec if wait[0] < i < shf[0]]) == K
+
+
+def test_fc2_pdl_compiles(tmp_path: Path) -> None:
+    """The host side with the programmatic-stream-serialization launch attribute compiles."""
+    cfg = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, K3_CFG.inter, K3_CFG.top_k, K3_CFG.experts, i64, pdl=True)
+    ptx = ptx_of(tmp_path, ExpertsFC2(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(8))
+    common_checks(ptx)
+    assert "griddepcontrol.wait" in ptx
 
 
 def test_fc1_int32_idx_compiles(tmp_path: Path) -> None:
@@ -177,17 +190,55 @@ def test_padding_skip_detects_nonzero_padding() -> None:
 
 
 def test_reference_matches_stock_k3_shapes() -> None:
-    """K3 TP16 per-expert shapes (L = 3584, Ip = 256 with zero rows 192..255, K = 16, M = 1 and
-    2) on a 40-expert slice of random weights at the LatentMoE scales."""
-    E, L, If, Ip, K = 40, K3.latent_dim, K3.expert_local_inter, K3.expert_local_inter_padded, K3.top_k
+    """K3 TP16 per-expert shapes (L = 3584, Ip = 256 with zero rows 192..255, K = 16, M = 2)
+    on a 20-expert slice of random weights at the LatentMoE scales."""
+    E, L, If, Ip, K = 20, K3.latent_dim, K3.expert_local_inter, K3.expert_local_inter_padded, K3.top_k
     gen = torch.Generator().manual_seed(3)
     zpad = torch.zeros(E, Ip - If, L)
     w1, w3 = (torch.randn(E, If, L, generator=gen) * L ** -0.5 for _ in range(2))
     w13 = torch.cat([w1, zpad, w3, zpad], dim=1).bfloat16()
     w2 = torch.cat([torch.randn(E, L, If, generator=gen) * 1536 ** -0.5, zpad.transpose(1, 2)], dim=2).bfloat16()
-    for m in (1, 2):
-        z, idx, w = _inputs(m, K, E, L, seed=10 + m)
-        r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta)
-        ref = reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, inter=If)
-        assert rel(r_s, ref) < 4e-3
-        assert rel(r_s, reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, round_bf16=False)) < 1e-2
+    z, idx, w = _inputs(2, K, E, L, seed=12)
+    r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta)
+    ref = reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, inter=If)
+    assert rel(r_s, ref) < 4e-3
+    assert rel(r_s, reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, round_bf16=False)) < 1e-2
+
+
+def _emulate(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False):
+    """The kernels' math in torch (fp32 sums, the same bf16 rounding points), for the CPU run
+    of `check`."""
+    M, K = idx.shape
+    ip = w2.shape[-1]
+    i = ip if inter is None else inter
+    e = idx.reshape(-1).long()
+    zz = z.float().repeat_interleave(K, 0)[:, :, None]
+    g = torch.bmm(w13[e, :i].float(), zz)[..., 0].bfloat16().float()
+    u = torch.bmm(w13[e, ip:ip + i].float(), zz)[..., 0].bfloat16().float()
+    a = ((beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))).bfloat16()
+    eo = torch.bmm(w2[e, :, :i].float(), a.float()[:, :, None])[..., 0].bfloat16().float()
+    r = (w.float().reshape(M, K, 1) * eo.reshape(M, K, -1)).sum(1).bfloat16()
+    if out is None:
+        return r
+    out.copy_(r)
+    return out
+
+
+def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check` end to end (timing off) on a tiny bf16 config, the kernel replaced by _emulate:
+    every case row is produced and ok; a broken kernel (weights ignored) is not ok."""
+    from kimi_decode.kernels import checks, moe_experts
+    import kimi_decode.config as config
+    small = tiny(dtype="bfloat16", moe_pad_local_inter=24)
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(config, "k3_tp16", lambda **kw: small.with_(**kw))
+    monkeypatch.setattr(moe_experts, "experts", _emulate)
+    rows = moe_experts.check(timing=False, rows=(1, 2))
+    assert len(rows) == 6 and all(r["ok"] for r in rows), rows
+    assert [(r["M"], r["skip_pad"], r["pdl"]) for r in rows] == [
+        (1, True, False), (1, False, False), (2, True, False), (2, False, False), (1, True, True), (2, True, True)]
+
+    def broken(z, idx, w, *a, **kw):
+        return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]), *a, **kw)
+    monkeypatch.setattr(moe_experts, "experts", broken)
+    assert not any(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)))
