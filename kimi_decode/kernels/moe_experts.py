@@ -29,16 +29,26 @@ finish the dots, every lane computes SiTU, lane 0 writes a[p, c] to a [P, Ip] bf
 (columns ≥ I are never written and never read).
 Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8 warps. For
 each row m, the warp first issues all K loads w2[e_j, l, 8·lane : 8·lane+8] (one 512-byte
-row per expert, coalesced; lanes with 8·lane ≥ I skip theirs) and the K matching a-slices
-(L2-resident, 8 KB at M = 1), then per j: 8 FMAs, a butterfly, bf16 round, and
+row per expert, coalesced; lanes with 8·lane ≥ I skip theirs: 16 loads in flight per lane),
+then `griddepcontrol.wait` (see PDL below; it is also the fence that keeps ptxas from sinking
+each load next to its use), then the CTA stages a[m·K : m·K+K, :I] (6 KB, L2-resident) in
+shared memory, a barrier, and per j: one 128-bit shared read, 8 FMAs, a butterfly, bf16 round,
 acc += w[m, j] · that (j in order). Lane 0 writes out[m, l] in bf16. `out` may be any
-contiguous [M, L] bf16 view (e.g. a slot of the all-reduce buffer).
+contiguous [M, L] bf16 view (e.g. a slot of the all-reduce buffer). ~126 registers: 2 CTAs
+per SM, so 448 CTAs take 1.7 waves; each SM still has >100 KB of w2 loads in flight.
+
+PDL (`pdl=True`): FC2 is launched with programmatic stream serialization; FC1 executes
+`griddepcontrol.launch_dependents` at its start, so FC2's CTAs may start (and issue their w2
+loads, which depend on nothing FC1 writes) while FC1's last CTAs run; `griddepcontrol.wait`
+then blocks until FC1 has completed and its writes are visible, before `a` is read. idx and
+w are read before the wait: they were written before FC1 started. Without `pdl` both
+instructions are no-ops and the launch is ordinary stream order.
 
 Why it should reach its target (M = 1, K = 16, L = 3584, I = 192): FC1 reads 16·2·192·3584·2 B
 = 44 MB, FC2 16·3584·192·2 B = 22 MB: 66 MB, 17 us at 3.9 TB/s, plus two ramp/tails (~2 us
-each) -> ~21 us (88 MB and ~26 us with inter=None), against 48.8 us stock. Both grids hold
-384 and 448 CTAs of 8 warps, all resident at once (one wave), each SM with >100 KB of loads
-in flight, well above what 3.9 TB/s · ~1 us latency / 132 SMs needs (~30 KB).
+each) -> ~21-23 us (88 MB and ~26-28 us with inter=None), against 48.8 us stock; PDL may hide
+1-2 us of FC2's start. FC1's 384 CTAs are one wave (~40 registers); every SM keeps >60 KB of
+loads in flight, above what 3.9 TB/s · ~1 us latency / 132 SMs needs (~30 KB).
 At M = 8 the bytes scale with the number of pairs (each pair re-reads its expert; repeats
 across rows may hit L2), like a gather-bmm: ~128·5.5 MB·0.75 at worst.
 
@@ -187,19 +197,25 @@ class ExpertsFC2:
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
                mO: cute.Tensor, m: Int32):
-        L, I, K, E = self.cfg.latent, self.cfg.inter, self.cfg.top_k, self.cfg.experts
+        L, Ip, I, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
         nch = self.chunks
+        ni = Ip // VEC
+        threads = WARPS * 32
+        tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
         lane = cute.arch.lane_idx()
         col = bidx * WARPS + warp
-        # every lane runs the row loop and its shuffles; an out-of-range warp (none: the grid
-        # is exact) reads column L-1 and stores nothing
+        # every thread runs the row loop, its barriers and shuffles; an out-of-range warp
+        # (none: the grid is exact) reads column L-1 and stores nothing
         cc = col
         if col >= L:
             cc = L - 1
+        smem = cutlass.memory.SmemAllocator()
+        sA = smem.allocate_tensor(mA.element_type, cute.make_layout((K, ni, VEC), stride=(Ip, VEC, 1)),
+                                  byte_alignment=16)
         wv = cute.make_rmem_tensor(cute.make_layout((VEC, nch, K)), mW2.element_type)
-        av = cute.make_rmem_tensor(cute.make_layout((VEC, nch, K)), mA.element_type)
+        av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
         wt = cute.make_rmem_tensor(cute.make_layout(K), Float32)
         ev = cute.make_rmem_tensor(cute.make_layout(K), Int32)
         for row in range(m):
@@ -213,33 +229,42 @@ class ExpertsFC2:
                     wj = Float32(0.0)
                 ev[j] = e
                 wt[j] = wj
-            # all K experts' w2 loads next (K·nch 128-bit loads in flight per lane) ...
+            # all K experts' w2 slices (K·nch 128-bit loads in flight per lane) ...
             wv.fill(0.0)
-            av.fill(0.0)
             for j in cutlass.range_constexpr(K):
                 for i in cutlass.range_constexpr(nch):
                     q = lane + i * 32
                     if q * VEC < I:                  # lane-divergent: loads only
                         cute.autovec_copy(mW2[ev[j], cc, q, None], wv[None, i, j])
-            # ... FC1's `a` is complete and visible past this point (a no-op unless this grid
-            # was launched with use_pdl; idx, w and w2 above were written before FC1 started) ...
+            # ... issued before this point. griddepcontrol.wait: FC1's `a` is complete and
+            # visible past it (a no-op unless launched with use_pdl; idx, w and w2 were written
+            # before FC1 started). It is also a scheduling fence: ptxas otherwise sinks each
+            # load next to its butterfly, leaving one or two loads in flight per warp.
             cute.arch.griddepcontrol_wait()
-            for j in cutlass.range_constexpr(K):
-                for i in cutlass.range_constexpr(nch):
-                    q = lane + i * 32
-                    if q * VEC < I:
-                        cute.autovec_copy(mA[row * K + j, q, None], av[None, i, j])
-            # ... then the K dot products, each rounded to bf16, weighted in j order
+            # the row's K activation rows (columns < I) staged in shared memory by the CTA
+            for s0 in cutlass.range_constexpr((K * ni + threads - 1) // threads):
+                sl = tidx + s0 * threads
+                j = sl // ni
+                q = sl - j * ni
+                if sl < K * ni and q * VEC < I:
+                    cute.autovec_copy(mA[row * K + j, q, None], sA[j, q, None])
+            cute.arch.sync_threads()
+            # the K dot products, each rounded to bf16, weighted in j order
             acc = Float32(0.0)
             for j in cutlass.range_constexpr(K):
                 s = Float32(0.0)
                 for i in cutlass.range_constexpr(nch):
+                    q = lane + i * 32
+                    av.fill(0.0)
+                    if q * VEC < I:                  # lane-divergent: a shared-memory read only
+                        cute.autovec_copy(sA[j, q, None], av)
                     for t in cutlass.range_constexpr(VEC):
-                        s = s + wv[t, i, j].to(Float32) * av[t, i, j].to(Float32)
+                        s = s + wv[t, i, j].to(Float32) * av[t].to(Float32)
                 tot = cute.arch.warp_reduction_sum(s).to(mO.element_type).to(Float32)
                 acc = acc + wt[j] * tot
             if lane == 0 and col < L:
                 mO[row, col] = acc.to(mO.element_type)
+            cute.arch.sync_threads()                 # sA is rewritten by the next row
 
 
 def compile_for(cfg: ExpertsConfig) -> tuple[object, object]:
