@@ -31,11 +31,13 @@ Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8
 each row m, the warp first issues all K loads w2[e_j, l, 8·lane : 8·lane+8] (one 512-byte
 row per expert, coalesced; lanes with 8·lane ≥ I skip theirs: 16 loads in flight per lane),
 then `griddepcontrol.wait` (see PDL below; it is also the fence that keeps ptxas from sinking
-each load next to its use), then the CTA stages a[m·K : m·K+K, :I] (6 KB, L2-resident) in
-shared memory, a barrier, and per j: one 128-bit shared read, 8 FMAs, a butterfly, bf16 round,
+each load next to its use); the CTA stages a[m·K : m·K+K, :I] (6 KB, L2-resident) in shared
+memory (its loads issued with the w2 loads, or after the wait with PDL), a barrier, and per j: one 128-bit shared read, 8 FMAs, a butterfly, bf16 round,
 acc += w[m, j] · that (j in order). Lane 0 writes out[m, l] in bf16. `out` may be any
-contiguous [M, L] bf16 view (e.g. a slot of the all-reduce buffer). ~126 registers: 2 CTAs
-per SM, so 448 CTAs take 1.7 waves; each SM still has >100 KB of w2 loads in flight.
+contiguous [M, L] bf16 view (e.g. a slot of the all-reduce buffer). ~120 registers (64 hold
+the w2 slices), capped at 128 by `min_blocks_per_mp=2`: 2 CTAs per SM, so 448 CTAs take 1.7
+waves; each SM keeps 128 KB of w2 loads in flight. The weights w[m, :] (0 for an invalid id)
+sit in shared memory too, so no register holds them across the loads.
 
 PDL (`pdl=True`): FC2 is launched with programmatic stream serialization; FC1 executes
 `griddepcontrol.launch_dependents` at its start, so FC2's CTAs may start (and issue their w2
@@ -192,7 +194,11 @@ class ExpertsFC2:
         mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
         self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
-            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
+            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=self.cfg.pdl,
+            # ptxas: at most 128 registers, so 2 CTAs share an SM (~120 used without the cap);
+            # an explicit carveout (-1: the driver's default) keeps the DSL from querying the
+            # device for its shared-memory size at compile time (no GPU in CI)
+            min_blocks_per_mp=2, preferred_smem_carveout=-1)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
@@ -214,21 +220,20 @@ class ExpertsFC2:
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(mA.element_type, cute.make_layout((K, ni, VEC), stride=(Ip, VEC, 1)),
                                   byte_alignment=16)
+        sW = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         wv = cute.make_rmem_tensor(cute.make_layout((VEC, nch, K)), mW2.element_type)
         av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
-        wt = cute.make_rmem_tensor(cute.make_layout(K), Float32)
+        nst = (K * ni + threads - 1) // threads          # staged slices per thread
+        stg = cute.make_rmem_tensor(cute.make_layout((VEC, nst)), mA.element_type)
         ev = cute.make_rmem_tensor(cute.make_layout(K), Int32)
         for row in range(m):
-            # the row's K ids and weights (one 128-byte line each); an id outside [0, E)
-            # reads expert 0 with weight 0 (never happens with router output)
+            # the row's K ids (one 128-byte line); an id outside [0, E) reads expert 0, and its
+            # weight is 0 (never happens with router output)
             for j in cutlass.range_constexpr(K):
                 e = mIdx[row, j].to(Int32)
-                wj = mWt[row, j]
                 if e < 0 or e >= E:
                     e = Int32(0)
-                    wj = Float32(0.0)
                 ev[j] = e
-                wt[j] = wj
             # all K experts' w2 slices (K·nch 128-bit loads in flight per lane) ...
             wv.fill(0.0)
             for j in cutlass.range_constexpr(K):
@@ -240,14 +245,37 @@ class ExpertsFC2:
             # visible past it (a no-op unless launched with use_pdl; idx, w and w2 were written
             # before FC1 started). It is also a scheduling fence: ptxas otherwise sinks each
             # load next to its butterfly, leaving one or two loads in flight per warp.
+            # The row's K activation rows (columns < I) are staged in shared memory by the CTA:
+            # each thread loads its slices (thread t: slices t, t + 256, ...) into registers,
+            # before the wait when FC1 is known complete (no PDL: stream order), after it with
+            # PDL, then stores them to shared memory.
+            if cutlass.const_expr(not self.cfg.pdl):
+                for s0 in cutlass.range_constexpr(nst):
+                    sl = tidx + s0 * threads
+                    j = sl // ni
+                    q = sl - j * ni
+                    if sl < K * ni and q * VEC < I:
+                        cute.autovec_copy(mA[row * K + j, q, None], stg[None, s0])
+            if tidx < K:                             # the row's weights, 0 for an invalid id
+                e = mIdx[row, tidx].to(Int32)
+                wj = mWt[row, tidx]
+                if e < 0 or e >= E:
+                    wj = Float32(0.0)
+                sW[tidx] = wj
             cute.arch.griddepcontrol_wait()
-            # the row's K activation rows (columns < I) staged in shared memory by the CTA
-            for s0 in cutlass.range_constexpr((K * ni + threads - 1) // threads):
+            if cutlass.const_expr(self.cfg.pdl):
+                for s0 in cutlass.range_constexpr(nst):
+                    sl = tidx + s0 * threads
+                    j = sl // ni
+                    q = sl - j * ni
+                    if sl < K * ni and q * VEC < I:
+                        cute.autovec_copy(mA[row * K + j, q, None], stg[None, s0])
+            for s0 in cutlass.range_constexpr(nst):
                 sl = tidx + s0 * threads
                 j = sl // ni
                 q = sl - j * ni
                 if sl < K * ni and q * VEC < I:
-                    cute.autovec_copy(mA[row * K + j, q, None], sA[j, q, None])
+                    cute.autovec_copy(stg[None, s0], sA[j, q, None])
             cute.arch.sync_threads()
             # the K dot products, each rounded to bf16, weighted in j order
             acc = Float32(0.0)
@@ -261,7 +289,7 @@ class ExpertsFC2:
                     for t in cutlass.range_constexpr(VEC):
                         s = s + wv[t, i, j].to(Float32) * av[t].to(Float32)
                 tot = cute.arch.warp_reduction_sum(s).to(mO.element_type).to(Float32)
-                acc = acc + wt[j] * tot
+                acc = acc + sW[j] * tot
             if lane == 0 and col < L:
                 mO[row, col] = acc.to(mO.element_type)
             cute.arch.sync_threads()                 # sA is rewritten by the next row
