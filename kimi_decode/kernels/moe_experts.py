@@ -23,8 +23,9 @@ the result is bit-identical to reading them, and 25% fewer bytes are read. With 
 Kernel 1 (ExpertsFC1): one warp per (pair p, output column c < I); grid = P·I / 8 CTAs of 8
 warps (warp g = p·I + c, so a CTA covers 8 consecutive rows of one expert). The warp computes
 both gate row c and up row Ip + c of w13[e] (so the GLU is local): lane l reads the 128-bit
-slices l, l+32, ... of both rows (coalesced 512-byte warp loads, unrolled 7 deep: 14 weight
-loads in flight per lane) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
+slices l, l+32, ... of both rows (coalesced 512-byte warp loads; the loop unrolled 7 deep,
+of which ptxas keeps ~2 slices = 4 weight loads in flight per lane, as in gemv.py, measured at
+4.6 TB/s) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
 finish the dots, every lane computes SiTU, lane 0 writes a[p, c] to a [P, Ip] bf16 scratch
 (columns ≥ I are never written and never read).
 Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8 warps. For
@@ -241,10 +242,10 @@ class ExpertsFC2:
                     q = lane + i * 32
                     if q * VEC < I:                  # lane-divergent: loads only
                         cute.autovec_copy(mW2[ev[j], cc, q, None], wv[None, i, j])
-            # ... issued before this point. griddepcontrol.wait: FC1's `a` is complete and
-            # visible past it (a no-op unless launched with use_pdl; idx, w and w2 were written
-            # before FC1 started). It is also a scheduling fence: ptxas otherwise sinks each
-            # load next to its butterfly, leaving one or two loads in flight per warp.
+            # ... all issued before griddepcontrol.wait below, which is a scheduling fence
+            # (ptxas otherwise sinks each load next to its butterfly, leaving one or two loads
+            # in flight per warp) and, with PDL, the point past which FC1's `a` is complete and
+            # visible (a no-op otherwise; idx, w and w2 were written before FC1 started).
             # The row's K activation rows (columns < I) are staged in shared memory by the CTA:
             # each thread loads its slices (thread t: slices t, t + 256, ...) into registers,
             # before the wait when FC1 is known complete (no PDL: stream order), after it with
