@@ -33,11 +33,12 @@ each row m, the warp first issues all K loads w2[e_j, l, 8·lane : 8·lane+8] (o
 row per expert, coalesced; lanes with 8·lane ≥ I skip theirs: 16 loads in flight per lane),
 then `griddepcontrol.wait` (see PDL below; it is also the fence that keeps ptxas from sinking
 each load next to its use); the CTA stages a[m·K : m·K+K, :I] (6 KB, L2-resident) in shared
-memory (its loads issued with the w2 loads, or after the wait with PDL), a barrier, and per j: one 128-bit shared read, 8 FMAs, a butterfly, bf16 round,
-acc += w[m, j] · that (j in order). Lane 0 writes out[m, l] in bf16. `out` may be any
+memory (its loads issued with the w2 loads, or after the wait with PDL), a barrier, and per
+j: one 128-bit shared read, 8 FMAs, a butterfly, bf16 round, acc += w[m, j] · that (j in
+order). Lane 0 writes out[m, l] in bf16. `out` may be any
 contiguous [M, L] bf16 view (e.g. a slot of the all-reduce buffer). ~120 registers (64 hold
 the w2 slices), capped at 128 by `min_blocks_per_mp=2`: 2 CTAs per SM, so 448 CTAs take 1.7
-waves; each SM keeps 128 KB of w2 loads in flight. The weights w[m, :] (0 for an invalid id)
+waves; each SM keeps ~100 KB of w2 loads in flight. The weights w[m, :] (0 for an invalid id)
 sit in shared memory too, so no register holds them across the loads.
 
 PDL (`pdl=True`): FC2 is launched with programmatic stream serialization; FC1 executes
