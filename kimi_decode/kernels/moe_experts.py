@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
+import itertools
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -371,7 +372,10 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     """Kernel vs stock_ops.experts_grouped and the float64 reference on the real LatentMoE
     weights at K3 TP16 shapes, for M in `rows`: with the padding skip (inter=I), without it,
     then (last, each guarded: a launch/capture failure is reported in its row) with PDL.
-    Timings vs OpSet(cfg).experts, the stock path's op."""
+    Timings vs OpSet(cfg).experts, the stock path's op: `stock_us`/`kernel_us` cycle through
+    4 routings (~260 MB of expert weights, ≫ 50 MB L2: weights come from HBM, as in a decode
+    step where every layer has its own experts); `*_same_us` repeat one routing (66-88 MB per
+    call, partly L2-resident across calls)."""
     from kimi_decode import stock_ops
     from kimi_decode.comm import LocalComm, SideStream
     from kimi_decode.config import k3_tp16
@@ -389,17 +393,26 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     for m in rows:
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
         z = torch.randn(m, L, generator=gen, device=dev).bfloat16()                 # rms ≈ 1
-        scores = torch.rand(m, E, generator=gen, device=dev)
-        idx = scores.topk(K, dim=-1).indices                                         # distinct per row
-        w = scores.gather(1, idx)
-        w = w / w.sum(-1, keepdim=True) * cfg0.routed_scaling                        # positive, renormalised
+        routings = []
+        for _ in range(4):
+            scores = torch.rand(m, E, generator=gen, device=dev)
+            idx = scores.topk(K, dim=-1).indices                                     # distinct per row
+            w = scores.gather(1, idx)
+            routings.append((idx, w / w.sum(-1, keepdim=True) * cfg0.routed_scaling))  # positive, renormalised
+        idx, w = routings[0]
         with torch.no_grad():
             r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         ref = reference(z, idx, w, w13, w2, beta, lin_beta)
-        cases[m] = (z, idx, w, r_s, ref)
+        cases[m] = (z, idx, w, r_s, ref, routings)
+
+    def cycling(call, routings):
+        """A no-argument function running call(idx, w) with the next routing each time (captured
+        call by call into time_us's CUDA graph, so its replays cycle too)."""
+        n = itertools.count()
+        return lambda: call(*routings[next(n) % len(routings)])
 
     def one(m: int, skip: bool, pdl: bool) -> dict:
-        z, idx, w, r_s, ref = cases[m]
+        z, idx, w, r_s, ref, routings = cases[m]
         inter = I if skip else None
         r = {"kernel": "experts", "M": m, "skip_pad": skip, "pdl": pdl}
         with torch.no_grad():
@@ -417,9 +430,11 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
         if timing:
             ops = stock_ops.OpSet(k3_tp16(batch=m))
             dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
-            r["stock_us"] = time_us(lambda: ops.experts(z, idx, w, w13, w2, beta, lin_beta))
-            r["kernel_us"] = time_us(lambda: experts(z, idx, w, w13, w2, beta, lin_beta, out=dst,
-                                                     inter=inter, pdl=pdl))
+            for name, call in (("stock", lambda i, ww: ops.experts(z, i, ww, w13, w2, beta, lin_beta)),
+                               ("kernel", lambda i, ww: experts(z, i, ww, w13, w2, beta, lin_beta, out=dst,
+                                                                inter=inter, pdl=pdl))):
+                r[f"{name}_us"] = time_us(cycling(call, routings))
+                r[f"{name}_same_us"] = time_us(cycling(call, routings[:1]))
             nbytes = m * K * 3 * (I if skip else w2.shape[-1]) * L * 2       # FC1 2·I·L + FC2 I·L per pair
             r["kernel_tbs"] = nbytes / (r["kernel_us"] * 1e-6) / 1e12
         return r

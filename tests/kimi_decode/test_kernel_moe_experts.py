@@ -224,16 +224,27 @@ def _emulate(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=Fa
 
 
 def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`check` end to end (timing off) on a tiny bf16 config, the kernel replaced by _emulate:
-    every case row is produced and ok; a broken kernel (weights ignored) is not ok."""
+    """`check` end to end on a tiny bf16 config, the kernel replaced by _emulate and time_us by
+    a stub that calls the timed function: every case row is produced and ok; a broken kernel
+    (weights ignored) is not ok."""
     from kimi_decode.kernels import checks, moe_experts
     import kimi_decode.config as config
     small = tiny(dtype="bfloat16", moe_pad_local_inter=24)
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(config, "k3_tp16", lambda **kw: small.with_(**kw))
     monkeypatch.setattr(moe_experts, "experts", _emulate)
-    rows = moe_experts.check(timing=False, rows=(1, 2))
+    calls = []
+
+    def fake_time_us(fn) -> float:                  # time_us needs CUDA: call fn, count calls
+        for _ in range(5):
+            fn()
+        calls.append(5)
+        return 1.0
+    monkeypatch.setattr(checks, "time_us", fake_time_us)
+    rows = moe_experts.check(timing=True, rows=(1, 2))
     assert len(rows) == 6 and all(r["ok"] for r in rows), rows
+    assert all(r["kernel_us"] == r["stock_us"] == r["kernel_same_us"] == 1.0 for r in rows)
+    assert len(calls) == 4 * 6
     assert [(r["M"], r["skip_pad"], r["pdl"]) for r in rows] == [
         (1, True, False), (1, False, False), (2, True, False), (2, False, False), (1, True, True), (2, True, True)]
 
