@@ -51,7 +51,7 @@ instructions are no-ops and the launch is ordinary stream order.
 Why it should reach its target (M = 1, K = 16, L = 3584, I = 192): FC1 reads 16·2·192·3584·2 B
 = 44 MB, FC2 16·3584·192·2 B = 22 MB: 66 MB, 17 us at 3.9 TB/s, plus two ramp/tails (~2 us
 each) -> ~21-23 us (88 MB and ~26-28 us with inter=None), against 48.8 us stock; PDL may hide
-1-2 us of FC2's start. FC1's 384 CTAs are one wave (~40 registers); every SM keeps >60 KB of
+1-2 us of FC2's start. FC1's 384 CTAs are one wave (~40 registers); every SM keeps ~45 KB of
 loads in flight, above what 3.9 TB/s · ~1 us latency / 132 SMs needs (~30 KB).
 At M = 8 the bytes scale with the number of pairs (each pair re-reads its expert; repeats
 across rows may hit L2), like a gather-bmm: ~128·5.5 MB·0.75 at worst.
