@@ -248,6 +248,14 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
     assert [(r["M"], r["skip_pad"], r["pdl"]) for r in rows] == [
         (1, True, False), (1, False, False), (2, True, False), (2, False, False), (1, True, True), (2, True, True)]
 
+    def no_pdl(*a, pdl=False, **kw):                # a stack without PDL: only those rows skip
+        if pdl:
+            raise RuntimeError("programmatic launch unsupported")
+        return _emulate(*a, **kw)
+    monkeypatch.setattr(moe_experts, "experts", no_pdl)
+    rows = moe_experts.check(timing=False, rows=(2,))
+    assert all(r["ok"] for r in rows) and [("skipped" in r) for r in rows] == [False, False, True]
+
     def broken(z, idx, w, *a, **kw):
         return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]), *a, **kw)
     monkeypatch.setattr(moe_experts, "experts", broken)
