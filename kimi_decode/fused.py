@@ -310,8 +310,12 @@ class LatentMoE(stock.LatentMoE):
         cfg = self.cfg
         if self.use_experts_kernel:
             from kimi_decode.kernels.moe_experts import can_implement, experts
-            if can_implement(z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,)):
-                return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out)
+            # inter: the padded intermediate rows are zero by construction (stock.LatentMoE), so
+            # the kernels skip them (a quarter of the expert bytes)
+            inter = cfg.expert_local_inter
+            if can_implement(z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,), inter=inter):
+                return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
+                               inter=inter)
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 

@@ -234,7 +234,7 @@ def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) 
         import kimi_decode.kernels.moe_up as k_up
         from kimi_decode import stock_ops as ops
 
-        def experts(z, idx, w, w13, w2, beta, lin_beta, out=None):
+        def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, **kw):
             r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
             return r if out is None else out.copy_(r)
 
@@ -245,7 +245,7 @@ def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) 
             part = ops.latent_up(r_slots.sum(0), latent_norm, up_rows, shared, eps)
             return part if out is None else out.copy_(part)
         monkeypatch.setattr(k_ex, "experts", experts)
-        monkeypatch.setattr(k_ex, "can_implement", lambda *a: True)
+        monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
         monkeypatch.setattr(k_up, "moe_up", moe_up)
         monkeypatch.setattr(k_up, "can_implement", lambda *a: True)
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7, tp=2, weight_chunks=2, tp_sim=True, sim_world=2)
