@@ -71,8 +71,12 @@ def layer_bytes(layer: torch.nn.Module, cfg: Any) -> dict[str, int]:
     for name, p in layer.named_parameters():
         size = p.numel() * p.element_size()
         if name in ("mlp.w13", "mlp.w2"):
+            # distinct selected experts, without the zero padding of the intermediate (192 of
+            # 256 rows are the model's: the padding is a layout artifact, not bytes a decode
+            # step must read; the fused kernels skip it)
             idx = layer.mlp.last_idx
             size = size // p.shape[0] * int(torch.unique(idx).numel())
+            size = size * cfg.expert_local_inter // cfg.expert_local_inter_padded
         elif name == "mlp.up":
             size = size * cfg.row_shard // cfg.hidden
         elif name == "attn.kv_b":  # absorbed into w_uk_t / w_uv at load, unused in decode
@@ -140,7 +144,8 @@ def render(data: dict[str, Any]) -> str:
              "Written by `bench/decode.py` (run on the GPU machine; `--render` merges its JSON here).",
              "Per-layer time: CUDA events around each replay of a CUDA graph holding one layer (so each",
              "figure includes one graph launch, ~4 us on this GPU). Bytes: weights as one rank reads them",
-             "(experts: distinct selected experts x one padded expert slice; up-projection: row shard)",
+             "(experts: distinct selected experts x one expert slice without its zero padding, i.e. 192 of",
+             "the 256 intermediate rows stored; up-projection: row shard)",
              "plus KDA state read+write and the whole MLA cache buffer read. Floor = bytes / measured",
              "copy bandwidth. Kernels: one profiled eager step, attributed to `L{idx}.{kind}` ranges.", ""]
     for variant, m in sorted(meta.items()):
