@@ -39,9 +39,26 @@ nb = 1, 11.4 us at nb = 8 on the H200): about +2-4 us for the slot loads, i.e. ~
 / ~14 us (nb = 8) against stock's copy + sum kernels + the res_mix op chain (~30-40 us eager).
 Without world (the default) the generated code is byte-identical to the plain kernel's.
 
+attn_res_ag mode (config `gather` = n > 0; wrapper keyword `delta_gather`): the kernel also
+finishes the all-gather in front of it (the MoE block's moe_up writes this rank's slice
+[M, n = D/world] into slot `rank` of the all-gather buffer ag [world, M, n]; the next layer's
+attention AttnRes consumes the gathered row m = [ag[0] | ag[1] | ..] as its delta). Instead of
+a concatenation kernel, the delta is read in place, pure addressing:
+    delta[m, s·n + j] = ag[s, m, j];  for the 128-bit vector c (columns 8c .. 8c+7):
+    s = c // (n/8), j = 8·(c % (n/8))     (n % 8 == 0, so a vector never straddles two slots)
+the buffer seen as world·M rows of n/8 vectors (row s·M + m, M = gridDim.x; strides static,
+so each vector is one ld.global.v4). Then exactly the plain has_delta math, same roundings:
+    prefix' = bf16( fp32(prefix) + fp32(delta) )   (one rounding, as torch's bf16 add; no reset)
+    (blocks[m, write_slot] = prefix' when asked), the mix and RMSNorm with v_nb = fp32(prefix').
+The only added work is the integer index (c // 56 and c % 56 at n = 448: a multiply-high).
+Expected at M = 1: the plain has_delta kernel's time (4.4 us nb = 1, 11.4 us nb = 8 on the
+H200), minus the concatenation launch (~2-3 us in a graph) that stock / today's fused path run
+in front of it. With gather = 0 (the default) the generated code is byte-identical.
+
 Check on the GPU (compares with the stock path's own ops and times both):
     python -m kimi_decode.kernels.attn_res          (attn_res)
     python -m kimi_decode.kernels.attn_res ar       (attn_res_ar: check_ar)
+    python -m kimi_decode.kernels.attn_res ag       (attn_res_ag: check_ag)
 """
 from __future__ import annotations
 
@@ -80,6 +97,9 @@ class AttnResConfig:
     # sums its slots itself, delta = bf16(Σ_r slot_r) in slot order (needs has_delta)
     world: int = 0
     reset: bool = False          # (world > 0 only) prefix' = delta: a new block, prefix not read
+    # attn_res_ag mode (gather > 0): `delta` is the all-gather buffer [D / gather, M, gather]
+    # (slot s holds columns s·gather .. (s+1)·gather of the delta row); needs has_delta, world 0
+    gather: int = 0
 
     @property
     def threads(self) -> int:
@@ -87,13 +107,17 @@ class AttnResConfig:
 
 
 def can_implement(hidden: int, num_blocks: int, slots: int, dtypes: tuple[torch.dtype, ...],
-                  vec_per_thread: int = 4, world: int = 0) -> bool:
+                  vec_per_thread: int = 4, world: int = 0, gather: int = 0) -> bool:
     """Shapes and dtypes this kernel supports (checked before compiling); `world` > 0: the
-    attn_res_ar mode's number of all-reduce slots (unrolled, so bounded)."""
+    attn_res_ar mode's number of all-reduce slots (unrolled, so bounded); `gather` > 0: the
+    attn_res_ag mode's slot width n (a multiple of 8 dividing hidden: no vector straddles two
+    slots; not together with world)."""
     threads = hidden // (VEC * vec_per_thread)
     return (hidden % (VEC * vec_per_thread) == 0 and threads % 32 == 0 and 32 <= threads <= 1024
             and 0 <= num_blocks <= slots and num_blocks + 1 <= MAX_SOURCES
             and 0 <= world <= MAX_WORLD
+            and gather >= 0 and (gather == 0 or (gather % VEC == 0 and hidden % gather == 0
+                                                 and world == 0))
             and all(d in (torch.bfloat16, torch.float16, torch.float32) for d in dtypes))
 
 
@@ -129,7 +153,15 @@ class AttnResRMSNorm:
         n_del = m
         if cutlass.const_expr(self.cfg.world > 0):
             n_del = m * self.cfg.world
-        self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), self._rows(delta, n_del),
+        if cutlass.const_expr(self.cfg.gather > 0):
+            # attn_res_ag: the all-gather buffer [D/n, M, n] seen as (D/n)·M rows of n/8
+            # vectors (row s·M + m); strides static, every vector 16-byte aligned (n % 8 == 0)
+            g = self.cfg.gather
+            mDel = cute.make_tensor(delta, cute.make_layout((m * (self.D // g), g // VEC, VEC),
+                                                            stride=(g, VEC, 1)))
+        else:
+            mDel = self._rows(delta, n_del)
+        self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), mDel,
                     self._rows(prefix_out, m), mW, mN, write_slot, eps).launch(
             grid=[m, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -147,7 +179,14 @@ class AttnResRMSNorm:
                 acc[j] = buf[j].to(Float32)
             if cutlass.const_expr(self.cfg.has_delta):
                 # prefix' is stored in the source dtype, and the mix reads the stored value
-                cute.autovec_copy(mDel[row, c, None], buf)
+                if cutlass.const_expr(self.cfg.gather > 0):
+                    # attn_res_ag: delta[row, 8c .. 8c+7] = ag[s, row, 8jv ..] with
+                    # s = 8c // n = c // (n/8), jv = c % (n/8); buffer row s·M + row
+                    nvs = self.cfg.gather // VEC
+                    nrows, _, _ = cute.arch.grid_dim()          # M (one CTA per row)
+                    cute.autovec_copy(mDel[(c // nvs) * nrows + row, c % nvs, None], buf)
+                else:
+                    cute.autovec_copy(mDel[row, c, None], buf)
                 for j in cutlass.range_constexpr(VEC):
                     acc[j] = (acc[j] + buf[j].to(Float32)).to(self.src_t).to(Float32)
 
@@ -286,7 +325,8 @@ def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor
                      w_mix: torch.Tensor, norm_w: torch.Tensor, eps: float,
                      delta: torch.Tensor | None = None, write_slot: int | None = None,
                      out: torch.Tensor | None = None, *, delta_slots: torch.Tensor | None = None,
-                     reset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     reset: bool = False, delta_gather: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on the current stream. blocks [M, slots, D]; prefix, delta [M, D]; w_mix [D] fp32
     (w_norm ⊙ w_proj); norm_w [D]. Returns (out [M, D] bf16, prefix' [M, D]); with a delta,
     prefix' is a new tensor (and blocks[:, write_slot] is overwritten by it when asked).
@@ -294,7 +334,14 @@ def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor
     attn_res_ar: `delta_slots` [world, M, D] (contiguous, the all-reduce buffer: every rank's
     partial in its slot) instead of `delta`: delta = bf16(Σ_r delta_slots[r]) summed in fp32 in
     slot order, prefix' = delta if `reset` (then `prefix` is not read and may be None) else
-    bf16(prefix + delta); prefix' is a new tensor."""
+    bf16(prefix + delta); prefix' is a new tensor.
+
+    attn_res_ag: `delta_gather` [world, M, n] (contiguous, the all-gather buffer, world·n = D)
+    instead of `delta`: delta[m, s·n + j] = delta_gather[s, m, j] is read in place (no
+    concatenation kernel), prefix' = bf16(prefix + delta) (a new tensor; no reset)."""
+    if delta_gather is not None:
+        return _attn_res_ag(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta, write_slot, out,
+                            delta_slots, reset, delta_gather)
     if delta_slots is not None:
         return _attn_res_ar(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta, write_slot, out,
                             delta_slots, reset)
@@ -356,6 +403,48 @@ def _attn_res_ar(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | N
     return out, new_prefix
 
 
+def _attn_res_ag(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,
+                 w_mix: torch.Tensor, norm_w: torch.Tensor, eps: float, delta: torch.Tensor | None,
+                 write_slot: int | None, out: torch.Tensor | None, delta_slots: torch.Tensor | None,
+                 reset: bool, delta_gather: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_res_rmsnorm with delta_gather (the attn_res_ag variant); shapes checked here."""
+    m, slots, d = blocks.shape
+    dt = delta_gather.dtype
+    if delta is not None or delta_slots is not None:
+        raise ValueError("pass one of delta, delta_slots, delta_gather")
+    if reset:
+        raise ValueError("attn_res_ag has no reset (prefix' = prefix + gathered delta)")
+    if delta_gather.dim() != 3 or delta_gather.shape[1] != m or \
+            delta_gather.shape[0] * delta_gather.shape[2] != d:
+        raise ValueError(f"delta_gather must be [world, {m}, n] with world·n = {d}, "
+                         f"got {tuple(delta_gather.shape)}")
+    world, n = delta_gather.shape[0], delta_gather.shape[2]
+    if blocks.dtype != dt or prefix is None or prefix.dtype != dt or tuple(prefix.shape) != (m, d):
+        raise ValueError("blocks, prefix and delta_gather must share one dtype (prefix [M, D])")
+    if not can_implement(d, num_blocks, slots, (dt, norm_w.dtype), gather=n):
+        raise ValueError(f"attn_res_ag kernel cannot run hidden={d} nb={num_blocks} slots={slots} "
+                         f"world={world} n={n}")
+    if m * d >= 2 ** 31:  # buffer row s·M + m times n stays in int32
+        raise ValueError("attn_res_ag: M · D must be < 2^31")
+    if write_slot is not None and not num_blocks <= write_slot < slots:
+        raise ValueError("write_slot must be in [num_blocks, slots): the mix reads blocks[:nb]")
+    if w_mix.dtype != torch.float32:
+        raise ValueError("w_mix must be fp32")
+    cfg = AttnResConfig(d, num_blocks, slots, True, write_slot is not None, dt, gather=n)
+    out = torch.empty(m, d, dtype=torch.bfloat16, device=blocks.device) if out is None else out
+    new_prefix = torch.empty(m, d, dtype=dt, device=blocks.device)
+    fn = compile_for(cfg, norm_w.dtype)
+    fn(ptr(out), ptr(blocks), ptr(prefix), ptr(delta_gather), ptr(new_prefix), ptr(w_mix),
+       ptr(norm_w), Int32(m), Int32(write_slot or 0), Float32(eps), current_stream())
+    return out, new_prefix
+
+
+def gather_cols(delta_gather: torch.Tensor) -> torch.Tensor:
+    """The all-gather result the attn_res_ag kernel reads in place: [ag[0] | ag[1] | ..] [M, D]
+    (SimComm.gather_slots' concatenation)."""
+    return torch.cat(delta_gather.unbind(0), dim=1)
+
+
 def slot_sum(delta_slots: torch.Tensor) -> torch.Tensor:
     """The all-reduce output the attn_res_ar kernel computes: Σ_r delta_slots[r] in fp32, slot
     order r = 0, 1, .., rounded once to the slots' dtype."""
@@ -373,10 +462,14 @@ def prefix_reference(prefix: torch.Tensor | None, delta_slots: torch.Tensor, res
 
 def reference(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None, w_mix: torch.Tensor,
               norm_w: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
-              delta_slots: torch.Tensor | None = None, reset: bool = False) -> torch.Tensor:
+              delta_slots: torch.Tensor | None = None, reset: bool = False,
+              delta_gather: torch.Tensor | None = None) -> torch.Tensor:
     """float64 statement of the formula in the module docstring (for the kernel check only;
     the parity check against stock lives in the fused-vs-stock test). With `delta_slots`
-    (attn_res_ar) prefix' is prefix_reference(prefix, delta_slots, reset)."""
+    (attn_res_ar) prefix' is prefix_reference(prefix, delta_slots, reset); with `delta_gather`
+    (attn_res_ag) delta is gather_cols(delta_gather)."""
+    if delta_gather is not None:
+        delta = gather_cols(delta_gather)
     if delta_slots is not None:
         prefix, delta = prefix_reference(prefix, delta_slots, reset), None
     p = prefix if delta is None else prefix + delta     # stored in prefix's dtype first
@@ -471,11 +564,91 @@ def check_ar(timing: bool = True, rows: tuple[int, ...] = (1, 8, 64), nbs: tuple
     return out
 
 
+def check_ag(timing: bool = True, rows: tuple[int, ...] = (1, 8, 64), nbs: tuple[int, ...] = (1, 8),
+             world: int = 16) -> list[dict]:
+    """attn_res_ag kernel vs stock: SimComm(world).all_gather_cols(x) of this rank's slice
+    x [M, D/world], then the stock AttnRes.update_and_mix (reset False; with and without a
+    block write), at K3 width. fill "zero": the simulation's buffer (rank 0, other slots zero).
+    fill "random": every other slot random too (the real TP case; rank 3): stock's
+    all_gather_cols concatenates the same persistent buffer, so in both fills prefix' and the
+    blocks equal stock's AND base + torch.cat(slots) (gather_cols) exactly. The mix: rel ≤
+    1e-2 vs stock and ≤ 1.5 × stock's + 1e-3 vs float64. M = 1 cannot tell a kernel that reads
+    the buffer as a plain [M, D] row from the right one ([world, 1, n] is [1, D] in memory);
+    M > 1 with random slots can. Timing (fill zero, no write): stock = the concatenation
+    (gather_slots, what the fused path runs today) + stock update_and_mix, vs the kernel
+    alone, and `cat_kernel_us` = concatenation + the plain attn_res kernel (today's fused)."""
+    from kimi_decode.comm import SimComm
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.checks import _sync, rel, time_us
+    from kimi_decode.stock import AttnRes
+    from kimi_decode.weights import Seeder
+    cfg = k3_tp16()
+    dev = torch.device(checks.DEVICE)
+    D, n_slots = cfg.hidden, cfg.attn_res_slots
+    n = D // world
+    mod = AttnRes(cfg, Seeder(cfg, dev).sub("check.attn_res_ag"))
+    out = []
+    for fill in ("zero", "random"):
+        comm = SimComm(dev, world, rank=0 if fill == "zero" else 3)   # fresh (zeroed) buffers
+        for m in rows:
+            for nb in nbs:
+                for write in (False, True):
+                    slot = nb if write else None
+                    if slot is not None and slot >= n_slots:
+                        continue
+                    gen = torch.Generator(device=dev).manual_seed(1000 * m + 10 * nb + write)
+                    blocks = torch.randn(m, n_slots, D, generator=gen, device=dev).bfloat16()
+                    base = torch.randn(m, D, generator=gen, device=dev).bfloat16()
+                    x = torch.randn(m, n, generator=gen, device=dev).bfloat16()   # this rank's slice
+                    buf = comm.ag_slots((m, n), x)
+                    if fill == "random":
+                        buf.copy_(torch.randn(world, m, n, generator=gen, device=dev))
+                    b_s, b_k, b_r = blocks.clone(), blocks.clone(), blocks.clone()
+                    with torch.no_grad():
+                        g = comm.all_gather_cols(x)           # writes slot `rank`, concatenates
+                        p_s, x_s = mod.update_and_mix(base, g, b_s, nb, False)
+                        if slot is not None:
+                            b_s[:, slot].copy_(p_s)
+                        x_k, p_k = attn_res_rmsnorm(b_k, nb, base, mod.w, mod.norm, cfg.rms_eps,
+                                                    write_slot=slot, delta_gather=buf)
+                    _sync()
+                    p_r = base + gather_cols(buf)
+                    if slot is not None:
+                        b_r[:, slot].copy_(p_r)
+                    ref = reference(blocks, nb, base, mod.w, mod.norm, cfg.rms_eps, delta_gather=buf)
+                    e_ks, e_k, e_s = rel(x_k, x_s), rel(x_k, ref), rel(x_s, ref)
+                    ok = (e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(p_k, p_s)
+                          and torch.equal(p_k, p_r) and torch.equal(b_k, b_s) and torch.equal(b_k, b_r))
+                    r = {"kernel": "attn_res_ag", "M": m, "nb": nb, "write": slot is not None,
+                         "fill": fill, "world": world, "rel_vs_stock": e_ks, "rel_vs_f64": e_k,
+                         "stock_rel_vs_f64": e_s, "prefix_equal_stock": torch.equal(p_k, p_s),
+                         "prefix_equal_ref": torch.equal(p_k, p_r), "ok": ok}
+                    if timing and fill == "zero" and slot is None:
+                        def stock_call() -> None:
+                            mod.update_and_mix(base, comm.gather_slots(buf), b_s, nb, False)
+
+                        def kernel_call() -> None:
+                            attn_res_rmsnorm(b_k, nb, base, mod.w, mod.norm, cfg.rms_eps,
+                                             delta_gather=buf)
+
+                        def cat_kernel_call() -> None:
+                            attn_res_rmsnorm(b_k, nb, base, mod.w, mod.norm, cfg.rms_eps,
+                                             delta=comm.gather_slots(buf))
+                        r["stock_us"] = time_us(stock_call)
+                        r["kernel_us"] = time_us(kernel_call)
+                        r["cat_kernel_us"] = time_us(cat_kernel_call)
+                    out.append(r)
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
     from kimi_decode.kernels.checks import _print, main_attn_res
     if sys.argv[1:] == ["ar"]:     # python -m kimi_decode.kernels.attn_res ar
         _print(check_ar())
+    elif sys.argv[1:] == ["ag"]:   # python -m kimi_decode.kernels.attn_res ag
+        _print(check_ag())
     else:
         main_attn_res()
