@@ -242,3 +242,68 @@ def test_emulated_mapping_matches_stock() -> None:
     o_s = stock_uv(x["o_lat"], x["w_uv"], x["g"], stock_ops.sigmoid_gate)
     assert rel(o, o_s) <= 4e-3
     assert float((o == o_s).float().mean()) > 0.9
+
+
+def test_shuffle_scanner_can_fail() -> None:
+    """The PTX scan flags a shuffle inside an `if` and ignores a loop's backward branch."""
+    bad = "@%p1 bra $L__BB0_2;\nshfl.sync.bfly.b32 %r1, %r2, 1, 31, -1;\n$L__BB0_2:\nret;"
+    loop = "$L__BB0_1:\nadd.s32 %r1, %r1, 1;\n@%p1 bra $L__BB0_1;\nshfl.sync.bfly.b32 %r1, %r2, 1, 31, -1;"
+    assert shuffles_in_branches(bad) and not shuffles_in_branches(loop)
+
+
+def _emulate_uk(q, a, ckv, w_uk_t, cache, pos, T, rope_off):
+    """The uk_insert contract in torch (bf16 q_lat from a float64 product; copies)."""
+    nope, c = w_uk_t.shape[1:]
+    rope = cache.shape[-1] - c
+    B = cache.shape[0]
+    q_lat = torch.einsum("mhk,hkj->mhj", q[..., :nope].double(), w_uk_t.double()).to(bf)
+    q_full = torch.cat([q_lat, q[..., nope:]], -1)
+    p = int(pos.item())
+    rows = torch.cat([ckv, a[:, rope_off:rope_off + rope]], -1).reshape(B, T, c + rope)
+    cache[:, p:p + T] = rows
+    return q_full.reshape(B, -1, c + rope).to(torch.bfloat16)
+
+
+def _emulate_uv(o_lat, w_uv, g):
+    H, c, vd = w_uv.shape
+    M = g.shape[0]
+    y = torch.einsum("mhk,hkj->mhj", o_lat.reshape(M, H, c).double(), w_uv.double()).reshape(M, -1)
+    return (y.to(bf).float() * torch.sigmoid(g.float()).to(bf).float()).to(bf)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    import kimi_decode.kernels.mla_glue as mg
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(stock_ops, "maybe_compiled", lambda fn, enabled: fn)   # no inductor on CPU here
+    monkeypatch.setattr(mg, "uk_insert", _emulate_uk)
+    monkeypatch.setattr(mg, "uv_gate", _emulate_uv)
+    return monkeypatch
+
+
+def test_check_harness_passes_emulation(emulated) -> None:
+    """mla_glue.check (the GPU check) on the CPU with the kernels replaced by their contract:
+    every row passes, both ops and all three (B, k) cases are there."""
+    from kimi_decode.kernels.mla_glue import check
+    rows = check(timing=False)
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert {(r["op"], r["B"], r["k"]) for r in rows} == {(op, b, k) for op in ("uk_insert", "uv_gate")
+                                                         for b, k in ((1, 0), (1, 7), (8, 0))}
+    assert all(r["kernel"] == "mla_glue" for r in rows)
+
+
+def test_check_harness_rejects_wrong_kernels(emulated) -> None:
+    """A uk_insert that writes the cache one position late, and a uv_gate that drops σ's bf16
+    rounding of the product's inputs by gating with σ(-g), both fail the check."""
+    import kimi_decode.kernels.mla_glue as mg
+
+    def late(q, a, ckv, w_uk_t, cache, pos, T, rope_off):
+        return _emulate_uk(q, a, ckv, w_uk_t, cache, pos + 1, T, rope_off)
+
+    emulated.setattr(mg, "uk_insert", late)
+    emulated.setattr(mg, "uv_gate", lambda o_lat, w_uv, g: _emulate_uv(o_lat, w_uv, -g))
+    rows = mg.check(timing=False, cases=((1, 0),))
+    assert len(rows) == 2 and not rows[0]["ok"] and not rows[1]["ok"]
+    assert not rows[0]["cache_equal_stock"]
