@@ -14,6 +14,8 @@ Exact math (every bf16 rounding point; fp32 accumulation as cuBLAS's bf16 bmm):
     cache[b, pos + t]       = [ ckv[m] | a[m, rope_off:rope_off + rope] ]  (copies; rows with
                               pos + t outside [0, C) are skipped: stock's index_copy_ would
                               raise there, the kernel never writes out of bounds)
+  (stock's kv_insert copies a[:, rope_off:], i.e. all of a's columns past rope_off: the same
+  bytes when rope_off + rope = A, as at K3: 2048 + 64 = 2112; the wrapper requires it.)
   stock: torch.bmm (bf16 out, fp32 accumulate, one rounding) then kv_insert (pure copies), so
   q_full's rope half and the cache rows are bit-equal to stock; q_lat differs from cuBLAS only
   by the fp32 summation order (one bf16 ulp at rounding boundaries).
@@ -23,12 +25,15 @@ Exact math (every bf16 rounding point; fp32 accumulation as cuBLAS's bf16 bmm):
     s[m, h·vd+j] = bf16( 1 / (1 + exp(-fp32(g))) )                 (eager torch.sigmoid on bf16:
                                                                      fp32 math, bf16 result)
     o[m, h·vd+j] = bf16( fp32(y) · fp32(s) )                         (eager bf16 multiply)
-  This is the EAGER stock_ops.sigmoid_gate. With cfg.compile_ops the stock module runs it
-  torch.compile'd: inductor keeps σ(g) in fp32 (it does not emulate the intermediate bf16
-  rounding), i.e. o = bf16(fp32(y) · σ(g)); the two differ by ≤ 1 bf16 ulp of σ (2⁻⁹
-  relative) per element, well inside the 1e-2 tolerance. exp is cute.math.exp (non-fastmath
-  expansion), torch uses expf: equal up to fp32 ulps, which move a bf16 rounding only at a
-  boundary.
+  (bf16·bf16 is exact in fp32, so the last line is one correctly rounded bf16 product: nvcc
+  emits it as mul.bf16, same bits.) This is the EAGER stock_ops.sigmoid_gate. With
+  cfg.compile_ops the stock module runs it torch.compile'd: inductor keeps σ(g) in fp32 (it
+  does not emulate the intermediate bf16 rounding), i.e. o = bf16(fp32(y) · σ(g)); the two
+  differ by ≤ 1 bf16 ulp of σ (2⁻⁹ relative) per element, well inside the 1e-2 tolerance.
+  exp is cute.math.exp (range reduction + ex2.approx, ~2 fp32 ulp), torch uses expf: the
+  bf16 rounding of σ differs only within a few fp32 ulps of a rounding boundary.
+  Summation order (the only other difference to cuBLAS): per thread its P rows in order, a
+  butterfly over the G lanes, then the 8 warp sums in warp order.
 
 Layout (both kernels, one shared GEMM tile): a CTA owns one head h and COLS output columns
 (a column tile ct) of that head's [K, N] weight (K = nope, N = c for uk; K = c, N = vd for
@@ -351,6 +356,7 @@ def uk_insert(q: torch.Tensor, a: torch.Tensor, ckv: torch.Tensor, w_uk_t: torch
     rope = D - c
     A = a.shape[1]
     if (Hw != H or QD != nope + rope or M != B * T or tuple(ckv.shape) != (M, c) or a.shape[0] != M
+            or rope_off + rope != A
             or pos.dtype != torch.int64 or pos.numel() != 1
             or not can_implement_uk(M, T, H, nope, rope, c, A, rope_off,
                                     (q.dtype, a.dtype, ckv.dtype, w_uk_t.dtype, cache.dtype))):
