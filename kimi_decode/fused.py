@@ -10,6 +10,9 @@ Fused (CuTe DSL kernels in kimi_decode/kernels/, used on a GPU when `can_impleme
 and the kernel is in `VERIFIED`):
 - `attn_res`, `mlp_res`: prefix add + optional block write + AttnRes mix + RMSNorm, one
   kernel (kernels/attn_res.py) instead of the stock op chain.
+- `attn_res_ag` (tp_sim, with `moe_up`): the MoE block's all-gather is finished by the next
+  layer's attention AttnRes kernel, which reads the all-gather slots in place (`Gathered`);
+  the concatenation kernel disappears (the last layer's output is concatenated in forward).
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
   gated RMSNorm for the local heads, one kernel (kernels/kda_decode.py) under op
   `kda_recurrence`; the stock ops `f_b_proj`, `conv`, `o_norm` disappear.
@@ -48,7 +51,7 @@ from torch import nn
 
 from kimi_decode import stock
 from kimi_decode.config import KimiConfig
-from kimi_decode.ranges import layer_range, op_range
+from kimi_decode.ranges import layer_range, op_range, step_range
 from kimi_decode.stock import Runtime, StockDecoder
 
 # Kernels that passed their device checks on the H200 (bench/fused_correctness.md); a kernel
@@ -90,6 +93,20 @@ class Slots:
 
     def reduce(self) -> torch.Tensor:
         return self.buf.sum(0)
+
+
+@dataclass
+class Gathered:
+    """A simulated all-gather left unfinished: this rank's slice sits in slot `rank` of the
+    persistent buffer `buf` [world, M, n] (moe_up wrote it); the consumer (the next layer's
+    attention AttnRes kernel, mode attn_res_ag) reads delta[m, s·n + j] = buf[s, m, j] in
+    place. `gather()` is what comm.all_gather_cols would have returned (the fallback: one
+    concatenation kernel, comm.SimComm.gather_slots)."""
+
+    buf: torch.Tensor
+
+    def gather(self) -> torch.Tensor:
+        return torch.cat(self.buf.unbind(0), dim=1)
 
 
 def _project_and_reduce(mod: nn.Module, o: torch.Tensor) -> torch.Tensor | Slots:
@@ -152,12 +169,21 @@ class AttnRes(stock.AttnRes):
 
     use_kernel = False
     use_slots = False     # the kernel variant that sums all-reduce slots (kernel "attn_res_ar")
+    use_gather = False    # the kernel variant that reads all-gather slots (kernel "attn_res_ag")
 
     def update_and_mix(self, base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, nb: int,
                        reset: bool, write_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(new prefix, normalised mix); with `write_slot`, blocks[:, write_slot] = new prefix
         (the mix reads blocks[:nb] only, so the slot written is never a source). `delta` may
-        be `Slots` (an all-reduce to finish): the kernel sums the slots itself."""
+        be `Slots` (an all-reduce to finish): the kernel sums the slots itself; or `Gathered`
+        (an all-gather to finish): the kernel reads the slots in place."""
+        if isinstance(delta, Gathered):
+            if self.use_kernel and self.use_gather and not reset:
+                from kimi_decode.kernels.attn_res import attn_res_rmsnorm
+                x, prefix = attn_res_rmsnorm(blocks, nb, base, self.w, self.norm, self.eps,
+                                             delta_gather=delta.buf, write_slot=write_slot)
+                return prefix, x
+            delta = delta.gather()
         if isinstance(delta, Slots):
             if self.use_kernel and self.use_slots:
                 from kimi_decode.kernels.attn_res import attn_res_rmsnorm
@@ -228,10 +254,11 @@ class MLAAttention(stock.MLAAttention):
 
     use_gemv = False
     ar_slots = False
+    use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
-        if not (self.use_gemv or self.ar_slots or self.attend_scratch is not None):
+        if not (self.use_gemv or self.ar_slots or self.use_glue or self.attend_scratch is not None):
             return super().forward(x, pos)
         cfg, fx, k, lin = self.cfg, self.fx, self.k, self.use_gemv
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
@@ -244,10 +271,17 @@ class MLAAttention(stock.MLAAttention):
             qa, ckv = k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
             q = _linear(qa, self.q_b, lin, k).reshape(-1, H, nope + rope)              # [M, H, 192]
-        with op_range("uk_bmm"):
-            q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)
-        with op_range("kv_insert"):
-            q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
+        glue = None
+        if self.use_glue:
+            from kimi_decode.kernels import mla_glue as glue
+        if glue is not None and glue.can_implement_uk(q.shape[0], T, H, nope, rope, c, a.shape[1], ql + c, (q.dtype,)):
+            with op_range("uk_insert"):          # W_UK absorption + cache insert: one launch
+                q_full = glue.uk_insert(q.contiguous(), a, ckv.contiguous(), self.w_uk_t, self.cache, pos, T, ql + c)
+        else:
+            with op_range("uk_bmm"):
+                q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)
+            with op_range("kv_insert"):
+                q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
         with op_range("mla_decode"):
             last = pos + self.t_off
             if self.attend_scratch is not None:           # one launch (kernels/mla_attend.py)
@@ -256,11 +290,16 @@ class MLAAttention(stock.MLAAttention):
                                    scratch=self.attend_scratch)
             else:
                 o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
-        with op_range("uv_bmm"):
-            o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
-        _join(self.rt, g)
-        with op_range("gate_mul"):
-            o = fx["gate"](o.reshape(B * T, -1), g)
+        if glue is not None and glue.can_implement_uv(B * T, H, c, cfg.v_head_dim, (o_lat.dtype,)):
+            _join(self.rt, g)
+            with op_range("uv_gate"):            # W_UV absorption + sigmoid gate: one launch
+                o = glue.uv_gate(o_lat.contiguous(), self.w_uv, g)
+        else:
+            with op_range("uv_bmm"):
+                o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
+            _join(self.rt, g)
+            with op_range("gate_mul"):
+                o = fx["gate"](o.reshape(B * T, -1), g)
         return _project_and_reduce(self, o)
 
 
@@ -274,6 +313,8 @@ class LatentMoE(stock.LatentMoE):
     use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
     use_experts_kernel = False   # kernels/moe_experts.py
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
+    gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
+                                 # kernel reads the all-gather slots; kernel "attn_res_ag")
     prefetch_target: torch.Tensor | None = None
 
     def _route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,7 +360,7 @@ class LatentMoE(stock.LatentMoE):
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor) -> torch.Tensor | Gathered:
         cfg, comm = self.cfg, self.rt.comm
         n = cfg.row_shard
         with _on_side(self.rt, y):
@@ -335,7 +376,8 @@ class LatentMoE(stock.LatentMoE):
         if self.use_up_kernel and self._up_applies(y):
             # the collectives finish inside kernels: experts write this rank's all-reduce slot,
             # moe_up sums the slots (r and the shared reduce-scatter), normalises, projects,
-            # adds, and writes this rank's all-gather slot; one concatenation remains
+            # adds, and writes this rank's all-gather slot; one concatenation remains, unless
+            # the next layer's AttnRes kernel reads the slots itself (gather_out)
             from kimi_decode.kernels.moe_up import moe_up
             r_buf = comm.ar_slots((y.shape[0], cfg.latent_dim), z)
             with op_range("experts"):
@@ -346,6 +388,8 @@ class LatentMoE(stock.LatentMoE):
             with op_range("up_proj"):
                 moe_up(r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n],
                        cfg.rms_eps, out=ag_buf[rank])
+            if self.gather_out:
+                return Gathered(ag_buf)
             with op_range("moe_gather"):
                 return comm.gather_slots(ag_buf)
         with op_range("experts"):
@@ -381,8 +425,8 @@ class DenseMLP(stock.DenseMLP):
 class DecoderLayer(stock.DecoderLayer):
     """One K3 layer; the prefix update and block write live inside the AttnRes kernels."""
 
-    def forward(self, m: torch.Tensor, prefix: torch.Tensor, blocks: torch.Tensor,
-                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, m: torch.Tensor | Gathered, prefix: torch.Tensor, blocks: torch.Tensor,
+                pos: torch.Tensor) -> tuple[torch.Tensor | Gathered, torch.Tensor]:
         with layer_range(self.idx, self.kind):
             with op_range("attn_res"):
                 slot = self.block_slot if self.starts_block else None
@@ -426,6 +470,22 @@ class FusedDecoder(StockDecoder):
         self.register_buffer("pos", clone.pos)
         self.kernels = self.enable(kernels if kernels is not None else DEFAULT_KERNELS)
 
+    def forward(self, m: torch.Tensor, prefix: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """StockDecoder.forward, plus: a `Gathered` output of the last layer (its all-gather
+        left for a next layer that is not there) is concatenated here, inside the step."""
+        cfg = self.cfg
+        with step_range():
+            for layer in self.layers:
+                m, prefix = layer(m, prefix, blocks, self.pos)
+            if isinstance(m, Gathered):
+                with op_range("moe_gather"):
+                    m = m.gather()
+            if any(layer.kind == "mla" for layer in self.layers):
+                T = cfg.tokens_per_seq
+                nxt = self.pos + T
+                self.pos.copy_(torch.where(nxt + T > cfg.cache_len, cfg.context_len, nxt))
+        return m, prefix
+
     def enable(self, kernels: frozenset[str]) -> frozenset[str]:
         """Switch the named kernels on where they can run (GPU, supported shapes), the rest
         off; returns the set actually enabled."""
@@ -438,10 +498,18 @@ class FusedDecoder(StockDecoder):
         sim = bool(getattr(self.rt.comm, "simulated", False))
         ar_slots = sim and {"attn_res", "attn_res_ar"} <= on and (
             "gemv" not in on or "gemv_variants" in on)     # a GEMV writing a slot needs out=
+        # all-gather finished in the next layer's AttnRes kernel (moe_up writes the slot)
+        ag_slots = sim and {"attn_res", "attn_res_ag", "moe_up"} <= on
+        if ag_slots:   # the buffer [world, M, n] must be the [M, D] row the kernel can address
+            from kimi_decode.kernels.attn_res import can_implement as ar_can
+            n_ag = cfg.row_shard
+            ag_slots = self.rt.comm.world * n_ag == cfg.hidden and ar_can(
+                cfg.hidden, 0, cfg.attn_res_slots, (cfg.torch_dtype, torch.float32), gather=n_ag)
         for i, layer in enumerate(self.layers):
             for res in (layer.attn_res, layer.mlp_res):
                 res.use_kernel = "attn_res" in on
                 res.use_slots = ar_slots
+                res.use_gather = ag_slots
             if isinstance(layer.attn, KDAAttention):
                 layer.attn.use_kernel = "kda" in on or "kda_split" in on
                 layer.attn.split_scratch = None
@@ -452,6 +520,7 @@ class FusedDecoder(StockDecoder):
                                      cfg.in_proj_rows, cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
                     layer.attn.split_scratch = make_scratch(kcfg, cfg.batch, dev)
             if isinstance(layer.attn, MLAAttention):
+                layer.attn.use_glue = "mla_glue" in on
                 layer.attn.attend_scratch = None
                 if "mla_attend" in on:
                     from kimi_decode.kernels import mla_attend as k_mla
@@ -471,6 +540,9 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
                 layer.mlp.use_experts_kernel = "experts" in on
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
+                # the last layer's output is the step's: gathered by forward (kept in its step
+                # range), so only layers with a next layer hand their slots on
+                layer.mlp.gather_out = ag_slots and i + 1 < len(self.layers)
                 if ({"router", "router_fast"} & on) and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))

@@ -24,7 +24,7 @@ LAYER_KINDS = ("kda", "mla", "dense")
 OPS = (
     "attn_res", "in_proj", "f_b_proj", "conv", "kda_recurrence", "o_norm",        # KDA
     "qkv_a", "g_proj", "qkv_norm", "q_b_proj", "uk_bmm", "kv_insert", "mla_decode",  # MLA
-    "uv_bmm", "gate_mul",
+    "uv_bmm", "gate_mul", "uk_insert", "uv_gate",                                  # MLA fused
     "o_proj", "all_reduce", "mlp_res",
     "router", "latent_down", "shared_expert", "routing", "experts", "prefetch",     # MoE
     "moe_tail", "up_proj", "moe_gather",

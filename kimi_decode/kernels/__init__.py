@@ -12,12 +12,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # second round (2026-12-02 session 3): many-CTA KDA, routed experts, faster router,
            # AttnRes finishing the all-reduce, GEMV out=/K%128/SiTU prologue, MoE tail, MLA attention
-           "kda_split", "experts", "router_fast", "attn_res_ar", "gemv_variants", "moe_up", "mla_attend")
+           "kda_split", "experts", "router_fast", "attn_res_ar", "gemv_variants", "moe_up", "mla_attend",
+           # AttnRes reading the MoE all-gather slots in place (no concatenation kernel)
+           "attn_res_ag", "mla_glue")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
-                 "attn_res_ar": "attn_res", "gemv_variants": "gemv", "moe_up": "moe_up",
-                 "mla_attend": "mla_attend"}
+                 "attn_res_ar": "attn_res", "attn_res_ag": "attn_res", "gemv_variants": "gemv", "moe_up": "moe_up",
+                 "mla_attend": "mla_attend", "mla_glue": "mla_glue"}
 
 
 def applicable(name: str, cfg: object) -> bool:

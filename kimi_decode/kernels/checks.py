@@ -260,7 +260,7 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
 
         from kimi_decode.kernels import CHECK_MODULES
         mod = importlib.import_module(f"kimi_decode.kernels.{CHECK_MODULES[name]}")
-        fn = getattr(mod, "check_ar" if name == "attn_res_ar" else
+        fn = getattr(mod, "check_ar" if name == "attn_res_ar" else "check_ag" if name == "attn_res_ag" else
                      "check_variants" if name == "gemv_variants" else "check")
         return fn(timing=timing)
     return run
@@ -269,7 +269,8 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
 CHECKS = {"attn_res": check_attn_res, "router": check_router, "kda": check_kda,
           "gemv": check_gemv, "prefetch": check_prefetch,
           **{name: _module_check(name) for name in ("kda_split", "experts", "router_fast", "attn_res_ar",
-                                                    "gemv_variants", "moe_up", "mla_attend")}}
+                                                    "attn_res_ag", "gemv_variants", "moe_up", "mla_attend",
+                                                    "mla_glue")}}
 
 
 def _print(rows: list[dict]) -> None:

@@ -164,6 +164,15 @@ def test_kernel_call_sites_on_cpu(monkeypatch, kda_kernel: bool) -> None:
     monkeypatch.setattr(k_router, "route", _emulate_route)
     prefetched = []
     monkeypatch.setattr(k_pf, "prefetch_l2", lambda t, n=None: prefetched.append(t))
+    import kimi_decode.kernels.mla_glue as k_glue
+    from kimi_decode import stock_ops
+    glue_calls = []
+    monkeypatch.setattr(k_glue, "can_implement_uk", lambda *a: True)
+    monkeypatch.setattr(k_glue, "can_implement_uv", lambda *a: True)
+    monkeypatch.setattr(k_glue, "uk_insert", lambda q, a, ckv, w, cache, pos, T, off: glue_calls.append("uk") or
+                        k_glue.stock_uk(q, a, ckv, w, cache, pos, T, off, stock_ops.OpSet(cfg)))
+    monkeypatch.setattr(k_glue, "uv_gate", lambda o_lat, w_uv, g: glue_calls.append("uv") or
+                        k_glue.stock_uv(o_lat, w_uv, g, stock_ops.sigmoid_gate))
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
     stock = StockDecoder(cfg)
     fused = FusedDecoder.from_stock(stock)
@@ -172,6 +181,8 @@ def test_kernel_call_sites_on_cpu(monkeypatch, kda_kernel: bool) -> None:
         if hasattr(layer.attn, "use_kernel"):
             layer.attn.use_kernel = kda_kernel
         layer.attn.use_gemv = layer.mlp.use_gemv = True
+        if hasattr(layer.attn, "use_glue"):
+            layer.attn.use_glue = True
         layer.mlp.use_router_kernel = True
         layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
         nxt = fused.layers[i + 1].attn if i + 1 < len(fused.layers) else None
@@ -190,6 +201,7 @@ def test_kernel_call_sites_on_cpu(monkeypatch, kda_kernel: bool) -> None:
         if buf.is_floating_point():
             assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
     assert len(prefetched) == 2 * 5          # every MoE layer but the last, each step
+    assert glue_calls == ["uk", "uv"] * (2 * 2)   # 2 MLA layers, 2 steps
     # per step: KDA in_proj + o_proj (x4 layers), MLA g, qkv_a, q_b, o (x2), MoE 3 each (x6)
     assert len(gemv_calls) == 2 * (4 * 2 + 2 * 4 + 6 * 3)
     assert prefetched[0].data_ptr() == fused.layers[1].attn.in_proj.data_ptr()   # layer 4: KDA
@@ -273,3 +285,73 @@ def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) 
         assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
     ar_shapes = {k[1] for k in rt.comm.bufs if k[0] == "ar"}
     assert (cfg.sim_world, cfg.rows, cfg.hidden) in ar_shapes             # o_proj's slots were used
+
+
+def _emulate_attn_res_ag(calls, blocks, num_blocks, prefix, w_mix, norm_w, eps, delta=None, write_slot=None,
+                         out=None, *, delta_slots=None, reset=False, delta_gather=None):
+    """attn_res_rmsnorm's contract with the all-gather slots (kernel attn_res_ag) and the rest."""
+    from kimi_decode.kernels.attn_res import gather_cols
+    if delta_gather is None:
+        return _emulate_attn_res_ar(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta, write_slot, out,
+                                    delta_slots=delta_slots, reset=reset)
+    assert delta is None and delta_slots is None and not reset
+    calls.append(tuple(delta_gather.shape))
+    new_prefix = prefix + gather_cols(delta_gather)
+    if write_slot is not None:
+        blocks[:, write_slot].copy_(new_prefix)
+    return _emulate_attn_res(blocks, num_blocks, new_prefix, w_mix, norm_w, eps)[0], new_prefix
+
+
+@pytest.mark.parametrize("ag_kernel", [True, False])
+def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) -> None:
+    """tp_sim with moe_up writing its all-gather slot and the next layer's AttnRes reading the
+    slots in place (Gathered; kernel attn_res_ag), or the fallback concatenation when that
+    kernel is off: the step equals stock's, other ranks' slots zero and holding data; the last
+    layer's output is concatenated by forward. Kernels are torch emulations of their contracts."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.kernels.attn_res as k_ar
+    import kimi_decode.kernels.moe_experts as k_ex
+    import kimi_decode.kernels.moe_up as k_up
+    from kimi_decode import stock_ops as ops
+    from kimi_decode.runner import build
+    calls: list[tuple] = []
+    monkeypatch.setattr(k_ar, "attn_res_rmsnorm", lambda *a, **k: _emulate_attn_res_ag(calls, *a, **k))
+
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, **kw):
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+
+    def moe_up(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None):
+        n = up_rows.shape[0]
+        shared = sh_slots.sum(0) - sh_slots[rank] + sh_full[:, rank * n:(rank + 1) * n]
+        part = ops.latent_up(r_slots.sum(0), latent_norm, up_rows, shared, eps)
+        return part if out is None else out.copy_(part)
+    monkeypatch.setattr(k_ex, "experts", experts)
+    monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(k_up, "moe_up", moe_up)
+    monkeypatch.setattr(k_up, "can_implement", lambda *a: True)
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7, tp=2, weight_chunks=2, tp_sim=True, sim_world=2)
+    stock, rt = build("stock", cfg, "cpu")
+    fused = FusedDecoder.from_stock(stock)
+    for i, layer in enumerate(fused.layers):
+        layer.attn_res.use_kernel = layer.mlp_res.use_kernel = True
+        layer.attn_res.use_gather = layer.mlp_res.use_gather = ag_kernel
+        layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = True
+        layer.mlp.gather_out = True        # the last layer too: forward must concatenate it
+    for s in range(3):
+        if s == 2:   # the other ranks contribute data now
+            gen = torch.Generator().manual_seed(5)
+            for buf in rt.comm.bufs.values():
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+        m, prefix, blocks = stock.make_inputs(seed=80 + s)
+        blocks_f = blocks.clone()
+        with torch.no_grad():
+            out_s = stock(m, prefix, blocks)
+            out_f = fused(m, prefix, blocks_f)
+        assert isinstance(out_f[0], torch.Tensor) and out_f[0].shape == out_s[0].shape
+        for a, b in zip(out_s, out_f):
+            assert float((a - b).norm() / a.norm()) < 1e-5
+        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    # layers 4..8 read layer 3..7's all-gather slots, each step
+    n = cfg.hidden // cfg.sim_world
+    assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])
