@@ -14,28 +14,42 @@ and the kernel is in `VERIFIED`):
   layer's attention AttnRes kernel, which reads the all-gather slots in place (`Gathered`);
   the concatenation kernel disappears (the last layer's output is concatenated in forward).
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
-  gated RMSNorm for the local heads, one kernel (kernels/kda_decode.py) under op
-  `kda_recurrence`; the stock ops `f_b_proj`, `conv`, `o_norm` disappear.
+  gated RMSNorm for the local heads, one kernel under op `kda_recurrence`; the stock ops
+  `f_b_proj`, `conv`, `o_norm` disappear. `kda_split` (kernels/kda_split.py) spreads it over
+  (value-column groups × heads × sequences) CTAs, the last CTA of a head normalising its row;
+  `kda` (kernels/kda_decode.py, one CTA per head) is the fallback.
+- Collectives finished inside kernels (tp_sim only; `Slots`, comm.SimComm.ar_slots): o_proj
+  writes this rank's all-reduce slot (GEMV `out=` or cuBLAS `torch.mm(out=)`) and the
+  `mlp_res` AttnRes kernel sums the slots (`attn_res_ar`): o_proj + all-reduce + AttnRes +
+  RMSNorm in two launches instead of four. Real NCCL (DistComm) keeps its collectives.
 - MoE router: GEMV (fp32 accumulation) + sigmoid + correction-bias top-k + renormalisation,
-  one kernel for M ≤ 16 (above: the stock router GEMM's fp32 logits + one kernel), op
-  `router`; the stock op `routing` disappears. fp32 logits, as KIMI_K3.md asks and as the
-  stock skinny GEMM gives them.
+  one kernel (`router_fast`: K split over 4 warps per expert, 448 CTAs, candidate-rank top-k;
+  `router`: the first version) for small M (above: the stock router GEMM's fp32 logits + one
+  kernel), op `router`; the stock op `routing` disappears.
 - Shared expert on the side stream, next to the latent down-projection, overlapping the
-  router on the main stream (stock joins the side stream before the router starts).
+  router on the main stream (stock joins the side stream before the router starts); its SiTU
+  GLU is the down GEMV's prologue (`gemv_variants`: gemv_situ).
+- Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
+  weighted top-k sum written into the all-reduce slot; each selected expert's weights read
+  once, the zero padding of the intermediate skipped.
+- MoE tail (`moe_up`, kernels/moe_up.py): the all-reduce of the routed latent and the shared
+  expert's reduce-scatter are summed from their slots, then latent RMSNorm, this rank's
+  up-projection rows and the shared add, written into the all-gather slot: one launch for
+  the stock op's six.
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
-  stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the GEMV measured 33 us vs 13.8 us),
-  and where K is not a multiple of 256 (shared down, K = 384).
-- MLA: g_proj stays on the side stream until the gate multiply (stock joins at once).
+  stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the first GEMV measured 33 us vs 13.8 us).
+- MLA: g_proj stays on the side stream until the gate needs it; `mla_glue` fuses W_UK
+  absorption + KV-cache insert (`uk_insert`) and W_UV + sigmoid gate (`uv_gate`);
+  `mla_attend` is the absorbed attention over the latent cache in one launch (split over
+  positions, combined in-kernel) where it beats stock's bmm (few query rows).
 - `prefetch` (opt-in, see DEFAULT_KERNELS): after the routed experts are issued, a
   side-stream kernel pulls the first `PREFETCH_BYTES` of the next layer's first attention
   weight into L2 (kernels/l2_prefetch.py), under its own NVTX op `prefetch`.
 
-Still stock torch ops (not fused yet): o_proj + all-reduce + AttnRes stay three launches (no
-GEMV+AR+AttnRes kernel); the MLA chain (norms, q_b, W_UK, KV insert, attention, W_UV, gate)
-apart from its projections; the routed experts (grouped GEMMs); the MoE tail (collectives,
-latent RMSNorm, up-projection); the dense layer-0 MLP.
+Still stock ops: the MLA q/kv RMSNorms and q_b projection as separate launches, the dense
+layer-0 MLP, and every op at shapes a kernel's `can_implement` refuses (large M).
 
 On the CPU (no kernels) every op falls back to the stock ops, so fused equals stock exactly.
 """
