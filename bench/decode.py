@@ -230,9 +230,18 @@ def main(argv: list[str] | None = None) -> None:
 
     bw = copy_bandwidth()
     shapes = [(b, 0) for b in args.batch if 0 in args.spec] + [(1, k) for k in args.spec if k]
-    results, meta = [], {}
-    for variant in args.variant:
-        for b, k in shapes:
+    shapes.sort(key=lambda s: (s[0] != 1, s[0], s[1]))     # B = 1 first: the headline shapes
+    results: list[dict[str, Any]] = []
+    meta = {variant: {"date": _dt.date.today().isoformat(), "commit": git_commit(),
+                      "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                      "copy_bw_tbs": bw / 1e12, "reps": args.reps, "layers": args.layers, "tp_sim": True,
+                      "expert_impl": k3_tp16(expert_impl=args.expert_impl).expert_impl,
+                      "compile_ops": not args.eager_ops, "triton_off": list(args.triton_off)}
+            for variant in args.variant}
+    # shape outer, variant inner, results written after each: a run cut short by the device
+    # tool's time limit still leaves complete stock/fused pairs for the shapes it reached
+    for b, k in shapes:
+        for variant in args.variant:
             cfg = k3_tp16(batch=b, spec_tokens=k, layers=parse_layers(args.layers), tp_sim=True,
                           expert_impl=args.expert_impl, compile_ops=not args.eager_ops,
                           triton_off=tuple(args.triton_off))
@@ -242,17 +251,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{variant} B={b} k={k} {kind}: {s['median_us']:.1f} us (p10 {s['p10_us']:.1f}, p90 "
                       f"{s['p90_us']:.1f}), {s['kernels']:.0f} kernels, {s['mb']:.1f} MB, floor {s['floor_us']:.1f} us",
                       flush=True)
-        meta[variant] = {"date": _dt.date.today().isoformat(), "commit": git_commit(),
-                         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "copy_bw_tbs": bw / 1e12, "reps": args.reps, "layers": args.layers, "tp_sim": True,
-                         "expert_impl": k3_tp16(expert_impl=args.expert_impl).expert_impl,
-                         "compile_ops": not args.eager_ops, "triton_off": list(args.triton_off)}
+            if args.json:
+                args.json.write_text(json.dumps({"results": results, "meta": meta}))
     out = {"results": results, "meta": meta}
     if args.json:
         args.json.write_text(json.dumps(out))
     else:
         MD_PATH.write_text(render(merge(out)))
-
 
 if __name__ == "__main__":
     main()
