@@ -398,6 +398,8 @@ def main() -> None:
     else:
         passed, krows = kernel_checks(args.out, isolated_checks(args.out))
     log("kernels passing:", sorted(passed))
+    import kimi_decode.fused as fused_mod
+    fused_mod.VERIFIED = passed          # this run's verdict: the step checks use these kernels
     if args.passed_file is not None:
         args.passed_file.write_text(json.dumps(sorted(passed)))
     steps = step_parity(passed, base) if "step" not in args.skip else []
