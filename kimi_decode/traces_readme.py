@@ -102,10 +102,50 @@ def op_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+FUSED_HEADING = "## Fused traces"
+
+
+def fused_section(rows: list[dict]) -> str:
+    """The section for the fused traces (kimi_decode/fused.py, bench/fused_device.py): same
+    shapes and naming as the stock ones; the kernels that ran are in each file's metadata."""
+    first = rows[0]["meta"]
+    lines = [FUSED_HEADING, "",
+             "The **fused** step (kimi_decode/fused.py, CuTe DSL kernels) captured the same way, beside each",
+             "stock trace (`bench/fused_device.py` on the GPU machine). Collectives are still simulated, but",
+             "finished inside kernels: the producers write their slot of the collective's buffer and the",
+             "consumers sum (or gather) the slots, so there is no separate collective kernel or stream at",
+             "B ≤ 8 (comm_streams empty); at B = 64 some ops fall back to stock ops (per-M table).",
+             "Graph traces: the side stream reorders kernel starts against the eager capture map, so the",
+             "map matches as a multiset (`map matched` False here); decodescope attributes such replays",
+             "by (name, occurrence), counted apart as 'reordered' (analyzers/sql/attribution/capture_map.sql).", "",
+             f"- GPU: {first['gpu']}; torch {first['torch_version']}, CUDA {first['cuda_version']}",
+             f"- captured: {first.get('captured_at')}; commit `{first['commit']}`",
+             f"- kernels on: {', '.join(first.get('fused_kernels') or [])}", "",
+             "| file | B | k | M | mode | profiled steps | kernels/step | kernels per KDA / MLA layer | comm_streams | size |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, c, kpl = r["meta"], r["cfg"], r["kernels_per_layer"]
+        lines.append(f"| `{r['file']}` | {c['batch']} | {c['spec_tokens']} | {c['derived']['rows']} | "
+                     f"{'graph' if m['graph_mode'] else 'eager'} | {m['steps']} | {r['kernels_per_step']:.0f} | "
+                     f"{kpl.get('kda', 0):.0f} / {kpl.get('mla', 0):.0f} | {m['comm_streams']} | "
+                     f"{r['size'] / 1e3:.0f} kB |")
+    lines += op_table(rows)
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--extra", type=Path, help="markdown appended (notes, checks)")
+    ap.add_argument("--fused", action="store_true",
+                    help="only (re)write the fused traces' section of the existing README")
     args = ap.parse_args()
+    if args.fused:
+        rows = [describe(p) for p in sorted(TRACES.glob("k3_fused_*.json.gz"))]
+        rows.sort(key=lambda r: (r["cfg"]["spec_tokens"], r["cfg"]["batch"], r["meta"]["graph_mode"]))
+        readme = (TRACES / "README.md").read_text()
+        keep = readme.split(FUSED_HEADING)[0].rstrip() + "\n\n"
+        (TRACES / "README.md").write_text(keep + fused_section(rows))
+        return
     rows = [describe(p) for p in sorted(TRACES.glob("k3_stock_*.json.gz"))]
     rows.sort(key=lambda r: (r["cfg"]["spec_tokens"], r["cfg"]["batch"], r["meta"]["graph_mode"]))
     extra = args.extra.read_text() if args.extra else ""

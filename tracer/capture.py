@@ -40,9 +40,16 @@ def git_commit() -> str | None:
     if os.environ.get("DECODESCOPE_COMMIT"):
         return os.environ["DECODESCOPE_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=here)
+        head = out.stdout.strip()
+        if not head:
+            return None
+        # a tree that differs from HEAD (the GPU machine's copy carries a stale .git) must not
+        # pass for HEAD: say so
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True,
+                               timeout=10, cwd=here).stdout.strip()
+        return f"{head}+dirty" if dirty else head
     except (OSError, subprocess.SubprocessError):
         return None
 
