@@ -141,7 +141,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
+def step_parity(kernels: frozenset[str], base: dict[str, Any], forced: bool = False) -> list[dict]:
     """Fused vs stock over 3 steps per shape: outputs, blocks and every state buffer.
 
     A routing near-tie (the 16th and 17th expert scores within a bf16 rounding of each other)
@@ -166,7 +166,10 @@ def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
                 m, prefix, blocks = stock.make_inputs(seed=100 + s)
                 blocks_f = blocks.clone()
                 with torch.no_grad():
-                    o_s = stock(m, prefix, blocks)
+                    if forced:   # fused follows stock's expert choice layer by layer (see fused.py)
+                        o_s = stock_forcing(stock, fused, m, prefix, blocks)
+                    else:
+                        o_s = stock(m, prefix, blocks)
                     o_f = fused(m, prefix, blocks_f)
                 for ls, lf in zip(stock.layers, fused.layers):
                     if getattr(ls.mlp, "last_idx", None) is not None:
@@ -174,7 +177,8 @@ def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
                         same = (a == c).all(-1)
                         same_routes += int(same.sum())
                         rows += a.shape[0]
-                        seq_ok &= same.reshape(b, T).all(-1)
+                        if not forced:
+                            seq_ok &= same.reshape(b, T).all(-1)
                 keep = seq_ok.repeat_interleave(T)
                 if bool(keep.any()):
                     for name, x, y in (("m", o_f[0], o_s[0]), ("prefix", o_f[1], o_s[1]),
@@ -186,16 +190,30 @@ def step_parity(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
                     x, y = (bufs_f[name][seq_ok], buf[seq_ok]) if buf.shape[0] == b else (bufs_f[name], buf)
                     errs[f"state {name}"] = rel(x, y)
             worst = max(errs.values()) if errs else float("nan")
-            res.append({"B": b, "k": k, "kernels": sorted(fused.kernels), "errors": errs,
+            res.append({"B": b, "k": k, "routing": "forced (stock's)" if forced else "own",
+                        "kernels": sorted(fused.kernels), "errors": errs,
                         "max_rel": worst, "routing_rows_same": f"{same_routes}/{rows}",
                         "sequences_compared": f"{int(seq_ok.sum())}/{b}",
                         "ok": bool(errs) and worst <= STEP_TOL, "seconds": round(time.time() - t0, 1)})
             del stock, fused
         except Exception:
-            res.append({"B": b, "k": k, "ok": False, "error": traceback.format_exc()})
+            res.append({"B": b, "k": k, "routing": "forced" if forced else "own", "ok": False, "error": traceback.format_exc()})
         _free()
         log("step", json.dumps(res[-1])[:600])
     return res
+
+
+def stock_forcing(stock: Any, fused: Any, m: torch.Tensor, prefix: torch.Tensor,
+                  blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stock step, then hand each MoE layer's routing (ids and weights) to the fused
+    layer of the same index for its next step. The fused router still runs (its own choice
+    stays in last_idx, counted in `routing rows same`), but the experts follow stock's, so a
+    near-tie cannot make the two paths diverge and every sequence is compared."""
+    out = stock(m, prefix, blocks)
+    for ls, lf in zip(stock.layers, fused.layers):
+        if getattr(ls.mlp, "last_idx", None) is not None and hasattr(lf.mlp, "forced_routing"):
+            lf.mlp.forced_routing = (ls.mlp.last_idx.clone(), ls.mlp.last_w.clone())
+    return out
 
 
 def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]:
@@ -246,7 +264,9 @@ def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops:
 
 
 def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: int,
-             budget_s: float) -> list[dict]:
+             budget_s: float, variants: tuple[str, ...] = ("fused",)) -> list[dict]:
+    """The traces of `variants` (fused, and stock when asked: then both come from one session,
+    as bench/decode.md's figures they are checked against) for CAPTURE_SHAPES."""
     import kimi_decode.fused as fused_mod
     from kimi_decode.device_job import pack
     from tracer.capture import capture, kernels_with_ops
@@ -254,9 +274,9 @@ def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: in
     tmp = out / "tmp_traces"
     tmp.mkdir(exist_ok=True)
     done = []
-    for b, k in CAPTURE_SHAPES:
+    for b, k, variant in [(b, k, v) for b, k in CAPTURE_SHAPES for v in variants]:
         for graph in (False, True):
-            name = f"k3_fused_b{b}_k{k}_{'graph' if graph else 'eager'}.json.gz"
+            name = f"k3_{variant}_b{b}_k{k}_{'graph' if graph else 'eager'}.json.gz"
             t0 = time.time()
             if t0 - T0 > budget_s:
                 done.append({"file": name, "error": "skipped: device-time budget"})
@@ -265,15 +285,16 @@ def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: in
                 if graph and DEVICE != "cuda":
                     continue
                 cfg = make_cfg(batch=b, spec_tokens=k, layers=LAYERS, tp_sim=True, **base)
-                meta = capture("fused", cfg, graph=graph, steps=steps, out=tmp / name, device=DEVICE)
+                meta = capture(variant, cfg, graph=graph, steps=steps, out=tmp / name, device=DEVICE)
                 with gzip.open(tmp / name, "rb") as fh:
                     trace = json.loads(fh.read())
                 ks = kernels_with_ops(trace)
                 pf = sorted({int(x["stream"]) for x in ks if x.get("op") == "prefetch" and x.get("stream") is not None})
                 if not pf and graph:  # replayed kernels carry no op: find the prefetch kernel by name
                     pf = sorted({int(x["stream"]) for x in ks if "L2Prefetch" in x["name"] and x.get("stream") is not None})
-                trace["decodescope"].update(prefetch_ops="^prefetch$", prefetch_streams=pf,
-                                            fused_kernels=sorted(kernels))
+                if variant == "fused":
+                    trace["decodescope"].update(prefetch_ops="^prefetch$", prefetch_streams=pf,
+                                                fused_kernels=sorted(kernels))
                 with gzip.open(tmp / name, "wb", compresslevel=9) as fh:
                     fh.write(json.dumps(trace).encode())
                 info = {"file": name, "seconds": round(time.time() - t0, 1), "bytes": (tmp / name).stat().st_size,
@@ -318,16 +339,16 @@ def report(kernel_rows: list[dict], steps: list[dict], refs: list[dict], passed:
                  f"{su:.1f} | {ku:.1f} |" if su is not None else
                  f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | - | - |")
     L += ["", "## Fused step against the stock step (same weights and state, 3 steps, layers 4-7)", "",
-          "| B | k | result | max rel L2 | m | prefix | blocks | worst state | routing rows same | sequences compared | kernels on |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| B | k | routing | result | max rel L2 | m | prefix | blocks | worst state | routing rows same | sequences compared | kernels on |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in steps:
         if "error" in r:
-            L.append(f"| {r['B']} | {r['k']} | FAIL | error: {r['error'].strip().splitlines()[-1][:200]} ||||||||")
+            L.append(f"| {r['B']} | {r['k']} | {r.get('routing', 'own')} | FAIL | error: {r['error'].strip().splitlines()[-1][:200]} ||||||||")
             continue
         e = r["errors"]
         f = lambda key: f"{e[key]:.2e}" if key in e else "-"  # noqa: E731
         st = max(((v, n) for n, v in e.items() if n.startswith("state")), default=(float("nan"), "state -"))
-        L.append(f"| {r['B']} | {r['k']} | {'pass' if r['ok'] else 'FAIL'} | {r['max_rel']:.2e} | {f('m')} | "
+        L.append(f"| {r['B']} | {r['k']} | {r.get('routing', 'own')} | {'pass' if r['ok'] else 'FAIL'} | {r['max_rel']:.2e} | {f('m')} | "
                  f"{f('prefix')} | {f('blocks')} | {st[0]:.2e} ({st[1][6:]}) | {r['routing_rows_same']} | "
                  f"{r['sequences_compared']} | {', '.join(r['kernels'])} |")
     L += ["", "## Against the float64 reference (layers 6 KDA + 7 MLA, 2 steps)", "",
@@ -359,6 +380,7 @@ def main() -> None:
                     help="write the kernels that passed here (a path on the GPU machine, outside the tree: "
                          "a second call on the same machine reads it with --kernels-from)")
     ap.add_argument("--check", nargs="*", help="check only these kernels")
+    ap.add_argument("--capture-stock", action="store_true", help="capture the stock traces too (same session)")
     ap.add_argument("--no-timing", action="store_true", help="with --check: skip the timed re-run of the checks")
     ap.add_argument("--kernels-ok", nargs="*", help="with --check: kernels that passed in an earlier run")
     ap.add_argument("--kernels-from", type=Path, help="skip the kernel checks: read the passing set from this file")
@@ -403,6 +425,8 @@ def main() -> None:
     if args.passed_file is not None:
         args.passed_file.write_text(json.dumps(sorted(passed)))
     steps = step_parity(passed, base) if "step" not in args.skip else []
+    if "step" not in args.skip:
+        steps += step_parity(passed, base, forced=True)
     save(args.out, "step", steps)
     refs = reference_check(passed, base) if "ref" not in args.skip else []
     save(args.out, "reference", refs)
@@ -411,7 +435,8 @@ def main() -> None:
     timed_kernels = passed - OPT_IN
     # Captures first: they compile the op groups for the four shapes, which bench then reuses.
     if "capture" not in args.skip:
-        captures(args.out, timed_kernels, timed, args.steps, args.budget_s)
+        captures(args.out, timed_kernels, timed, args.steps, args.budget_s,
+                 variants=("stock", "fused") if args.capture_stock else ("fused",))
     if "bench" not in args.skip and time.time() - T0 < args.budget_s - args.bench_s:
         try:
             bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"])

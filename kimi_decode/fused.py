@@ -78,6 +78,21 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - {"prefetch"}
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
+# The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
+# step's traces on the H200 (traces/k3_fused_*_graph.json.gz, `decodescope layers`, first run
+# with every kernel at every M it can do; 2026-12-02):
+# - router_fast / router's GEMV mode: M = 1 (router_fast in the step 24 us while the side
+#   stream streams 67 MB beside it); at M = 8 both lose (~50 us vs stock GEMM 11.5 + routing
+#   8.3 us): the stock router GEMM's fp32 logits + router.py's one-kernel top-k instead.
+# - moe_up: M = 1 (5.6 us vs stock tail 9.8 + up 13.8 us); at M = 8 it re-sums the slots per
+#   row in every CTA: 49 us vs 28.6.
+# - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0 (18.1 us incl. the position add vs
+#   stock 16.3 -- kept for the launch count: 1 kernel vs 4); at 48 rows (B = 8 or k = 7)
+#   45-140 us vs 17-26 us for stock's bmm chain.
+# - experts (M ≤ 8), kda_split, attn_res_ar/ag, mla_glue: every M their can_implement allows
+#   (each at least equal to stock where measured).
+MAX_ROWS = {"router_fast": 1, "router_gemv": 1, "moe_up": 1, "mla_attend_rows": 6}
+
 
 def _kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda"
@@ -332,16 +347,21 @@ class LatentMoE(stock.LatentMoE):
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
                                  # kernel reads the all-gather slots; kernel "attn_res_ag")
     prefetch_target: torch.Tensor | None = None
+    # (idx, w) used instead of the router's own choice (the router still runs): lets a parity
+    # check follow the stock step's expert choice through a routing near-tie (the 16th and
+    # 17th scores within one bf16 rounding), which the router checks cover on their own
+    forced_routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        if self.use_router_fast and y.shape[0] <= 8:
+        if self.use_router_fast and y.shape[0] <= MAX_ROWS["router_fast"]:
             from kimi_decode.kernels.router_fast import route as route_fast
             return route_fast(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
         if self.use_router_kernel:
             from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
-            # past the GEMV rows the logits come from the stock path's router GEMM
-            logits = None if y.shape[0] <= GEMV_MAX_ROWS else self.k.linear(y, self.router, torch.float32)
+            # past the GEMV rows (the per-M table) the logits come from the stock router GEMM
+            gemv_rows = min(GEMV_MAX_ROWS, MAX_ROWS["router_gemv"])
+            logits = None if y.shape[0] <= gemv_rows else self.k.linear(y, self.router, torch.float32)
             return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter,
                          logits=logits)
         logits = self.k.linear(y, self.router, torch.float32)                         # stock ops
@@ -386,7 +406,9 @@ class LatentMoE(stock.LatentMoE):
                 sh = self._shared(y)                                                   # [M, D] partial
         with op_range("router"):
             idx, w = self._route(y)                                                    # [M, K]
-            self.last_idx = idx
+            self.last_idx, self.last_w = idx, w
+        if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
+            idx, w = self.forced_routing
         _join(self.rt, z, sh)
         rank = comm.rank
         if self.use_up_kernel and self._up_applies(y):
@@ -421,7 +443,7 @@ class LatentMoE(stock.LatentMoE):
 
     def _up_applies(self, y: torch.Tensor) -> bool:
         from kimi_decode.kernels.moe_up import can_implement
-        return can_implement(y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world,
+        return y.shape[0] <= MAX_ROWS["moe_up"] and can_implement(y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world,
                              (y.dtype, self.up.dtype))
 
     def _prefetch(self) -> None:
@@ -542,7 +564,7 @@ class FusedDecoder(StockDecoder):
                     from kimi_decode.kernels import mla_attend as k_mla
                     T, H = cfg.tokens_per_seq, cfg.mla_local_heads
                     # one launch where it beats stock's tensor-core bmm (few query rows)
-                    if k_mla.profitable(cfg.batch, T, H) and k_mla.can_implement(
+                    if cfg.batch * T * H <= MAX_ROWS["mla_attend_rows"] and k_mla.can_implement(
                             H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, (cfg.torch_dtype,)):
                         layer.attn.attend_scratch = k_mla.make_scratch(cfg.batch, T * H, cfg.cache_len,
                                                                        cfg.kv_lora_rank, dev)

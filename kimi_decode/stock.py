@@ -206,6 +206,7 @@ class LatentMoE(nn.Module):
         self.w2 = _param(torch.cat([w2, zpad.transpose(1, 2)], dim=2), dt)             # [E, L, Ip]
         self.expert_impl = cfg.expert_impl
         self.last_idx: torch.Tensor | None = None  # the latest routing, for byte counts in bench
+        self.last_w: torch.Tensor | None = None    # and its weights (fused-vs-stock parity forces them)
         self.k = ops.OpSet(cfg)
         self.fx = {"situ": self.k.situ, "route": self.k.route, "experts": self.k.experts, "up": self.k.up}
 
@@ -227,7 +228,7 @@ class LatentMoE(nn.Module):
             sh = k.linear(sh, self.shared_down)                                        # [M, D] partial
         with op_range("routing"):
             idx, w = fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)     # [M, K]
-            self.last_idx = idx
+            self.last_idx, self.last_w = idx, w
         with op_range("experts"):
             r = fx["experts"](side[0], idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         with op_range("moe_tail"):

@@ -368,6 +368,21 @@ def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor
     return out, new_prefix
 
 
+# Per-M table of the attn_res_ar variant: vectors per thread. One CTA per row reads world × D
+# values; at M = 1 that CTA alone streams 229 KB of slots, and with VPT = 4 (224 threads, 64
+# loads each, too many to keep in flight) the device measured 14.4 us in the fused step
+# (traces/k3_fused_b1_k0_graph.json.gz, op mlp_res). VPT = 1 gives 896 threads per row, 16
+# independent loads each, all in flight (ptxas: 41 registers, no spills, for sm_90a); many rows
+# (M > 8) fill the GPU with CTAs anyway and keep the verified VPT = 4.
+AR_VPT_SMALL_M, AR_SMALL_M = 1, 8
+
+
+def ar_vec_per_thread(m: int, hidden: int) -> int:
+    """Vectors per thread of the attn_res_ar kernel for M rows (the per-M table above)."""
+    vpt = AR_VPT_SMALL_M if m <= AR_SMALL_M else 4
+    return vpt if hidden % (VEC * vpt) == 0 and (hidden // (VEC * vpt)) % 32 == 0 else 4
+
+
 def _attn_res_ar(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,
                  w_mix: torch.Tensor, norm_w: torch.Tensor, eps: float, delta: torch.Tensor | None,
                  write_slot: int | None, out: torch.Tensor | None, delta_slots: torch.Tensor,
@@ -383,7 +398,8 @@ def _attn_res_ar(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | N
     if blocks.dtype != dt or (not reset and (prefix is None or prefix.dtype != dt
                                              or tuple(prefix.shape) != (m, d))):
         raise ValueError("blocks, prefix and delta_slots must share one dtype (prefix [M, D])")
-    if not can_implement(d, num_blocks, slots, (dt, norm_w.dtype), world=world):
+    if not can_implement(d, num_blocks, slots, (dt, norm_w.dtype), vec_per_thread=ar_vec_per_thread(m, d),
+                         world=world):
         raise ValueError(f"attn_res_ar kernel cannot run hidden={d} nb={num_blocks} slots={slots} "
                          f"world={world}")
     if world * m * d >= 2 ** 31:  # row index r·M + m times D stays in int32
@@ -392,8 +408,9 @@ def _attn_res_ar(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | N
         raise ValueError("write_slot must be in [num_blocks, slots): the mix reads blocks[:nb]")
     if w_mix.dtype != torch.float32:
         raise ValueError("w_mix must be fp32")
+    vpt = ar_vec_per_thread(m, d)
     cfg = AttnResConfig(d, num_blocks, slots, True, write_slot is not None, dt, world=world,
-                        reset=reset)
+                        reset=reset, vec_per_thread=vpt)
     out = torch.empty(m, d, dtype=torch.bfloat16, device=blocks.device) if out is None else out
     new_prefix = torch.empty(m, d, dtype=dt, device=blocks.device)
     fn = compile_for(cfg, norm_w.dtype)

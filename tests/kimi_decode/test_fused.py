@@ -238,6 +238,8 @@ def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) 
     contribute identically). Each kernel is a torch emulation of its contract: this checks the
     wiring (which slot, which buffer, reset vs add, the shared slice), not the kernels."""
     pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 64)   # the wiring at every M, not the per-M table
     import kimi_decode.kernels.attn_res as k_ar
     from kimi_decode.runner import build
     monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res_ar)
@@ -309,6 +311,8 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     kernel is off: the step equals stock's, other ranks' slots zero and holding data; the last
     layer's output is concatenated by forward. Kernels are torch emulations of their contracts."""
     pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 64)   # the wiring at every M, not the per-M table
     import kimi_decode.kernels.attn_res as k_ar
     import kimi_decode.kernels.moe_experts as k_ex
     import kimi_decode.kernels.moe_up as k_up

@@ -56,8 +56,11 @@ def dry(monkeypatch, tmp_path):
 
 def test_dry_run_of_the_gpu_job(dry: Path) -> None:
     base = {"expert_impl": "gather_bmm", "compile_ops": False}
-    steps = fd.step_parity(ALL, base)
+    steps = fd.step_parity(ALL, base) + fd.step_parity(ALL, base, forced=True)
     assert all(r["ok"] for r in steps), steps
+    forced = [r for r in steps if r["routing"].startswith("forced")]
+    assert forced and all(r["sequences_compared"].split("/")[0] == r["sequences_compared"].split("/")[1]
+                          for r in forced)
     assert all(set(r["kernels"]) == ALL for r in steps)
     refs = fd.reference_check(ALL, base)
     assert all(r["ok"] for r in refs), refs

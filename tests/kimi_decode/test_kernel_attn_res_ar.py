@@ -159,3 +159,19 @@ def test_check_ar_rejects_a_kernel_that_skips_peer_slots(on_cpu) -> None:
     rows = k_ar.check_ar(timing=False, rows=(1,), nbs=(1,))
     assert all(r["ok"] for r in rows if r["fill"] == "zero")
     assert not any(r["ok"] for r in rows if r["fill"] == "random")
+
+
+def test_small_m_variant_runs_more_threads_per_row(tmp_path: Path) -> None:
+    """The per-M table: at M ≤ 8 the wrapper compiles 896 threads per row (VPT = 1), each with
+    its 16 slot loads as 128-bit loads, no local memory; above, the verified VPT = 4."""
+    assert k_ar.ar_vec_per_thread(1, 7168) == 1 and k_ar.ar_vec_per_thread(8, 7168) == 1
+    assert k_ar.ar_vec_per_thread(64, 7168) == 4
+    cfg = AttnResConfig(7168, 1, 8, True, False, torch.bfloat16, world=16, vec_per_thread=1)
+    src = _common.dummy_ptr(torch.bfloat16)
+    ptx = ptx_of(tmp_path, AttnResRMSNorm(cfg), _common.dummy_ptr(torch.bfloat16), src, src, src, src,
+                 _common.dummy_ptr(torch.float32), _common.dummy_ptr(torch.float32), Int32(1), Int32(0),
+                 Float32(1e-5))
+    common_checks(ptx)
+    assert ".reqntid 896, 1, 1" in ptx
+    # 16 slots + 1 prefix + nb=1 block, once each in pass 1 (the block and prefix re-read in pass 2)
+    assert ptx.count("ld.global.v4") >= 16

@@ -274,3 +274,14 @@ def test_unkept_cbids_are_exactly_the_calls_the_converter_drops() -> None:
     assert calls == [("rt", 1, 0), ("rt", 4, 0), ("rt", 5, 0), ("drv", 1, 0), ("drv", 3, 0)]
     # an older cupti without the switches: a reason, not an exception
     assert "AttributeError" in silence_unkept_apis(NS(RuntimeApiTraceCbid=Runtime))
+
+    # an id the loaded libcupti refuses is skipped and counted, the others still switched off
+    def picky(cbid: int, on: int) -> None:
+        if cbid == 4:
+            raise RuntimeError("cuptiError: ERROR_INVALID_PARAMETER (1)")
+        calls.append(("rt2", cbid, on))
+    calls.clear()
+    fake2 = NS(RuntimeApiTraceCbid=Runtime, DriverApiTraceCbid=Driver, activity_enable_runtime_api=picky,
+               activity_enable_driver_api=lambda cbid, on: None)
+    assert silence_unkept_apis(fake2) == {"cuda_runtime": 2, "cuda_runtime_refused": 1, "cuda_driver": 2}
+    assert calls == [("rt2", 1, 0), ("rt2", 5, 0)]
