@@ -79,19 +79,22 @@ DEFAULT_KERNELS: frozenset[str] = VERIFIED - {"prefetch"}
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
-# step's traces on the H200 (traces/k3_fused_*_graph.json.gz, `decodescope layers`, first run
-# with every kernel at every M it can do; 2026-12-02):
-# - router_fast / router's GEMV mode: M = 1 (router_fast in the step 24 us while the side
-#   stream streams 67 MB beside it); at M = 8 both lose (~50 us vs stock GEMM 11.5 + routing
-#   8.3 us): the stock router GEMM's fp32 logits + router.py's one-kernel top-k instead.
-# - moe_up: M = 1 (5.6 us vs stock tail 9.8 + up 13.8 us); at M = 8 it re-sums the slots per
+# step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
+# runs on 2026-12-02, the first with every kernel at every M it can do):
+# - router_fast, router: M = 1 (router_fast 22-24 us in the step while the side stream streams
+#   67 MB beside it); at M = 8 both lose to stock's GEMM (11.3 us) + Triton routing (8.4 us):
+#   router_fast 50 us, router.py's top-k mode 60+ us.
+# - kda_split, kda: M = 1 (kda_split 8.2-8.3 us, stock's f_b + conv + recurrence + o_norm 8.1
+#   us: a tie, kept for the launch count, 1 vs 4); at T = 8 or B = 8, 64 stock's Triton ops win
+#   (B=1 k=7: 29.4 vs 19.7 us; B=8: 10.3 vs 9.3; B=64: 33.1 vs 21.8).
+# - moe_up: M = 1 (5.5 us vs stock tail 9.8 + up 13.8 us); at M = 8 it re-sums the slots per
 #   row in every CTA: 49 us vs 28.6.
-# - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0 (18.1 us incl. the position add vs
-#   stock 16.3 -- kept for the launch count: 1 kernel vs 4); at 48 rows (B = 8 or k = 7)
-#   45-140 us vs 17-26 us for stock's bmm chain.
-# - experts (M ≤ 8), kda_split, attn_res_ar/ag, mla_glue: every M their can_implement allows
-#   (each at least equal to stock where measured).
-MAX_ROWS = {"router_fast": 1, "router_gemv": 1, "moe_up": 1, "mla_attend_rows": 6}
+# - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0 (18.6 us incl. the position add vs
+#   stock 16.3: kept for the launch count, 2 vs 5); at 48 rows (B = 8 or k = 7) 45-140 us vs
+#   17-26 us for stock's bmm chain.
+# - experts (M ≤ 8: 156 vs 177 us at M = 8), attn_res_ar/ag, mla_glue, GEMV (M = 1, its own
+#   table in kernels/gemv.py): every M their can_implement allows.
+MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -357,11 +360,10 @@ class LatentMoE(stock.LatentMoE):
         if self.use_router_fast and y.shape[0] <= MAX_ROWS["router_fast"]:
             from kimi_decode.kernels.router_fast import route as route_fast
             return route_fast(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
-        if self.use_router_kernel:
+        if self.use_router_kernel and y.shape[0] <= MAX_ROWS["router_kernel"]:
             from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
-            # past the GEMV rows (the per-M table) the logits come from the stock router GEMM
-            gemv_rows = min(GEMV_MAX_ROWS, MAX_ROWS["router_gemv"])
-            logits = None if y.shape[0] <= gemv_rows else self.k.linear(y, self.router, torch.float32)
+            # past the GEMV rows the logits come from the stock path's router GEMM
+            logits = None if y.shape[0] <= GEMV_MAX_ROWS else self.k.linear(y, self.router, torch.float32)
             return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter,
                          logits=logits)
         logits = self.k.linear(y, self.router, torch.float32)                         # stock ops
@@ -549,9 +551,9 @@ class FusedDecoder(StockDecoder):
                 res.use_slots = ar_slots
                 res.use_gather = ag_slots
             if isinstance(layer.attn, KDAAttention):
-                layer.attn.use_kernel = "kda" in on or "kda_split" in on
+                layer.attn.use_kernel = ("kda" in on or "kda_split" in on) and cfg.rows <= MAX_ROWS["kda"]
                 layer.attn.split_scratch = None
-                if "kda_split" in on:
+                if "kda_split" in on and layer.attn.use_kernel:
                     from kimi_decode.kernels.kda_decode import KDAConfig
                     from kimi_decode.kernels.kda_split import make_scratch
                     kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq,
