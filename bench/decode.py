@@ -191,6 +191,18 @@ def side_by_side(runs: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
                      f"{fu['median_us'] / fu['floor_us']:.2f} |")
     if not same_run:
         lines += ["", "(stock and fused rows come from different runs: compare with care)"]
+    goals = []
+    for (b, k, kind), vals in sorted(table.items()):
+        st, fu = vals.get("stock"), vals.get("fused")
+        if b != 1 or st is None or fu is None:
+            continue
+        ratio, floor = st["median_us"] / fu["median_us"], fu["median_us"] / fu["floor_us"]
+        goals.append(f"- B = 1, k = {k}, {kind}: stock/fused {ratio:.2f} (goal ≥ 2.0: "
+                     f"{'met' if ratio >= 2 else 'not met'}); fused/floor {floor:.2f} (goal ≤ 1.5: "
+                     f"{'met' if floor <= 1.5 else 'not met'}); {fu['kernels']:.0f} kernels per layer "
+                     f"(goal ≤ 13: {'met' if fu['kernels'] <= 13 else 'not met'})")
+    if goals:
+        lines += ["", "Against the fused path's goals (issue 6), computed from the rows above:", ""] + goals
     return lines
 
 

@@ -32,3 +32,11 @@ def test_side_by_side_flags_rows_from_different_runs() -> None:
     data = {"results": [_result("stock", [210.0], 23), _result("fused", [100.0], 13)],
             "meta": {"stock": _meta("abc"), "fused": _meta("def")}}
     assert "different runs" in render(data)
+
+
+def test_goals_lines_follow_the_numbers() -> None:
+    data = {"results": [_result("stock", [210.0, 212.0, 208.0], 23), _result("fused", [100.0, 98.0, 104.0], 13)],
+            "meta": {"stock": _meta("abc"), "fused": _meta("abc")}}
+    line = next(x for x in render(data).splitlines() if x.startswith("- B = 1, k = 0, kda"))
+    assert "stock/fused 2.10 (goal ≥ 2.0: met)" in line
+    assert "fused/floor 1.74 (goal ≤ 1.5: not met)" in line and "13 kernels per layer (goal ≤ 13: met)" in line
