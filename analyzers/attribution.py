@@ -308,12 +308,40 @@ def _reference_sequence(con: duckdb.DuckDBPyConnection, ref_run: int) -> pd.Data
     raise AssertionError("unreachable")
 
 
+def _align(ref_names: list[str], names: tuple[str, ...],
+           ref_occ: dict[tuple[str, int], int]) -> tuple[list[int | None], bool]:
+    """Reference position of each replayed kernel (None: unmatched) and whether the match is by
+    (name, occurrence) because the order differs (see _apply_reference)."""
+    if list(names) != ref_names and Counter(names) == Counter(ref_names):
+        seen: Counter[str] = Counter()
+        pos_occ: list[int | None] = []
+        for name in names:
+            seen[name] += 1
+            pos_occ.append(ref_occ[(name, seen[name])])
+        return pos_occ, True
+    pos: list[int | None] = [None] * len(names)
+    sm = difflib.SequenceMatcher(None, ref_names, list(names), autojunk=False)
+    for a, b, size in sm.get_matching_blocks():
+        for k in range(size):
+            pos[b + k] = a + k
+    return pos, False
+
+
 def _apply_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: list[int],
                      lp: LayerPattern) -> dict[int, dict[str, Any]]:
     """Align each graph replay's kernel names to the reference step (difflib, no junk
-    heuristic); kernels in matching blocks take the reference kernel's layer and op."""
+    heuristic); kernels in matching blocks take the reference kernel's layer and op. A replay
+    whose names equal the reference step's as a multiset but not in order (kernels on
+    concurrent streams started in another order, e.g. the fused step's side stream) is matched
+    by (name, occurrence) instead, as the capture map is (attribution/capture_map.sql), and
+    counted apart as reordered."""
     ref = _reference_sequence(con, ref_run)
     ref_names = list(ref["name"])
+    ref_occ: dict[tuple[str, int], int] = {}
+    seen: Counter[str] = Counter()
+    for i, name in enumerate(ref_names):
+        seen[name] += 1
+        ref_occ[(name, seen[name])] = i
     replays = con.execute(REPLAY_ROWS_SQL, [ref_run, work_ids]).df()
     out: dict[int, dict[str, Any]] = {}
     cache: dict[tuple[str, ...], list[int | None]] = {}
@@ -323,22 +351,17 @@ def _apply_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: lis
     for (run_id, rank, corr), g in replays.groupby(["run_id", "rank", "correlation"], sort=True):
         names = tuple(g["name"])
         if names not in cache:
-            pos: list[int | None] = [None] * len(names)
-            sm = difflib.SequenceMatcher(None, ref_names, list(names), autojunk=False)
-            for a, b, size in sm.get_matching_blocks():
-                for k in range(size):
-                    pos[b + k] = a + k
-            cache[names] = pos
-        pos = cache[names]
-        s = out.setdefault(int(run_id), {"replays": 0, "replays_exact": 0, "kernels_matched": 0,
-                                         "kernels_unmatched": 0, "reference_kernels": len(ref_names),
-                                         "mismatches": []})
+            cache[names] = _align(ref_names, names, ref_occ)
+        pos, reordered = cache[names]
+        s = out.setdefault(int(run_id), {"replays": 0, "replays_exact": 0, "replays_reordered": 0,
+                                         "kernels_matched": 0, "kernels_unmatched": 0,
+                                         "reference_kernels": len(ref_names), "mismatches": []})
         s["replays"] += 1
         unmatched = sum(p is None for p in pos)
         s["kernels_matched"] += len(pos) - unmatched
         s["kernels_unmatched"] += unmatched
         if unmatched == 0:
-            s["replays_exact"] += 1
+            s["replays_reordered" if reordered else "replays_exact"] += 1
         elif len(s["mismatches"]) < MAX_LISTED_MISMATCHES:
             first = next(i for i, p in enumerate(pos) if p is None)
             s["mismatches"].append({"method": "reference", "rank": int(rank), "correlation": int(corr),

@@ -8,7 +8,8 @@ start-ordered list: kernels on the simulated-collective stream run concurrently,
 order of two different kernels can differ between eager and replay; kernels of one name keep
 their order.) Also every replay verifies against the capture map, and most kernels of a step
 lie in a layer (a few step-level kernels, e.g. the position update, lie outside all layers,
-in both runs alike). Replayed memops take the eager layer (op: the eager one or NULL).
+in both runs alike: at most 8 a step). Replayed memops take the eager layer (op: the eager one
+or NULL).
 """
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def test_graph_attribution_equals_eager(graph: Path, eager: Path, tmp_path: Path
         assert by_name == graph_steps[step], f"step {step}"
         n += sum(len(v) for v in by_name.values())
         n_layer += sum(layer is not None for v in by_name.values() for layer, _ in v)
-    assert n > 0 and n_layer >= 0.95 * n
+    # outside every layer: only the step-level position update (5 kernels a step in both the
+    # stock and the fused step), never a layer's kernel
+    assert n > 0 and n - n_layer <= 8 * len(eager_steps)
     # Replayed memcpy/memset nodes are not in the capture map: they take the layer whose
     # kernels' GPU span holds them. Their layer must equal the eager one, and their op must
     # be the eager one or NULL (the op is left NULL when op spans are ambiguous, never guessed).
@@ -92,6 +95,8 @@ def test_graph_reference_alignment_equals_eager(graph: Path, eager: Path, tmp_pa
     report = attribute(con, [g], graph_reference=e)
     ref = report.runs[g].reference
     assert ref["replays"] > 0 and ref["kernels_unmatched"] == 0, report.runs[g].mismatches
+    # the fused step's side stream reorders kernel starts: such replays match as a multiset
+    assert ref["replays_exact"] + ref["replays_reordered"] == ref["replays"]
     assert report.runs[g].by_method["reference"] == ref["kernels_matched"]
     eager_steps, graph_steps = _per_step(con, e), _per_step(con, g)
     assert eager_steps == graph_steps

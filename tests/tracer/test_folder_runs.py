@@ -117,13 +117,14 @@ def test_a_bad_file_keeps_the_runs_before_it(tmp_path: Path) -> None:
 
 
 def test_bundled_traces_folder_is_one_run_per_file() -> None:
-    """traces/: 8 independent captures, 8 runs, each with the kernels of that file alone."""
+    """traces/: independent captures (stock and fused, 8 each), one run per file, each with the
+    kernels of that file alone."""
     folder = REPO / "traces"
     files = sorted(folder.glob("*.json.gz"))
-    assert len(files) == 8
+    assert len(files) == 16
     con = open_store(None)
     infos = ingest_path(con, folder, progress=False)
-    assert len(infos) == 8
+    assert len(infos) == len(files)
     for info, f in zip(infos, files):
         alone = open_store(None)
         [single] = ingest_path(alone, f, progress=False)
