@@ -26,10 +26,9 @@ and the kernel is in `VERIFIED`):
   one kernel (`router_fast`: K split over 4 warps per expert, 448 CTAs, candidate-rank top-k;
   `router`: the first version) for small M (above: the stock router GEMM's fp32 logits + one
   kernel), op `router`; the stock op `routing` disappears.
-- Shared expert on the side stream, overlapping the whole routed path (latent down-projection,
-  router, experts on the main stream), joined where the tail reads it (stock runs the latent
-  down-projection on the aux stream and joins before the router); its SiTU GLU is the down
-  GEMV's prologue (`gemv_variants`: gemv_situ).
+- Shared expert on the side stream, next to the latent down-projection, overlapping the
+  router on the main stream (stock joins the side stream before the router starts); its SiTU
+  GLU is the down GEMV's prologue (`gemv_variants`: gemv_situ).
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped.
@@ -339,8 +338,8 @@ class MLAAttention(stock.MLAAttention):
 
 
 class LatentMoE(stock.LatentMoE):
-    """Router kernel; shared expert on the side stream beside the routed path; experts and
-    tail kernels that finish the collectives; L2 prefetch of the next layer's weights."""
+    """Router kernel; shared expert beside the latent down-projection on the side stream;
+    L2 prefetch of the next layer's weights; experts and tail as stock."""
 
     use_router_kernel = False
     use_router_fast = False      # kernels/router_fast.py (M ≤ 8)
@@ -402,19 +401,17 @@ class LatentMoE(stock.LatentMoE):
     def forward(self, y: torch.Tensor) -> torch.Tensor | Gathered:
         cfg, comm = self.cfg, self.rt.comm
         n = cfg.row_shard
-        # The shared expert on the side stream, overlapping the whole routed path (latent down,
-        # router, experts), joined only where the tail reads it. (The first fused layout put the
-        # latent down-projection on the side stream with it: the side chain, 34 us at B = 1, then
-        # serialised 67 MB of GEMVs while the router waited for SMs: 39.5 us to the experts.)
-        with _on_side(self.rt, y), op_range("shared_expert"):
-            sh = self._shared(y)                                                       # [M, D] partial
-        with op_range("latent_down"):
-            z = _linear(y, self.down, self.use_gemv, self.k)                           # [M, L]
+        with _on_side(self.rt, y):
+            with op_range("latent_down"):
+                z = _linear(y, self.down, self.use_gemv, self.k)                       # [M, L]
+            with op_range("shared_expert"):
+                sh = self._shared(y)                                                   # [M, D] partial
         with op_range("router"):
             idx, w = self._route(y)                                                    # [M, K]
             self.last_idx, self.last_w = idx, w
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing
+        _join(self.rt, z, sh)
         rank = comm.rank
         if self.use_up_kernel and self._up_applies(y):
             # the collectives finish inside kernels: experts write this rank's all-reduce slot,
@@ -426,7 +423,6 @@ class LatentMoE(stock.LatentMoE):
             with op_range("experts"):
                 self._experts(z, idx, w, out=r_buf[rank])
             self._prefetch()
-            _join(self.rt, sh)
             sh_buf = comm.rs_slots(tuple(sh.shape), sh)
             ag_buf = comm.ag_slots((y.shape[0], n), sh)
             with op_range("up_proj"):
@@ -439,7 +435,6 @@ class LatentMoE(stock.LatentMoE):
         with op_range("experts"):
             r = self._experts(z, idx, w)
         self._prefetch()
-        _join(self.rt, sh)
         with op_range("moe_tail"):
             r = comm.all_reduce(r)                                                     # [M, L]
             sh = comm.reduce_scatter_cols(sh)                                          # [M, D/tp]
