@@ -385,11 +385,17 @@ class DiffReport:
     def improvements(self) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["verdict"] == "improvement"]
 
+    @property
+    def below_gate(self) -> list[dict[str, Any]]:
+        """Regressions finer than the gate level: reported, not failing the run."""
+        return [r for r in self.rows if r["verdict"] == "regression below gate"]
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; a relative change over a base of 0 (infinite) becomes null."""
         return _finite({"mode": self.mode, "base": self.base, "cand": self.cand, "settings": self.settings,
                 "verdict": "regression" if self.regressions else "pass",
                 "regressions": self.regressions, "improvements": self.improvements,
+                "regressions_below_gate": self.below_gate,
                 "kernel_count_increases": self.kernel_count_increases, "alignment": self.alignment,
                 "notes": self.notes, "rows": self.rows})
 
@@ -412,11 +418,34 @@ def diff_runs(con: duckdb.DuckDBPyConnection, base_run: int, cand_run: int, thre
                    threshold_pct=threshold_pct, metric=metric, min_delta=min_delta, resamples=resamples, seed=seed)
 
 
+GATES = ("op", "layer", "step")
+
+
+def key_level(k: Key) -> str:
+    """'step' (all layers / all kernels), 'layer' (a whole layer) or 'op' (an op of a layer, or
+    one kernel name in the kernel-name fallback)."""
+    kind, _, op = k
+    if kind in (ALL_LAYERS, ALL_KERNELS):
+        return "step"
+    if kind == "kernel" or op:
+        return "op"
+    return "layer"
+
+
 def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric: str = "span",
-            min_delta: int | None = None, resamples: int = RESAMPLES, seed: int = SEED) -> DiffReport:
-    """Align two runs by (layer kind, layer index, op) and gate each key on its bootstrap CI."""
+            min_delta: int | None = None, resamples: int = RESAMPLES, seed: int = SEED,
+            gate: str = "op") -> DiffReport:
+    """Align two runs by (layer kind, layer index, op) and gate each key on its bootstrap CI.
+
+    `gate` is the finest level whose regressions fail the run: 'op' (every key), 'layer' (whole
+    layers and the step: for two variants whose ops differ in granularity, e.g. stock vs fused,
+    where a fused op absorbs others and is slower than its namesake while the layer is faster)
+    or 'step' (all layers only). Finer regressions are still computed and reported, with
+    verdict 'regression below gate'."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}")
     for side in (base, cand):
         if side.kernels.empty and not side.has_layers:
             raise NotComparable(side.name, "no GPU kernels in this run; nothing to compare")
@@ -447,7 +476,8 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
     if mode != "layers" and metric == "bubbles":
         col = METRICS["busy"]
         notes.append("bubbles are not defined per kernel name: kernel time is compared instead")
-    settings = {"metric": metric, "threshold_pct": threshold_pct, "min_delta": min_delta, "resamples": resamples,
+    settings = {"metric": metric, "gate": gate, "threshold_pct": threshold_pct, "min_delta": min_delta,
+                "resamples": resamples,
                 "confidence": CONFIDENCE, "seed": seed, "statistic": "median (gate) and p90 over steps, nearest rank: the "
                 "ceil(n/2)-th and ceil(0.9 n)-th smallest, integer ns",
                 "ci": "percentile bootstrap of steps, each side resampled independently"}
@@ -461,6 +491,12 @@ def compare(base: RunSample, cand: RunSample, threshold_pct: float = 5.0, metric
                 r["explanation"] = {"ops": [], "kernels": [], "median_step": None, "span_delta_ns": None,
                                     "kernel_time_delta_ns": r["busy_delta_ns"], "bubble_delta_ns": None,
                                     "exposed_comm_delta_ns": None}
+    # the gate: regressions finer than its level are kept, but do not fail the run
+    depth = GATES.index(gate)
+    for k, r in zip(sorted(set(bv) | set(cv), key=_sort_key), rows):
+        r["level"] = key_level(k)
+        if r["verdict"] == "regression" and GATES.index(r["level"]) < depth:
+            r["verdict"] = "regression below gate"
     increases = [{"layer": r["layer"], "op": r["op"], "kernel": r.get("kernel"), "base_kernels": r["base_kernels"],
                   "cand_kernels": r["cand_kernels"]}
                  for r in rows if r["base_kernels"] is not None and r["cand_kernels"] is not None

@@ -15,7 +15,7 @@ from typing import Any
 import click
 import duckdb
 
-from analyzers.diff import METRICS, DiffReport, RunSample, collect, compare, is_graph_replay, is_read_only
+from analyzers.diff import GATES, METRICS, DiffReport, RunSample, collect, compare, is_graph_replay, is_read_only
 from cli.common import fail, open_input, usage_error_line, verbose_option, with_boundary
 from cli.exit_codes import BAD_INPUT, OK, REGRESSION
 from tracer.errors import BadInput
@@ -136,6 +136,9 @@ def _explanation_lines(r: dict[str, Any], metric: str) -> list[str]:
     return lines
 
 
+BELOW_GATE = "Slower below the --gate level (reported, not failing)"
+
+
 def _header(rep: DiffReport) -> list[str]:
     s = rep.settings
     verdict = f"REGRESSION ({len(rep.regressions)})" if rep.regressions else "PASS"
@@ -144,7 +147,7 @@ def _header(rep: DiffReport) -> list[str]:
         pct = "-" if side["kernels_in_layers_pct"] is None else f"{side['kernels_in_layers_pct']}%"
         lines.append(f"{role}: {side['name']} (run {side['run_id']}, {side['steps']} steps, {side['kernels']} kernels, "
                      f"{pct} in layers)")
-    lines.append(f"metric {s['metric']}, threshold {s['threshold_pct']}%, min delta {s['min_delta']:g}, "
+    lines.append(f"metric {s['metric']}, gate {s.get('gate', 'op')}, threshold {s['threshold_pct']}%, min delta {s['min_delta']:g}, "
                  f"{int(s['confidence'] * 100)}% bootstrap CI of the median over steps ({s['resamples']} resamples, seed {s['seed']})")
     lines.append(f"aligned by {rep.alignment['aligned_by']}: {rep.alignment['matched']} matched, "
                  f"{rep.alignment['base_only']} only in base, {rep.alignment['cand_only']} only in candidate")
@@ -157,13 +160,14 @@ def render_text(rep: DiffReport) -> str:
     """Plain text for a terminal or a CI log."""
     m = rep.settings["metric"]
     out = _header(rep)
-    for title, rows in (("Regressions", rep.regressions), ("Improvements", rep.improvements)):
+    for title, rows in (("Regressions", rep.regressions), (BELOW_GATE, rep.below_gate),
+                        ("Improvements", rep.improvements)):
         if rows:
             out += ["", f"{title}:"]
             for r in rows:
                 out.append(f"  {_where(r)}: {_q(r['median']['base'], m)} → {_q(r['median']['cand'], m)} "
                            f"{_pct(r['median']['change_pct'])} CI {_ci(r['median'])}, p90 {_pct(r['p90']['change_pct'])}")
-                out += [f"      {line}" for line in (_explanation_lines(r, m) if title == "Regressions" else [])]
+                out += [f"      {line}" for line in (_explanation_lines(r, m) if title != "Improvements" else [])]
     if rep.kernel_count_increases:
         out += ["", "Kernel count increases:"]
         out += [f"  {_where(x)}: {x['base_kernels']:g} → {x['cand_kernels']:g}" for x in rep.kernel_count_increases]
@@ -187,7 +191,8 @@ def render_markdown(rep: DiffReport) -> str:
                 "not by (layer kind, layer index, op).", ""]
     out += [f"- {line}" for line in head[1:] if not line.startswith(FALLBACK_BANNER)] + [""]
     table_head = ["| where | base median | cand median | change | 95% CI | p90 change |", "|---|---:|---:|---:|---|---:|"]
-    for title, rows in (("Regressions", rep.regressions), ("Improvements", rep.improvements)):
+    for title, rows in (("Regressions", rep.regressions), (BELOW_GATE, rep.below_gate),
+                        ("Improvements", rep.improvements)):
         if not rows:
             continue
         out += [f"#### {title}", ""] + table_head
@@ -261,14 +266,17 @@ RENDERERS = {"text": render_text, "markdown": render_markdown, "json": render_js
 @click.option("--layer-pattern", default=None, help="Regex for layer ranges (default L{idx}.{kind}, model.layers.{idx}).")
 @click.option("--step-pattern", default=None, help="Regex for step ranges (default step, ProfilerStep#N).")
 @click.option("--graph-reference", default=None, help="Eager trace attributing the kernels of a CUDA-graph side.")
+@click.option("--gate", type=click.Choice(list(GATES)), default="op", show_default=True,
+              help="Finest level whose regressions fail the run: op, layer or step (all layers). "
+                   "Use layer to compare variants whose ops differ in granularity (stock vs fused).")
 @click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text", show_default=True)
 @click.option("--junit", default=None, help="Also write JUnit XML here (one failed case per regression).")
 @click.option("--output", default=None, help="Write the report here instead of stdout.")
 @verbose_option
 @with_boundary
 def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: int | None,
-            layer_pattern: str | None, step_pattern: str | None, graph_reference: str | None, fmt: str,
-            junit: str | None, output: str | None, verbose: bool) -> None:
+            layer_pattern: str | None, step_pattern: str | None, graph_reference: str | None, gate: str,
+            fmt: str, junit: str | None, output: str | None, verbose: bool) -> None:
     """Compare CAND against BASE per (layer kind, layer index, op); exit 1 on a regression.
 
     BASE and CAND are trace files, run folders or DB:RUN. A change fails only when its 95%
@@ -277,6 +285,7 @@ def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: 
     \b
     Example:
       trace-diff traces/k3_stock_b8_k0_eager.json.gz traces/k3_stock_b1_k0_eager.json.gz --format markdown
+      trace-diff traces/k3_stock_b1_k0_graph.json.gz traces/k3_fused_b1_k0_graph.json.gz --gate layer
       decodescope diff runs.duckdb:1 runs.duckdb:2 --metric busy --format json
     """
     if not threshold_pct > 0:
@@ -284,7 +293,7 @@ def command(base: str, cand: str, threshold_pct: float, metric: str, min_delta: 
     kw = {k: v for k, v in (("layer_pattern", layer_pattern), ("step_pattern", step_pattern)) if v is not None}
     b = open_side(base, "BASE", graph_reference, **kw)
     c = open_side(cand, "CAND", graph_reference, **kw)
-    rep = compare(b, c, threshold_pct=threshold_pct, metric=metric, min_delta=min_delta)
+    rep = compare(b, c, threshold_pct=threshold_pct, metric=metric, min_delta=min_delta, gate=gate)
     body = RENDERERS[fmt](rep)
     if output:
         Path(output).write_text(body if body.endswith("\n") else body + "\n")
