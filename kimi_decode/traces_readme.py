@@ -63,15 +63,22 @@ def render(rows: list[dict], extra: str) -> str:
              f"{op_fusion(first['config'])}", "",
              "| file | B | k | M | mode | profiled steps | kernels/step | kernels per KDA / MLA layer | comm_streams | map matched | size |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        m, c, kpl = r["meta"], r["cfg"], r["kernels_per_layer"]
-        lines.append(f"| `{r['file']}` | {c['batch']} | {c['spec_tokens']} | {c['derived']['rows']} | "
-                     f"{'graph' if m['graph_mode'] else 'eager'} | {m['steps']} | {r['kernels_per_step']:.0f} | "
-                     f"{kpl.get('kda', 0):.0f} / {kpl.get('mla', 0):.0f} | {m['comm_streams']} | "
-                     f"{m['graph_capture_map_matched']} | {r['size'] / 1e3:.0f} kB |")
+    lines += [file_row(r, matched=True) for r in rows]
     lines += op_table(rows)
     lines += ["", extra.strip(), ""] if extra.strip() else [""]
     return "\n".join(lines)
+
+
+def file_row(r: dict, matched: bool) -> str:
+    """One trace's table row; `matched` adds the capture-map verdict column."""
+    m, c, kpl = r["meta"], r["cfg"], r["kernels_per_layer"]
+    cells = [f"`{r['file']}`", c["batch"], c["spec_tokens"], c["derived"]["rows"],
+             "graph" if m["graph_mode"] else "eager", m["steps"], f"{r['kernels_per_step']:.0f}",
+             f"{kpl.get('kda', 0):.0f} / {kpl.get('mla', 0):.0f}", m["comm_streams"]]
+    if matched:
+        cells.append(m["graph_capture_map_matched"])
+    cells.append(f"{r['size'] / 1e3:.0f} kB")
+    return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
 def op_fusion(cfg: dict) -> str:
@@ -123,12 +130,7 @@ def fused_section(rows: list[dict]) -> str:
              f"- kernels on: {', '.join(first.get('fused_kernels') or [])}", "",
              "| file | B | k | M | mode | profiled steps | kernels/step | kernels per KDA / MLA layer | comm_streams | size |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        m, c, kpl = r["meta"], r["cfg"], r["kernels_per_layer"]
-        lines.append(f"| `{r['file']}` | {c['batch']} | {c['spec_tokens']} | {c['derived']['rows']} | "
-                     f"{'graph' if m['graph_mode'] else 'eager'} | {m['steps']} | {r['kernels_per_step']:.0f} | "
-                     f"{kpl.get('kda', 0):.0f} / {kpl.get('mla', 0):.0f} | {m['comm_streams']} | "
-                     f"{r['size'] / 1e3:.0f} kB |")
+    lines += [file_row(r, matched=False) for r in rows]
     lines += op_table(rows)
     return "\n".join(lines) + "\n"
 
