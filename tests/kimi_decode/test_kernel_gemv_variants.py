@@ -29,22 +29,15 @@ from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common, checks  # noqa: E402
 from kimi_decode.kernels.gemv import Gemv, GemvConfig  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import common_checks  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import ptx_of as compiled_ptx  # noqa: E402
 
 bf = torch.bfloat16
 P = _common.dummy_ptr
 
 
 def ptx_of(tmp_path: Path, cfg: GemvConfig) -> str:
-    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-    cute.compile(Gemv(cfg), P(bf), P(bf), P(bf), _common.current_stream(), options=opts)
-    files = list(tmp_path.glob("*.ptx"))
-    assert len(files) == 1, files
-    return files[0].read_text()
-
-
-def common_checks(ptx: str) -> None:
-    assert ".target sm_90a" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
+    return compiled_ptx(tmp_path, Gemv(cfg), P(bf), P(bf), P(bf))
 
 
 def test_k384_compiles_to_64bit_loads(tmp_path: Path) -> None:

@@ -31,34 +31,13 @@ from kimi_decode.comm import SimComm  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common, checks  # noqa: E402
 import kimi_decode.kernels.moe_up as k_up  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import ptx_of, shuffles_in_branches  # noqa: E402
 
 bf = torch.bfloat16
 P = _common.dummy_ptr
 K3 = k3_tp16()
 L, D, WORLD = K3.latent_dim, K3.hidden, K3.tp
 N = D // WORLD
-
-
-def ptx_of(tmp_path: Path, kernel: object, *args: object) -> str:
-    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-    cute.compile(kernel, *args, _common.current_stream(), options=opts)
-    files = list(tmp_path.glob("*.ptx"))
-    assert len(files) == 1, files
-    return files[0].read_text()
-
-
-def shuffles_in_branches(ptx: str) -> list[str]:
-    """shfl.sync instructions between a predicated forward branch and its target label."""
-    found, target = [], None
-    for line in ptx.splitlines():
-        s = line.strip()
-        if target is None and s.startswith("@%p") and " bra " in s:
-            target = s.split()[-1].rstrip(";")
-        elif target is not None and s == f"{target}:":
-            target = None
-        elif target is not None and s.startswith("shfl.sync"):
-            found.append(s)
-    return found
 
 
 @pytest.mark.parametrize("warps,m", [(8, 1), (8, 8), (4, 1), (16, 1)])
