@@ -72,28 +72,11 @@ def gemms(cfg) -> dict[str, tuple[int, int]]:
             "g_proj": (cfg.mla_local_heads * cfg.v_head_dim, D), "up_proj": (cfg.row_shard, cfg.latent_dim)}
 
 
-def _time_graph(fn, calls: int, reps: int = 20) -> float:
-    """Median microseconds per launch of `fn`, which makes `calls` launches: captured once in a
-    CUDA graph (after one warm-up call, which compiles) and replayed `reps` times."""
-    fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def gemm_bench() -> list[dict]:
     """Triton skinny GEMM vs cuBLAS (x @ w.t()) per shape and M: each timed over enough weight
     copies (>= 256 MB) that no call finds its weight in the 50 MB L2, launches in a CUDA graph."""
     from kimi_decode import stock_triton as kt
+    from kimi_decode.kernels.checks import time_us
 
     rows = []
     for name, (N, K) in gemms(k3_tp16()).items():
@@ -101,8 +84,9 @@ def gemm_bench() -> list[dict]:
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for M in (1, 8, 64):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            cub = _time_graph(lambda: [x @ w.t() for w in ws], len(ws))
-            tri = _time_graph(lambda: [kt.skinny_mm(x, w) for w in ws], len(ws))
+            # one timed call = one GEMM per weight copy (CUDA-graph replays, kernels/checks.py)
+            cub = time_us(lambda: [x @ w.t() for w in ws], calls=1) / len(ws)
+            tri = time_us(lambda: [kt.skinny_mm(x, w) for w in ws], calls=1) / len(ws)
             rows.append({"gemm": name, "N": N, "K": K, "M": M, "cublas_us": round(cub, 2), "triton_us": round(tri, 2),
                          "triton_over_cublas": round(tri / cub, 3)})
         del ws

@@ -219,6 +219,27 @@ def test_restate_shares_runtime_and_weights() -> None:
     assert new.rec_state.data_ptr() != attn.rec_state.data_ptr() and type(new) is KDAAttention
 
 
+def run_with_filled_slots(stock, fused, rt, seed: int) -> None:
+    """Three steps side by side; before the third the other ranks' slots of every collective
+    buffer get data (both paths read the same buffers, so they contribute identically). The
+    fused output is a tensor of stock's shape (a Gathered last layer is concatenated), and
+    outputs and blocks agree within float32 rounding."""
+    for s in range(3):
+        if s == 2:
+            gen = torch.Generator().manual_seed(5)
+            for buf in rt.comm.bufs.values():
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+        m, prefix, blocks = stock.make_inputs(seed=seed + s)
+        blocks_f = blocks.clone()
+        with torch.no_grad():
+            out_s = stock(m, prefix, blocks)
+            out_f = fused(m, prefix, blocks_f)
+        assert isinstance(out_f[0], torch.Tensor) and out_f[0].shape == out_s[0].shape
+        for a, b in zip(out_s, out_f):
+            assert float((a - b).norm() / a.norm()) < 1e-5
+        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+
+
 def _emulate_attn_res_ar(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta=None, write_slot=None,
                          out=None, *, delta_slots=None, reset=False):
     """attn_res_rmsnorm's contract with the all-reduce slots (kernel attn_res_ar)."""
@@ -274,19 +295,7 @@ def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) 
         layer.attn.ar_slots = True
         if hasattr(layer.mlp, "use_up_kernel"):
             layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = moe_kernels
-    for s in range(3):
-        if s == 2:   # the other ranks contribute data now
-            gen = torch.Generator().manual_seed(5)
-            for buf in rt.comm.bufs.values():
-                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
-        m, prefix, blocks = stock.make_inputs(seed=70 + s)
-        blocks_f = blocks.clone()
-        with torch.no_grad():
-            out_s = stock(m, prefix, blocks)
-            out_f = fused(m, prefix, blocks_f)
-        for a, b in zip(out_s, out_f):
-            assert float((a - b).norm() / a.norm()) < 1e-5
-        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    run_with_filled_slots(stock, fused, rt, seed=70)
     ar_shapes = {k[1] for k in rt.comm.bufs if k[0] == "ar"}
     assert (cfg.sim_world, cfg.rows, cfg.hidden) in ar_shapes             # o_proj's slots were used
 
@@ -344,20 +353,7 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
         layer.attn_res.use_gather = layer.mlp_res.use_gather = ag_kernel
         layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = True
         layer.mlp.gather_out = True        # the last layer too: forward must concatenate it
-    for s in range(3):
-        if s == 2:   # the other ranks contribute data now
-            gen = torch.Generator().manual_seed(5)
-            for buf in rt.comm.bufs.values():
-                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
-        m, prefix, blocks = stock.make_inputs(seed=80 + s)
-        blocks_f = blocks.clone()
-        with torch.no_grad():
-            out_s = stock(m, prefix, blocks)
-            out_f = fused(m, prefix, blocks_f)
-        assert isinstance(out_f[0], torch.Tensor) and out_f[0].shape == out_s[0].shape
-        for a, b in zip(out_s, out_f):
-            assert float((a - b).norm() / a.norm()) < 1e-5
-        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    run_with_filled_slots(stock, fused, rt, seed=80)
     # layers 4..8 read layer 3..7's all-gather slots, each step
     n = cfg.hidden // cfg.sim_world
     assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])

@@ -29,7 +29,7 @@ from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common, checks  # noqa: E402
 from kimi_decode.kernels.gemv import Gemv, GemvConfig  # noqa: E402
-from tests.kimi_decode.test_kernels_compile import common_checks  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import common_checks, shuffles_in_branches  # noqa: E402
 from tests.kimi_decode.test_kernels_compile import ptx_of as compiled_ptx  # noqa: E402
 
 bf = torch.bfloat16
@@ -147,21 +147,6 @@ def test_splitk_plan() -> None:
                          + [w + g.full * kw for w in range(g.tail)])
             assert got == list(range(k // (vec * 32))), (k, vec, kw)
     assert Gemv(GemvConfig(3217, 7168, 8, cols=4)).ctas == 805
-
-
-def shuffles_in_branches(ptx: str) -> list[str]:
-    """shfl.sync between a predicated forward branch and its target label (as in
-    test_kernels_compile.py)."""
-    found, target = [], None
-    for line in ptx.splitlines():
-        s = line.strip()
-        if target is None and s.startswith("@%p") and " bra " in s:
-            target = s.split()[-1].rstrip(";")
-        elif target is not None and s == f"{target}:":
-            target = None
-        elif target is not None and s.startswith("shfl.sync"):
-            found.append(s)
-    return found
 
 
 def test_can_implement() -> None:
