@@ -3,7 +3,7 @@
 A bubble is a maximal interval inside a step during which no kernel and no memop runs on any
 stream of a rank (the gaps of the union across streams, integer ns). Each is placed between
 the item that ended last before it (prev) and the one that starts it (next), with next's layer
-and op, and given one cause: graph_boundary, host_sync, launch_bound, event_wait or other; the
+and op, and given one cause: graph_boundary, host_sync, launch_bound, event_wait, in_graph or other; the
 exact rules are the comment above `bubbles_in_steps` in analyzers/sql/bubbles/bubbles.sql and
 docs/metrics.md. Per-stream gaps, HTA's per-stream idle time, are a different metric named
 `stream_gaps` (a stream gap may be covered by another stream; a bubble never is).
@@ -19,7 +19,7 @@ import duckdb
 
 from analyzers.attribution import attribute, load_sql
 
-CAUSES = ("launch_bound", "graph_boundary", "host_sync", "event_wait", "other")
+CAUSES = ("launch_bound", "graph_boundary", "host_sync", "event_wait", "in_graph", "other")
 
 # One step spanning the whole run, for runs without step ranges (same shape as kernel_attribution).
 WHOLE_RUN_ATTRIBUTION_SQL = """
@@ -31,7 +31,7 @@ HAS_STEPS_SQL = "SELECT count(step_index) FROM kernel_attribution WHERE run_id =
 HAS_ITEMS_SQL = "SELECT count(*) FROM device_items WHERE run_id = ?"
 STEPS_SQL = """
 SELECT rank, step_index, step, span_ns, busy_ns, bubble_ns, bubbles, launch_bound_ns,
-       graph_boundary_ns, host_sync_ns, event_wait_ns, other_ns
+       graph_boundary_ns, host_sync_ns, event_wait_ns, in_graph_ns, other_ns
 FROM bubble_steps(?, p_run := ?) ORDER BY rank, step_index"""
 LAYERS_SQL = """
 SELECT coalesce(layer, '(none)') AS layer, cause, count(*) AS bubbles, CAST(sum(gap_ns) AS BIGINT) AS gap_ns

@@ -52,7 +52,7 @@ def _text(doc: dict[str, Any]) -> str:
 def command(inputs: tuple[str, ...], run_id: int | None, step_pattern: str | None, min_ns: int, top: int,
             fmt: str, verbose: bool) -> None:
     """Bubbles: intervals inside a step when the device runs nothing on any stream, per step and
-    layer by cause (launch_bound, graph_boundary, host_sync, event_wait, other), and the longest.
+    layer by cause (launch_bound, graph_boundary, host_sync, event_wait, in_graph, other), and the longest.
 
     TRACE_OR_DB: nothing (the bundled traces), a store (`runs.duckdb` or `runs.duckdb:3`), or
     trace files / per-rank folders. Per-stream gaps (HTA's idle time) are listed apart as

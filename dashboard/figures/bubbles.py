@@ -6,7 +6,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 CAUSE_COLORS = {"launch_bound": "#d64545", "graph_boundary": "#9446ed", "host_sync": "#d9822b",
-                "event_wait": "#2f6fb0", "other": "#7b8794"}
+                "event_wait": "#2f6fb0", "in_graph": "#8e5bb5", "other": "#7b8794"}
 
 
 def by_cause_bars(result: dict[str, Any]) -> go.Figure:

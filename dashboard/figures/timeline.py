@@ -20,7 +20,7 @@ IDLE_ROW = "idle"
 IDLE_COLOR = "#d64545"
 BUBBLE_ROW = "bubbles"
 CAUSE_COLORS = {"launch_bound": "#d64545", "graph_boundary": "#9446ed", "host_sync": "#d9822b",
-                "event_wait": "#2f6fb0", "other": "#7b8794"}
+                "event_wait": "#2f6fb0", "in_graph": "#8e5bb5", "other": "#7b8794"}
 MAX_BAND_LABELS = 40
 MAX_BANDS = 400
 

@@ -87,8 +87,9 @@ def test_sync_while_work_is_queued_is_not_the_cause() -> None:
 def test_graph_boundary_and_gap_inside_one_replay() -> None:
     """Replay A (cudaGraphLaunch corr 10) runs k1 [0,10) and k2 [20,30); replay B (corr 11)
     runs k3 [50,60). [10,20) is inside replay A: not a boundary, launch is not a cause for
-    graph kernels, the host sync [46,70) came after, so 'other'. [30,50) crosses into replay B:
-    graph_boundary (checked before the sync that overlaps it)."""
+    graph kernels, the host sync [46,70) came after: the device idled between two nodes of one
+    graph, 'in_graph'. [30,50) crosses into replay B: graph_boundary (checked before the sync
+    that overlaps it)."""
     con = make_store()
     kernel(con, 1, 0, 10, corr=10, graph_id=5)
     kernel(con, 2, 20, 30, corr=10, graph_id=5)
@@ -96,7 +97,18 @@ def test_graph_boundary_and_gap_inside_one_replay() -> None:
     call(con, "cudaGraphLaunch", -100, 40, 10)
     call(con, "cudaGraphLaunch", 41, 45, 11)
     call(con, "cudaStreamSynchronize", 46, 70)  # host waits on replay A: not a cause inside it
-    assert causes(con) == [(10, 20, "other", "k1", "k2"), (30, 50, "graph_boundary", "k2", "k3")]
+    assert causes(con) == [(10, 20, "in_graph", "k1", "k2"), (30, 50, "graph_boundary", "k2", "k3")]
+
+
+def test_other_when_nothing_explains_the_gap() -> None:
+    """Two eager kernels, both issued long before (launch calls end at 1 and 2), no sync, no
+    wait record: the gap [10,20) has no cause: 'other'."""
+    con = make_store()
+    kernel(con, 1, 0, 10, corr=20)
+    kernel(con, 2, 20, 30, corr=21)
+    call(con, "cudaLaunchKernel", 0, 1, 20)
+    call(con, "cudaLaunchKernel", 1, 2, 21)
+    assert causes(con) == [(10, 20, "other", "k1", "k2")]
 
 
 def test_event_wait() -> None:

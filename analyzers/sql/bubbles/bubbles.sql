@@ -26,6 +26,9 @@ WHERE name IN ('Context Sync', 'Stream Sync', 'Event Sync');
 --     began (the device finished prev before the host had issued next);
 --   event_wait: a 'Stream Wait Event' record on next's stream, waiting on another stream, lies
 --     between the end of the previous item on next's stream and next's start;
+--   in_graph: prev and next are nodes of one graph replay (same graph launch): the device idled
+--     between two nodes of one CUDA graph (node launch latency, or next waiting for a node on
+--     another branch of the graph); nothing on the host explains it;
 --   other: none of the above.
 -- p_run (optional): only that run. Every run is partitioned on its own, so a run's rows are
 -- the same either way; the filter sits in the first scans (items, syncs), so one small run
@@ -115,6 +118,7 @@ SELECT
     WHEN host_sync AND (launch_end_ns IS NULL OR launch_end_ns > start_ns) THEN 'host_sync'
     WHEN NOT next_graph_launched AND launch_end_ns > start_ns THEN 'launch_bound'
     WHEN event_wait THEN 'event_wait'
+    WHEN next_graph_launched AND prev_correlation = next_correlation THEN 'in_graph'
     ELSE 'other'
   END AS cause,
   coalesce(next_layer, prev_layer) AS layer,
@@ -147,6 +151,7 @@ _b AS (
     CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'graph_boundary'), 0) AS BIGINT) AS graph_boundary_ns,
     CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'host_sync'), 0) AS BIGINT) AS host_sync_ns,
     CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'event_wait'), 0) AS BIGINT) AS event_wait_ns,
+    CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'in_graph'), 0) AS BIGINT) AS in_graph_ns,
     CAST(coalesce(sum(gap_ns) FILTER (WHERE cause = 'other'), 0) AS BIGINT) AS other_ns,
     count(*) AS bubbles
   FROM bubbles_in_steps(attr, p_run := p_run) GROUP BY run_id, rank, step_index
@@ -159,6 +164,7 @@ SELECT s.run_id, s.rank, s.step_index, s.step, s.span_ns,
   coalesce(b.graph_boundary_ns, 0) AS graph_boundary_ns,
   coalesce(b.host_sync_ns, 0) AS host_sync_ns,
   coalesce(b.event_wait_ns, 0) AS event_wait_ns,
+  coalesce(b.in_graph_ns, 0) AS in_graph_ns,
   coalesce(b.other_ns, 0) AS other_ns
 FROM _steps s
 LEFT JOIN _b b ON b.run_id = s.run_id AND b.rank = s.rank AND b.step_index = s.step_index;
