@@ -345,17 +345,8 @@ def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
     return ids, weights
 
 
-def reference(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
-              scaling: float, logits_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 statement of the module docstring: (ids, weights, biased scores [M, E])."""
-    logits = y.double() @ w_gate.double().t()
-    if logits_bf16:
-        logits = logits.to(torch.bfloat16).double()
-    s = torch.sigmoid(logits)
-    key = s + bias.double()
-    ids = key.topk(top_k, dim=-1).indices
-    w = s.gather(1, ids)
-    return ids, w / w.sum(-1, keepdim=True) * scaling, key
+# The float64 statement is router.py's: same selection semantics, one definition.
+reference = _slow.reference
 
 
 def emulate_select(key: torch.Tensor, s: torch.Tensor, top_k: int, scaling: float,

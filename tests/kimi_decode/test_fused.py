@@ -219,6 +219,30 @@ def test_restate_shares_runtime_and_weights() -> None:
     assert new.rec_state.data_ptr() != attn.rec_state.data_ptr() and type(new) is KDAAttention
 
 
+def emulate_moe_kernels(monkeypatch) -> None:
+    """The routed-experts and moe_up kernels replaced by torch statements of their contracts
+    (experts: stock's grouped experts written into `out`; moe_up: sum the all-reduce slots,
+    the other ranks' reduce-scatter slots plus this rank's own shared slice, latent_up), at
+    every shape."""
+    import kimi_decode.kernels.moe_experts as k_ex
+    import kimi_decode.kernels.moe_up as k_up
+    from kimi_decode import stock_ops as ops
+
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, **kw):
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+
+    def moe_up(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None):
+        n = up_rows.shape[0]
+        shared = sh_slots.sum(0) - sh_slots[rank] + sh_full[:, rank * n:(rank + 1) * n]
+        part = ops.latent_up(r_slots.sum(0), latent_norm, up_rows, shared, eps)
+        return part if out is None else out.copy_(part)
+    monkeypatch.setattr(k_ex, "experts", experts)
+    monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(k_up, "moe_up", moe_up)
+    monkeypatch.setattr(k_up, "can_implement", lambda *a: True)
+
+
 def run_with_filled_slots(stock, fused, rt, seed: int) -> None:
     """Three steps side by side; before the third the other ranks' slots of every collective
     buffer get data (both paths read the same buffers, so they contribute identically). The
@@ -267,24 +291,7 @@ def test_collectives_finished_in_kernels_on_cpu(monkeypatch, moe_kernels: bool) 
     from kimi_decode.runner import build
     monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res_ar)
     if moe_kernels:
-        import kimi_decode.kernels.moe_experts as k_ex
-        import kimi_decode.kernels.moe_up as k_up
-        from kimi_decode import stock_ops as ops
-
-        def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, **kw):
-            r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-            return r if out is None else out.copy_(r)
-
-        def moe_up(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None):
-            n = up_rows.shape[0]
-            others = sh_slots.sum(0) - sh_slots[rank]
-            shared = others + sh_full[:, rank * n:(rank + 1) * n]
-            part = ops.latent_up(r_slots.sum(0), latent_norm, up_rows, shared, eps)
-            return part if out is None else out.copy_(part)
-        monkeypatch.setattr(k_ex, "experts", experts)
-        monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
-        monkeypatch.setattr(k_up, "moe_up", moe_up)
-        monkeypatch.setattr(k_up, "can_implement", lambda *a: True)
+        emulate_moe_kernels(monkeypatch)
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7, tp=2, weight_chunks=2, tp_sim=True, sim_world=2)
     stock, rt = build("stock", cfg, "cpu")
     fused = FusedDecoder.from_stock(stock)
@@ -325,26 +332,11 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     import kimi_decode.fused as fused_mod
     monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 64)   # the wiring at every M, not the per-M table
     import kimi_decode.kernels.attn_res as k_ar
-    import kimi_decode.kernels.moe_experts as k_ex
-    import kimi_decode.kernels.moe_up as k_up
-    from kimi_decode import stock_ops as ops
     from kimi_decode.runner import build
     calls: list[tuple] = []
     monkeypatch.setattr(k_ar, "attn_res_rmsnorm", lambda *a, **k: _emulate_attn_res_ag(calls, *a, **k))
 
-    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, **kw):
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
-
-    def moe_up(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None):
-        n = up_rows.shape[0]
-        shared = sh_slots.sum(0) - sh_slots[rank] + sh_full[:, rank * n:(rank + 1) * n]
-        part = ops.latent_up(r_slots.sum(0), latent_norm, up_rows, shared, eps)
-        return part if out is None else out.copy_(part)
-    monkeypatch.setattr(k_ex, "experts", experts)
-    monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
-    monkeypatch.setattr(k_up, "moe_up", moe_up)
-    monkeypatch.setattr(k_up, "can_implement", lambda *a: True)
+    emulate_moe_kernels(monkeypatch)
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7, tp=2, weight_chunks=2, tp_sim=True, sim_world=2)
     stock, rt = build("stock", cfg, "cpu")
     fused = FusedDecoder.from_stock(stock)

@@ -137,12 +137,6 @@ def _emulate(blocks, num_blocks, prefix, w_mix, norm_w, eps, delta=None, write_s
     return mix.to(torch.bfloat16), new_prefix
 
 
-@pytest.fixture
-def on_cpu(monkeypatch):
-    monkeypatch.setattr(checks, "DEVICE", "cpu")
-    return monkeypatch
-
-
 def test_check_ar_passes_faithful_emulation(on_cpu) -> None:
     on_cpu.setattr(k_ar, "attn_res_rmsnorm", _emulate)
     rows = k_ar.check_ar(timing=False, rows=(1, 2))
