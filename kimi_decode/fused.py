@@ -94,7 +94,9 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   17-26 us for stock's bmm chain.
 # - experts (M ≤ 8: 156 vs 177 us at M = 8), attn_res_ar/ag, mla_glue, GEMV (M = 1, its own
 #   table in kernels/gemv.py): every M their can_implement allows.
-MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6}
+# - gemv_multi: M = 1, as the plain GEMV it is made of (kernels/gemv.py GEMV_MAX_ROWS).
+MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
+            "gemv_multi": 1}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -288,19 +290,27 @@ class MLAAttention(stock.MLAAttention):
 
     use_gemv = False
     ar_slots = False
+    use_multi = False                              # kernels/gemv_multi.py: qkv_a + g_proj, one launch
     use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
-        if not (self.use_gemv or self.ar_slots or self.use_glue or self.attend_scratch is not None):
+        if not (self.use_gemv or self.ar_slots or self.use_glue or self.use_multi
+                or self.attend_scratch is not None):
             return super().forward(x, pos)
         cfg, fx, k, lin = self.cfg, self.fx, self.k, self.use_gemv
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
-        with _on_side(self.rt, x), op_range("g_proj"):
-            g = _linear(x, self.g_proj, lin, k)                                        # [M, H*vd]
-        with op_range("qkv_a"):
-            a = _linear(x, self.qkv_a, lin, k)                                         # [M, ql+c+rope]
+        g_on_side = not self._multi_applies(x)
+        if g_on_side:
+            with _on_side(self.rt, x), op_range("g_proj"):
+                g = _linear(x, self.g_proj, lin, k)                                    # [M, H*vd]
+            with op_range("qkv_a"):
+                a = _linear(x, self.qkv_a, lin, k)                                     # [M, ql+c+rope]
+        else:                                   # both weight streams in one grid (gemv_multi)
+            from kimi_decode.kernels.gemv_multi import gemv_multi
+            with op_range("qkv_a_g"):
+                a, g = gemv_multi(x, [self.qkv_a, self.g_proj])
         with op_range("qkv_norm"):
             qa, ckv = k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
         with op_range("q_b_proj"):
@@ -325,16 +335,26 @@ class MLAAttention(stock.MLAAttention):
             else:
                 o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
         if glue is not None and glue.can_implement_uv(B * T, H, c, cfg.v_head_dim, (o_lat.dtype,)):
-            _join(self.rt, g)
+            if g_on_side:
+                _join(self.rt, g)
             with op_range("uv_gate"):            # W_UV absorption + sigmoid gate: one launch
                 o = glue.uv_gate(o_lat.contiguous(), self.w_uv, g)
         else:
             with op_range("uv_bmm"):
                 o = torch.bmm(o_lat.reshape(B * T, H, c).transpose(0, 1), self.w_uv).transpose(0, 1)
-            _join(self.rt, g)
+            if g_on_side:
+                _join(self.rt, g)
             with op_range("gate_mul"):
                 o = fx["gate"](o.reshape(B * T, -1), g)
         return _project_and_reduce(self, o)
+
+    def _multi_applies(self, x: torch.Tensor) -> bool:
+        """qkv_a and g_proj as one gemv_multi launch: kernel on, M within the per-M table."""
+        if not (self.use_multi and x.shape[0] <= MAX_ROWS["gemv_multi"] and x.is_contiguous()):
+            return False
+        from kimi_decode.kernels.gemv_multi import can_implement
+        return can_implement(x.shape[0], x.shape[1], [self.qkv_a.shape[0], self.g_proj.shape[0]],
+                             (x.dtype, self.qkv_a.dtype, self.g_proj.dtype))
 
 
 class LatentMoE(stock.LatentMoE):
@@ -347,6 +367,7 @@ class LatentMoE(stock.LatentMoE):
     use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
     use_experts_kernel = False   # kernels/moe_experts.py
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
+    use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
                                  # kernel reads the all-gather slots; kernel "attn_res_ag")
     prefetch_target: torch.Tensor | None = None
@@ -372,8 +393,11 @@ class LatentMoE(stock.LatentMoE):
     def _shared(self, y: torch.Tensor) -> torch.Tensor:
         """Shared expert partial [M, D]: gate/up GEMV, SiTU GLU, down GEMV; with the GEMV
         variant the GLU is the down GEMV's prologue (one launch fewer)."""
+        return self._shared_down(_linear(y, self.shared_gate_up, self.use_gemv, self.k))
+
+    def _shared_down(self, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert after its gate/up projection h [M, 2·Is]: SiTU GLU + down."""
         cfg, Is = self.cfg, self.cfg.shared_local_inter
-        h = _linear(y, self.shared_gate_up, self.use_gemv, self.k)
         if self.use_gemv_situ:
             from kimi_decode.kernels.gemv import can_implement_situ, gemv_situ
             if h.is_contiguous() and can_implement_situ(h.shape[0], self.shared_down.shape[0], Is,
@@ -401,17 +425,30 @@ class LatentMoE(stock.LatentMoE):
     def forward(self, y: torch.Tensor) -> torch.Tensor | Gathered:
         cfg, comm = self.cfg, self.rt.comm
         n = cfg.row_shard
-        with _on_side(self.rt, y):
-            with op_range("latent_down"):
-                z = _linear(y, self.down, self.use_gemv, self.k)                       # [M, L]
-            with op_range("shared_expert"):
-                sh = self._shared(y)                                                   # [M, D] partial
-        with op_range("router"):
-            idx, w = self._route(y)                                                    # [M, K]
-            self.last_idx, self.last_w = idx, w
+        front = self._front_applies(y)
+        if front:
+            # router + latent down + shared gate/up: one grid streaming all three weights on the
+            # main stream (kernels/gemv_multi.py); the shared expert's down GEMV then runs on
+            # the side stream beside the routed experts, joined before the tail needs it
+            from kimi_decode.kernels.gemv_multi import route_and_project
+            with op_range("moe_front"):
+                idx, w, (z, h) = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
+                                                   self.router_counter, [self.down, self.shared_gate_up])
+            with _on_side(self.rt, h), op_range("shared_expert"):
+                sh = self._shared_down(h)                                              # [M, D] partial
+        else:
+            with _on_side(self.rt, y):
+                with op_range("latent_down"):
+                    z = _linear(y, self.down, self.use_gemv, self.k)                   # [M, L]
+                with op_range("shared_expert"):
+                    sh = self._shared(y)                                               # [M, D] partial
+            with op_range("router"):
+                idx, w = self._route(y)                                                # [M, K]
+        self.last_idx, self.last_w = idx, w
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing
-        _join(self.rt, z, sh)
+        if not front:
+            _join(self.rt, z, sh)
         rank = comm.rank
         if self.use_up_kernel and self._up_applies(y):
             # the collectives finish inside kernels: experts write this rank's all-reduce slot,
@@ -423,6 +460,7 @@ class LatentMoE(stock.LatentMoE):
             with op_range("experts"):
                 self._experts(z, idx, w, out=r_buf[rank])
             self._prefetch()
+            _join(self.rt, sh)
             sh_buf = comm.rs_slots(tuple(sh.shape), sh)
             ag_buf = comm.ag_slots((y.shape[0], n), sh)
             with op_range("up_proj"):
@@ -435,6 +473,7 @@ class LatentMoE(stock.LatentMoE):
         with op_range("experts"):
             r = self._experts(z, idx, w)
         self._prefetch()
+        _join(self.rt, sh)
         with op_range("moe_tail"):
             r = comm.all_reduce(r)                                                     # [M, L]
             sh = comm.reduce_scatter_cols(sh)                                          # [M, D/tp]
@@ -442,6 +481,16 @@ class LatentMoE(stock.LatentMoE):
             part = self.fx["up"](r, self.latent_norm, self.up[rank * n:(rank + 1) * n], sh, cfg.rms_eps)
         with op_range("moe_gather"):
             return comm.all_gather_cols(part)
+
+    def _front_applies(self, y: torch.Tensor) -> bool:
+        """The MoE front in one launch (gemv_multi with the router): kernel on, M within the
+        per-M table, shapes the kernel takes."""
+        if not (self.use_front and y.shape[0] <= MAX_ROWS["gemv_multi"] and y.is_contiguous()):
+            return False
+        from kimi_decode.kernels.gemv_multi import can_implement
+        return can_implement(y.shape[0], y.shape[1], [self.down.shape[0], self.shared_gate_up.shape[0]],
+                             (y.dtype, self.router.dtype, self.down.dtype, self.shared_gate_up.dtype),
+                             router=(self.router.shape[0], self.cfg.top_k)) and self.bias.dtype == torch.float32
 
     def _up_applies(self, y: torch.Tensor) -> bool:
         from kimi_decode.kernels.moe_up import can_implement
@@ -570,6 +619,8 @@ class FusedDecoder(StockDecoder):
                             H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, (cfg.torch_dtype,)):
                         layer.attn.attend_scratch = k_mla.make_scratch(cfg.batch, T * H, cfg.cache_len,
                                                                        cfg.kv_lora_rank, dev)
+            if isinstance(layer.attn, MLAAttention):
+                layer.attn.use_multi = "gemv_multi" in on
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
                 layer.attn.ar_slots = ar_slots
@@ -579,11 +630,12 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_gemv = "gemv" in on
                 layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
                 layer.mlp.use_experts_kernel = "experts" in on
+                layer.mlp.use_front = "gemv_multi" in on
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
                 # the last layer's output is the step's: gathered by forward (kept in its step
                 # range), so only layers with a next layer hand their slots on
                 layer.mlp.gather_out = ag_slots and i + 1 < len(self.layers)
-                if ({"router", "router_fast"} & on) and not hasattr(layer.mlp, "router_counter"):
+                if ({"router", "router_fast", "gemv_multi"} & on) and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))
                 nxt = self.layers[i + 1].attn if i + 1 < len(self.layers) else None

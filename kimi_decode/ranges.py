@@ -23,9 +23,11 @@ LAYER_KINDS = ("kda", "mla", "dense")
 # Every op name a layer may open, in issue order (KIMI_K3.md §2.4 / Part 3).
 OPS = (
     "attn_res", "in_proj", "f_b_proj", "conv", "kda_recurrence", "o_norm",        # KDA
-    "qkv_a", "g_proj", "qkv_norm", "q_b_proj", "uk_bmm", "kv_insert", "mla_decode",  # MLA
+    "qkv_a", "g_proj", "qkv_a_g", "qkv_norm", "q_b_proj", "uk_bmm", "kv_insert", "mla_decode",  # MLA
     "uv_bmm", "gate_mul", "uk_insert", "uv_gate",                                  # MLA fused
+                                                  # (qkv_a_g: qkv_a + g_proj in one launch)
     "o_proj", "all_reduce", "mlp_res",
+    "moe_front",                       # fused: router + latent_down + shared gate/up, one launch
     "router", "latent_down", "shared_expert", "routing", "experts", "prefetch",     # MoE
     "moe_tail", "up_proj", "moe_gather",
     "dense_gate_up", "situ", "dense_down",                                          # layer 0

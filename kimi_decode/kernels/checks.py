@@ -21,6 +21,7 @@ import torch
 
 from kimi_decode.comm import LocalComm, SideStream
 from kimi_decode.config import k3_tp16
+from kimi_decode.kernels import CHECK_MODULES
 from kimi_decode.weights import Seeder
 
 
@@ -268,9 +269,7 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
 
 CHECKS = {"attn_res": check_attn_res, "router": check_router, "kda": check_kda,
           "gemv": check_gemv, "prefetch": check_prefetch,
-          **{name: _module_check(name) for name in ("kda_split", "experts", "router_fast", "attn_res_ar",
-                                                    "attn_res_ag", "gemv_variants", "moe_up", "mla_attend",
-                                                    "mla_glue")}}
+          **{name: _module_check(name) for name in CHECK_MODULES}}
 
 
 def _print(rows: list[dict]) -> None:

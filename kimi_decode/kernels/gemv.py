@@ -183,6 +183,12 @@ class Gemv:
         bidx, _, _ = cute.arch.block_idx()
         col = bidx * WARPS + cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
+        self.column(mX, mW, mO, col, lane)
+
+    @cute.jit
+    def column(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32):
+        """out[:, col] = x @ W[col] for one warp (nothing past N): the plain kernel's body,
+        also one segment of gemv_multi.py's kernel."""
         if col < self.cfg.n:
             acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
             acc.fill(0.0)

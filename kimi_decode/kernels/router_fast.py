@@ -146,16 +146,28 @@ class RouterFast:
         gdim, _, _ = cute.arch.grid_dim()
         warp = cute.arch.warp_idx()          # all lanes, top level (a full-warp shuffle)
         lane = cute.arch.lane_idx()
-        rows = self.cfg.rows
+        red, flag, cK, cI, selI, selS = self.smem_tensors()
+        self.gemv_cta(mY, mW, mL, red, bidx, tidx, warp, lane)
+        self.complete(mL, mB, mC, mI, mO, flag, cK, cI, selI, selS, gdim, m, tidx, warp, lane)
+
+    def smem_tensors(self) -> tuple:
+        """The kernel's shared memory, in allocation order: red (warp partial sums), flag
+        (the counter value this CTA read), cK/cI (top-k candidates), selI/selS (winners).
+        Called inside a kernel (gemv_multi.py's router segment allocates the same)."""
         smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout((rows, WARPS), stride=(WARPS, 1)), 16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((self.cfg.rows, WARPS), stride=(WARPS, 1)), 16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
         cK = smem.allocate_tensor(Float32, cute.make_layout((WARPS, CAP), stride=(CAP, 1)), 16)
         cI = smem.allocate_tensor(Int32, cute.make_layout((WARPS, CAP), stride=(CAP, 1)), 16)
         selI = smem.allocate_tensor(Int32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
         selS = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
+        return red, flag, cK, cI, selI, selS
 
-        # ---- GEMV: warp = (expert el of this CTA, quarter q of D) ----
+    @cute.jit
+    def gemv_cta(self, mY: cute.Tensor, mW: cute.Tensor, mL: cute.Tensor, red: cute.Tensor,
+                 bidx: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        """This CTA's EPC logits for every row: warp = (expert el of the CTA, quarter q of D)."""
+        rows = self.cfg.rows
         el = warp // KSPLIT
         q = warp % KSPLIT
         e = bidx * EPC + el                  # < E: grid = E / EPC
@@ -188,14 +200,20 @@ class RouterFast:
             mL[rr, bidx * EPC + ee] = s
             cute.arch.fence_acq_rel_gpu()    # this thread's logits before the CTA's counter bump
 
-        # ---- grid completion (router.py's pattern) ----
+    @cute.jit
+    def complete(self, mL: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mI: cute.Tensor,
+                 mO: cute.Tensor, flag: cute.Tensor, cK: cute.Tensor, cI: cute.Tensor,
+                 selI: cute.Tensor, selS: cute.Tensor, ctas: Int32, m: Int32, tidx: Int32,
+                 warp: Int32, lane: Int32):
+        """Grid completion (router.py's pattern) over the `ctas` router CTAs: the last one to
+        bump the counter runs the top-k of every row and re-zeroes the counter."""
         cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
             old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
             flag[0] = old
         cute.arch.sync_threads()
-        if flag[0] == gdim - 1:                                 # CTA-uniform
+        if flag[0] == ctas - 1:                                 # CTA-uniform
             cute.arch.fence_acq_rel_gpu()
             for row in range(warp, m, WARPS):                   # warp-uniform
                 self.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)

@@ -349,3 +349,75 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     # layers 4..8 read layer 3..7's all-gather slots, each step
     n = cfg.hidden // cfg.sim_world
     assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])
+
+
+@pytest.mark.parametrize("tp_sim", [False, True])
+def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
+    """The one-launch fronts (kernels/gemv_multi.py) wired in, each emulated by its contract
+    (route_and_project = the router's (ids, weights) + y @ wᵀ per projection; gemv_multi = x @ wᵀ
+    per weight): the step equals stock within float32 rounding, state and blocks included, with
+    the stock SimComm collectives or the slot path; every MoE layer issues exactly one front
+    (no separate router / latent_down launch) with the router, latent down and shared gate/up
+    weights in that order, and every MLA layer one qkv_a + g_proj launch."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels.gemv_multi as k_multi
+    import kimi_decode.kernels.attn_res as k_ar
+    from kimi_decode.runner import build
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "gemv_multi", 64)   # the wiring at every M
+    fronts, multis, routes = [], [], []
+
+    def route_and_project(y, w_gate, bias, top_k, scaling, counter, ws):
+        fronts.append((w_gate.data_ptr(), *(w.data_ptr() for w in ws)))
+        ids, w = _emulate_route(y, w_gate, bias, top_k, scaling, counter)
+        return ids, w, [y @ w_.t() for w_ in ws]
+
+    def gemv_multi(x, ws):
+        multis.append(tuple(w.data_ptr() for w in ws))
+        return [x @ w.t() for w in ws]
+    monkeypatch.setattr(k_multi, "route_and_project", route_and_project)
+    monkeypatch.setattr(k_multi, "gemv_multi", gemv_multi)
+    monkeypatch.setattr(k_multi, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(fused_mod.LatentMoE, "_route", lambda self, y: routes.append(1))
+    if tp_sim:
+        monkeypatch.setattr(k_ar, "attn_res_rmsnorm", _emulate_attn_res_ar)
+        emulate_moe_kernels(monkeypatch)
+        monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 64)
+        cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7, tp=2, weight_chunks=2, tp_sim=True,
+                   sim_world=2)
+    else:
+        cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
+    stock, rt = build("stock", cfg, "cpu")
+    fused = FusedDecoder.from_stock(stock)
+    for layer in fused.layers:
+        if tp_sim:
+            layer.attn_res.use_kernel = layer.mlp_res.use_kernel = True
+            layer.attn_res.use_slots = layer.mlp_res.use_slots = True
+            layer.attn.ar_slots = True
+            layer.mlp.use_experts_kernel = layer.mlp.use_up_kernel = True
+        layer.mlp.use_front = True
+        layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
+        if hasattr(layer.attn, "use_multi"):
+            layer.attn.use_multi = True
+    if tp_sim:
+        run_with_filled_slots(stock, fused, rt, seed=70)
+    else:
+        for s in range(2):
+            m, prefix, blocks = stock.make_inputs(seed=70 + s)
+            blocks_f = blocks.clone()
+            with torch.no_grad():
+                out_s, out_f = stock(m, prefix, blocks), fused(m, prefix, blocks_f)
+            for a, b in zip(out_s, out_f):
+                assert float((a - b).norm() / a.norm()) < 1e-5
+            assert torch.equal(blocks, blocks_f) or float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    bufs_f = dict(fused.named_buffers())
+    for name, buf in stock.named_buffers():
+        if buf.is_floating_point() and "bufs" not in name:
+            assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
+    steps = 3 if tp_sim else 2
+    moe = [layer.mlp for layer in fused.layers]
+    assert routes == []                                            # no separate router launch
+    assert fronts == [(l.router.data_ptr(), l.down.data_ptr(), l.shared_gate_up.data_ptr()) for l in moe] * steps
+    mla = [layer.attn for layer in fused.layers if hasattr(layer.attn, "use_multi")]
+    assert len(mla) == 2
+    assert multis == [(a.qkv_a.data_ptr(), a.g_proj.data_ptr()) for a in mla] * steps

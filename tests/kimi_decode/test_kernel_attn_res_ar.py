@@ -45,9 +45,9 @@ WORLD, D, VPT = 16, 7168, 4
 
 def expected_v4_loads(nb: int, reset: bool) -> int:
     """128-bit global loads of one thread in the ar variant (w_mix and norm_w are fp32: two
-    vectors per 8 elements): pass 1 per block source 1 + 2, the slots world, the prefix 1
-    unless reset, w for the prefix source 2; pass 2 the blocks again; the norm weight 2."""
-    return VPT * (3 * nb + WORLD + (0 if reset else 1) + 2 + nb + 2)
+    vectors per 8 elements, each loaded once up front): w 2, the norm weight 2; pass 1 per
+    block source 1, the slots world, the prefix 1 unless reset; pass 2 the blocks again."""
+    return VPT * (2 + 2 + nb + WORLD + (0 if reset else 1) + nb)
 
 
 @pytest.mark.parametrize("nb,reset,write", [(1, False, True), (8, True, False)])
@@ -68,8 +68,8 @@ def test_plain_variant_unchanged(tmp_path: Path) -> None:
     cfg = AttnResConfig(D, 1, 8, has_delta=True, has_write=False)
     ptx = ptx_of(tmp_path, AttnResRMSNorm(cfg), P(bf), P(bf), P(bf), P(bf), P(bf), P(f32), P(f32),
                  Int32(1), Int32(0), Float32(1e-5))
-    # block + w, prefix + delta + w; pass 2: block, prefix + delta; norm
-    assert ptx.count("ld.global.v4") == VPT * (3 + 4 + 1 + 2 + 2)
+    # w and norm once (fp32: 2 + 2), block, prefix + delta; pass 2: block, prefix + delta
+    assert ptx.count("ld.global.v4") == VPT * (2 + 2 + 1 + 2 + 1 + 2)
     assert "%nctaid.x" not in ptx
 
 
