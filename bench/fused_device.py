@@ -141,7 +141,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def step_parity(kernels: frozenset[str], base: dict[str, Any], forced: bool = False) -> list[dict]:
+def step_parity(kernels: frozenset[str], base: dict[str, Any], forced: bool = False,
+                shapes: list[tuple[int, int]] | None = None) -> list[dict]:
     """Fused vs stock over 3 steps per shape: outputs, blocks and every state buffer.
 
     A routing near-tie (the 16th and 17th expert scores within a bf16 rounding of each other)
@@ -152,7 +153,7 @@ def step_parity(kernels: frozenset[str], base: dict[str, Any], forced: bool = Fa
     from kimi_decode.fused import FusedDecoder
     from kimi_decode.runner import build
     res = []
-    for b, k in STEP_SHAPES:
+    for b, k in shapes or STEP_SHAPES:
         t0 = time.time()
         try:
             cfg = make_cfg(batch=b, spec_tokens=k, layers=LAYERS, tp_sim=True, **base)
@@ -255,12 +256,15 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
     return res
 
 
-def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops: bool) -> None:
+def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops: bool,
+          batches: tuple[int, ...] = (1, 8, 64), specs: tuple[int, ...] = (0, 7)) -> None:
+    """bench/decode.py for stock and fused (B in `batches` at k = 0, k in `specs` at B = 1)."""
     import kimi_decode.fused as fused_mod
     from bench.decode import main as bench_main
     fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
-    bench_main(["--variant", "stock", "fused", "--batch", "1", "8", "64", "--spec", "0", "7", "--reps", str(reps),
-                "--expert-impl", impl, "--json", str(out / "bench.json")] + ([] if compile_ops else ["--eager-ops"]))
+    bench_main(["--variant", "stock", "fused", "--batch", *map(str, batches), "--spec", *map(str, specs),
+                "--reps", str(reps), "--expert-impl", impl, "--json", str(out / "bench.json")]
+               + ([] if compile_ops else ["--eager-ops"]))
 
 
 def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: int,
@@ -384,6 +388,9 @@ def main() -> None:
     ap.add_argument("--no-timing", action="store_true", help="with --check: skip the timed re-run of the checks")
     ap.add_argument("--kernels-ok", nargs="*", help="with --check: kernels that passed in an earlier run")
     ap.add_argument("--kernels-from", type=Path, help="skip the kernel checks: read the passing set from this file")
+    ap.add_argument("--bench-batch", type=int, nargs="+", default=[1, 8, 64], help="bench: B at k = 0")
+    ap.add_argument("--bench-spec", type=int, nargs="+", default=[0, 7], help="bench: k (k > 0 at B = 1)")
+    ap.add_argument("--step-shapes", nargs="+", help="step parity only at these B:k (default: all)")
     args = ap.parse_args()
     if args.isolated:
         run_isolated(args.isolated)
@@ -424,9 +431,10 @@ def main() -> None:
     fused_mod.VERIFIED = passed          # this run's verdict: the step checks use these kernels
     if args.passed_file is not None:
         args.passed_file.write_text(json.dumps(sorted(passed)))
-    steps = step_parity(passed, base) if "step" not in args.skip else []
+    shapes = [tuple(int(v) for v in x.split(":")) for x in args.step_shapes] if args.step_shapes else None
+    steps = step_parity(passed, base, shapes=shapes) if "step" not in args.skip else []
     if "step" not in args.skip:
-        steps += step_parity(passed, base, forced=True)
+        steps += step_parity(passed, base, forced=True, shapes=shapes)
     save(args.out, "step", steps)
     refs = reference_check(passed, base) if "ref" not in args.skip else []
     save(args.out, "reference", refs)
@@ -439,7 +447,8 @@ def main() -> None:
                  variants=("stock", "fused") if args.capture_stock else ("fused",))
     if "bench" not in args.skip and time.time() - T0 < args.budget_s - args.bench_s:
         try:
-            bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"])
+            bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"],
+                  tuple(args.bench_batch), tuple(args.bench_spec))
         except Exception:
             traceback.print_exc()
         log("bench done")

@@ -75,3 +75,33 @@ def test_bad_operands_one_line_error() -> None:
     x = torch.zeros(1, 512, dtype=bf)
     with pytest.raises(ValueError, match="gemv_multi cannot run"):
         gemv_multi(x, [torch.zeros(16, 256, dtype=bf)])
+
+
+def _emulate_route(y, w_gate, bias, top_k, scaling, counter, logits=None, logits_bf16=False):
+    from kimi_decode.kernels.router import reference
+    ids, w, _ = reference(y, w_gate, bias, top_k, scaling)
+    return ids, w.float()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_check_harness_on_cpu(on_cpu, broken: bool) -> None:
+    """check() run on the CPU with the kernels replaced by emulations of their contracts: it
+    passes every row when the merged launch equals the separate ones, and says no when one
+    output is off (the shared gate/up rows computed from a shifted weight)."""
+    import kimi_decode.kernels.gemv as k_gemv
+    import kimi_decode.kernels.gemv_multi as k_multi
+    on_cpu.setattr(rf, "route", _emulate_route)
+    on_cpu.setattr(k_gemv, "gemv", lambda x, w, out=None: x @ w.t())
+
+    def route_and_project(y, w_gate, bias, top_k, scaling, counter, ws):
+        ids, w = _emulate_route(y, w_gate, bias, top_k, scaling, counter)
+        outs = [y @ w_.t() for w_ in ws]
+        if broken:
+            outs[1] = y @ ws[1].roll(1, 0).t()
+        return ids, w, outs
+    on_cpu.setattr(k_multi, "route_and_project", route_and_project)
+    on_cpu.setattr(k_multi, "gemv_multi", lambda x, ws: [x @ w.t() for w in ws])
+    rows = k_multi.check(timing=False, rows=(1,))
+    assert [r["case"] for r in rows] == ["moe_front", "mla_front"]
+    assert rows[1]["ok"]
+    assert rows[0]["ok"] is (not broken) and rows[0]["h_equal_gemv"] is (not broken)
