@@ -97,6 +97,10 @@ SPLITK_MIN_ROWS = 2   # gemv() picks the layout by M alone; GEMV_MAX_ROWS only g
 SPLITK_MAX_ROWS = 8
 SPLITK_COLS = 4
 SPLITK_WARPS = 8      # warps per split-K CTA; check_variants also times 4 (fewer, longer K shares)
+# Weight loads in flight per lane in the one-warp-per-column loop (the loop's unroll depth; the
+# summation order does not depend on it, so results are bit-identical for any value).
+# check_variants times 4 and 8 on cold weights (in_proj, latent_down at M = 1).
+GEMV_UNROLL = 4
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class GemvConfig:
     lin_beta: float = 25.0
     cols: int = 0
     kwarps: int = WARPS          # split-K: warps per CTA sharing the K slices (4 or 8)
+    unroll: int = 4              # one-warp-per-column loop: slices (weight loads) in flight per lane
 
 
 def vec_for(k: int) -> int:
@@ -194,7 +199,7 @@ class Gemv:
             acc.fill(0.0)
             wv = cute.make_rmem_tensor(cute.make_layout(self.cfg.vec), mW.element_type)
             xv = cute.make_rmem_tensor(cute.make_layout(self.cfg.vec), mX.element_type)
-            for i in cutlass.range(self.slices, unroll=4):
+            for i in cutlass.range(self.slices, unroll=self.cfg.unroll):
                 c = lane + i * 32
                 cute.autovec_copy(mW[col, c, None], wv)
                 for r in cutlass.range_constexpr(self.cfg.rows):
@@ -348,7 +353,7 @@ def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> to
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-         splitk_warps: int = SPLITK_WARPS) -> torch.Tensor:
+         splitk_warps: int = SPLITK_WARPS, unroll: int | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]ᵀ on the current stream; both contiguous bf16; returns [M, N] bf16,
     written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. buf[rank]).
     M = 1: K a multiple of 256 runs the original 128-bit kernel, a multiple of 128 the 64-bit
@@ -361,10 +366,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         raise ValueError(f"gemv kernel cannot run M={m} N={n} K={k}")
     out = _out_for(m, n, x, out)
     vec = vec_for(k)
+    unroll = GEMV_UNROLL if unroll is None else unroll
     if m >= SPLITK_MIN_ROWS:
         cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS, kwarps=splitk_warps)
     else:
-        cfg = GemvConfig(n, k, m) if vec == VEC else GemvConfig(n, k, m, vec=vec)
+        cfg = GemvConfig(n, k, m, unroll=unroll) if vec == VEC else GemvConfig(n, k, m, vec=vec, unroll=unroll)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
     return out
 
@@ -483,6 +489,37 @@ def check_variants(rows: tuple[int, ...] = (1, 3, 8), timing: bool = True) -> li
                 r["kernel_us"] = checks.time_us(kernel_call)
                 r["kernel_tbs"] = n * k * 2 / (r["kernel_us"] * 1e-6) / 1e12
             out.append(r)
+    if timing:
+        out += time_cold()
+    return out
+
+
+def time_cold(rows: int = 1, unrolls: tuple[int, ...] = (4, 8), copies: int = 4) -> list[dict]:
+    """The plain GEMV at M = `rows` on the two largest K3 projections with the weight cycling
+    through `copies` copies (≥ 184 MB, beyond the 50 MB L2, as in the step where each weight is
+    read once), per unroll depth, against torch's matmul on the same cold weights; outputs of
+    every depth must be bit-identical to the default's."""
+    import itertools
+    from kimi_decode.kernels import checks
+    dev = torch.device(checks.DEVICE)
+    out = []
+    for name, (n, k) in {"in_proj": (3216, 7168), "latent_down": (3584, 7168)}.items():
+        gen = torch.Generator(device=dev).manual_seed(n)
+        ws = [(torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16() for _ in range(copies)]
+        x = torch.randn(rows, k, generator=gen, device=dev).bfloat16()
+        base = gemv(x, ws[0])
+        cyc = itertools.cycle(ws)
+        r = {"kernel": "gemv_variants", "case": f"cold_{name}", "M": rows, "N": n, "K": k,
+             "torch_us": checks.time_us(lambda: x @ next(cyc).t())}
+        ok = True
+        for u in unrolls:
+            ok = ok and torch.equal(gemv(x, ws[0], unroll=u), base)
+            cyc = itertools.cycle(ws)
+            t = checks.time_us(lambda u=u: gemv(x, next(cyc), unroll=u))
+            r[f"unroll{u}_us"] = t
+            r[f"unroll{u}_tbs"] = n * k * 2 / (t * 1e-6) / 1e12
+        r["ok"] = bool(ok)
+        out.append(r)
     return out
 
 

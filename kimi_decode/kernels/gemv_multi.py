@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ from cutlass import Int32
 
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
-from kimi_decode.kernels.gemv import VEC, WARPS, Gemv, GemvConfig
+from kimi_decode.kernels.gemv import GEMV_UNROLL, SPLITK_MIN_ROWS, VEC, WARPS, Gemv, GemvConfig
 
 MAX_SEGMENTS = 3
 MAX_ROWS = 8          # what the kernel compiles for; the per-M table (fused.MAX_ROWS) uses M = 1
@@ -63,6 +64,7 @@ class MultiConfig:
     rows: int
     segs: tuple[int, ...]
     router: rf.RouterFastConfig | None = None
+    unroll: int = GEMV_UNROLL      # the projection loop's weight loads in flight per lane (gemv.py)
 
 
 def can_implement(m: int, k: int, ns: Sequence[int], dtypes: tuple[torch.dtype, ...],
@@ -82,7 +84,7 @@ class GemvMulti:
     def __init__(self, cfg: MultiConfig) -> None:
         assert 1 <= len(cfg.segs) <= MAX_SEGMENTS, cfg
         self.cfg = cfg
-        self.gemvs = [Gemv(GemvConfig(n, cfg.k, cfg.rows)) for n in cfg.segs]
+        self.gemvs = [Gemv(GemvConfig(n, cfg.k, cfg.rows, unroll=cfg.unroll)) for n in cfg.segs]
         self.ctas = [(n + WARPS - 1) // WARPS for n in cfg.segs]
         self.router = None
         self.rctas = 0
@@ -131,11 +133,11 @@ class GemvMulti:
         warp = cute.arch.warp_idx()          # all lanes, top level (a full-warp shuffle)
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(self.router is not None):
-            red, flag, cK, cI, selI, selS = self.router.smem_tensors()
+            red, flag, cK, cI, selI, selS, sL, sB = self.router.smem_tensors()
             if bidx < self.rctas:                                   # CTA-uniform
                 self.router.gemv_cta(mX, mG, mL, red, bidx, tidx, warp, lane)
-                self.router.complete(mL, mB, mC, mI, mR, flag, cK, cI, selI, selS, Int32(self.rctas),
-                                     Int32(self.cfg.rows), tidx, warp, lane)
+                self.router.complete(mL, mB, mC, mI, mR, flag, cK, cI, selI, selS, sL, sB,
+                                     Int32(self.rctas), Int32(self.cfg.rows), tidx, warp, lane)
             else:
                 self.segments(mX, mW0, mO0, mW1, mO1, mW2, mO2, bidx - self.rctas, warp, lane)
         else:
@@ -195,19 +197,19 @@ def _check_operands(x: torch.Tensor, ws: Sequence[torch.Tensor], router: tuple[i
                          f"{[tuple(w.shape) for w in ws]} router={router}")
 
 
-def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor], *, unroll: int = GEMV_UNROLL) -> list[torch.Tensor]:
     """[x @ w.t() for w in ws] (each [M, N_i] bf16) in one launch on the current stream;
     x [M, K] and every w [N_i, K] contiguous bf16, 1-3 weights. Equals gemv(x, w) bit for bit."""
     _check_operands(x, ws, None)
     m, k = x.shape
     outs = [torch.empty(m, w.shape[0], dtype=torch.bfloat16, device=x.device) for w in ws]
-    _launch(MultiConfig(k, m, tuple(w.shape[0] for w in ws)), x, ws, outs, None)
+    _launch(MultiConfig(k, m, tuple(w.shape[0] for w in ws), unroll=unroll), x, ws, outs, None)
     return outs
 
 
 def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
-                      scaling: float, counter: torch.Tensor, ws: Sequence[torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                      scaling: float, counter: torch.Tensor, ws: Sequence[torch.Tensor], *,
+                      unroll: int = GEMV_UNROLL) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """router_fast.route(y, w_gate, bias, top_k, scaling, counter) and [y @ w.t() for w in ws]
     in one launch: (ids [M, k] int64, weights [M, k] fp32, outputs). counter: the zeroed int32
     [1] buffer router_fast uses (left zeroed). Bit-identical to the separate kernels."""
@@ -222,16 +224,17 @@ def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor,
     ids = torch.empty(m, top_k, dtype=torch.int64, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
     rcfg = rf.RouterFastConfig(k, e, top_k, m, float(scaling))
-    _launch(MultiConfig(k, m, tuple(w.shape[0] for w in ws), rcfg), y, ws, outs,
+    _launch(MultiConfig(k, m, tuple(w.shape[0] for w in ws), rcfg, unroll), y, ws, outs,
             (w_gate, bias, logits, counter, ids, weights))
     return ids, weights, outs
 
 
 def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     """On K3 TP16 shapes: the MoE front (router + latent_down + shared gate_up) equals
-    router_fast.route + gemv + gemv bit for bit (ids, weights, both outputs) and leaves the
-    counter at 0; the MLA front (qkv_a + g_proj) equals two gemv calls bit for bit; both are
-    within bf16 tolerance of torch's matmul (the stock op) and the float64 product. Times the
+    router_fast.route (ids, weights: bit for bit at every M) and, at M = 1, gemv + gemv bit for
+    bit, and leaves the counter at 0; the MLA front (qkv_a + g_proj) equals two gemv calls bit
+    for bit at M = 1; every output within bf16 tolerance of torch's matmul (the stock op) and
+    the float64 product (at M ≥ 2 gemv() is split-K: another summation order). Times the
     one launch against the separate kernels and the stock ops (CUDA-graph replays)."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
@@ -270,17 +273,37 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
              "experts_same_as_stock": same_t, "counter_zero": int(counter.item()) == 0,
              "rel_z_vs_stock": checks.rel(z_k, y @ down.t()), "rel_z_vs_f64": checks.rel(z_k, y.double() @ down.double().t()),
              "stock_rel_z_vs_f64": checks.rel(y @ down.t(), y.double() @ down.double().t())}
-        r["ok"] = bool(r["ids_equal_router_fast"] and r["weights_equal_router_fast"] and r["z_equal_gemv"]
-                       and r["h_equal_gemv"] and r["counter_zero"] and r["rel_z_vs_stock"] <= 1e-2)
+        # bit-equality with gemv() holds where gemv() runs the same one-warp-per-column layout
+        # (M = 1); from M = 2 gemv() switches to split-K (another fp32 summation order), so
+        # there the outputs are held to bf16 tolerance against torch and float64 instead
+        exact = m < SPLITK_MIN_ROWS
+        r["ok"] = bool(r["ids_equal_router_fast"] and r["weights_equal_router_fast"] and r["counter_zero"]
+                       and r["rel_z_vs_stock"] <= 1e-2 and r["rel_z_vs_f64"] <= 1.5 * r["stock_rel_z_vs_f64"] + 1e-3
+                       and checks.rel(h_k, y @ gate_up.t()) <= 1e-2
+                       and (not exact or (r["z_equal_gemv"] and r["h_equal_gemv"])))
         q = {"kernel": "gemv_multi", "case": "mla_front", "M": m,
              "qkv_a_equal_gemv": torch.equal(a_k, a_s), "g_equal_gemv": torch.equal(g_k, g_s),
-             "rel_vs_stock": checks.rel(a_k, y @ qkv_a.t())}
-        q["ok"] = bool(q["qkv_a_equal_gemv"] and q["g_equal_gemv"] and q["rel_vs_stock"] <= 1e-2)
+             "rel_vs_stock": checks.rel(a_k, y @ qkv_a.t()), "rel_g_vs_stock": checks.rel(g_k, y @ g_proj.t())}
+        q["ok"] = bool(q["rel_vs_stock"] <= 1e-2 and q["rel_g_vs_stock"] <= 1e-2
+                       and (not exact or (q["qkv_a_equal_gemv"] and q["g_equal_gemv"])))
         if timing:
-            r["kernel_us"] = checks.time_us(lambda: route_and_project(y, w_gate, bias, cfg.top_k, cfg.routed_scaling,
-                                                                      counter, [down, gate_up]))
-            r["separate_us"] = checks.time_us(lambda: (rf.route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling,
-                                                                counter_sep), gemv(y, down), gemv(y, gate_up)))
+            # cold weights, as in the step (each read once per layer): the timed calls cycle
+            # through 3 copies of the three weights (225 MB, beyond the 50 MB L2)
+            sets = [(w_gate, down, gate_up)] + [(w_gate.clone(), down.clone(), gate_up.clone()) for _ in range(2)]
+            for u in (4, 8):
+                cyc = itertools.cycle(sets)
+
+                def front(u: int = u) -> object:
+                    g_, d_, s_ = next(cyc)
+                    return route_and_project(y, g_, bias, cfg.top_k, cfg.routed_scaling, counter, [d_, s_], unroll=u)
+                r[f"kernel_unroll{u}_us"] = checks.time_us(front)
+            cyc = itertools.cycle(sets)
+
+            def separate() -> object:
+                g_, d_, s_ = next(cyc)
+                return rf.route(y, g_, bias, cfg.top_k, cfg.routed_scaling, counter_sep), gemv(y, d_), gemv(y, s_)
+            r["separate_us"] = checks.time_us(separate)
+            r["kernel_us"] = r[f"kernel_unroll{GEMV_UNROLL}_us"]
             ops = stock_ops.OpSet(cfg)           # the stock path's router GEMM, routing, GEMMs
             r["stock_us"] = checks.time_us(lambda: (stock_ops.route(ops.linear(y, w_gate, torch.float32), bias,
                                                                     cfg.top_k, cfg.routed_scaling),
@@ -288,8 +311,16 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
             r["kernel_tbs"] = (w_gate.numel() + down.numel() + gate_up.numel()) * 2 / (r["kernel_us"] * 1e-6) / 1e12
             r["counter_zero_after_replays"] = int(counter.item()) == 0
             r["ok"] = r["ok"] and r["counter_zero_after_replays"]
-            q["kernel_us"] = checks.time_us(lambda: gemv_multi(y, [qkv_a, g_proj]))
-            q["separate_us"] = checks.time_us(lambda: (gemv(y, qkv_a), gemv(y, g_proj)))
+            msets = [(qkv_a, g_proj)] + [(qkv_a.clone(), g_proj.clone()) for _ in range(4)]
+            for u in (4, 8):
+                cyc = itertools.cycle(msets)
+                q[f"kernel_unroll{u}_us"] = checks.time_us(lambda u=u: gemv_multi(y, list(next(cyc)), unroll=u))
+            cyc = itertools.cycle(msets)
+
+            def separate_mla() -> object:
+                a_, g_ = next(cyc)
+                return gemv(y, a_), gemv(y, g_)
+            q["separate_us"] = checks.time_us(separate_mla)
             q["stock_us"] = checks.time_us(lambda: (y @ qkv_a.t(), y @ g_proj.t()))
         out += [r, q]
     return out

@@ -80,6 +80,13 @@ MAX_ROWS = 8               # this kernel's M range; above, route() delegates to 
 GEMV_MAX_ROWS = _slow.GEMV_MAX_ROWS  # the wrapper contract: logits needed only above this
 NEG = -3.0e38
 MIN_CTAS = 4               # .minnctapersm: ≤ 64 registers, so all E/EPC = 448 CTAs are resident at once
+# Logits staged in shared memory by the last CTA when M·E is at most this (M ≤ 2 at E = 896:
+# 7-14 KB more per CTA). Measured on the H200 (Nsight Compute, fused B = 1 step, 2026-12-02):
+# reading them from global memory inside topk_row left one SM working 15 of the kernel's
+# 20.8 us after the others were done (41 K elapsed cycles, 10.9 K SM-active on average): under
+# the 64-register cap the 28 logit + 28 bias loads per lane issue one after another, each a
+# full L2 round trip, between the sigmoids.
+STAGE_MAX_LOGITS = 2048
 SMEM_CARVEOUT = 50         # percent of the SM's 228 KB as shared memory (4 CTAs × ~19 KB); set
                            # explicitly, else with min_blocks_per_mp > 1 the DSL queries the
                            # device while compiling (no GPU in CI)
@@ -121,6 +128,8 @@ class RouterFast:
         self.D, self.E, self.K = cfg.hidden, cfg.experts, cfg.top_k
         self.per_lane = cfg.experts // 32
         self.slices = cfg.hidden // (VEC * 32 * KSPLIT)   # 128-bit loads per lane (7 at K3)
+        # the last CTA copies the logits and the bias to shared memory before its top-k (small M)
+        self.stage = cfg.rows * cfg.experts <= STAGE_MAX_LOGITS
 
     @cute.jit
     def __call__(self, y: cute.Pointer, w_gate: cute.Pointer, bias: cute.Pointer,
@@ -146,13 +155,14 @@ class RouterFast:
         gdim, _, _ = cute.arch.grid_dim()
         warp = cute.arch.warp_idx()          # all lanes, top level (a full-warp shuffle)
         lane = cute.arch.lane_idx()
-        red, flag, cK, cI, selI, selS = self.smem_tensors()
+        red, flag, cK, cI, selI, selS, sL, sB = self.smem_tensors()
         self.gemv_cta(mY, mW, mL, red, bidx, tidx, warp, lane)
-        self.complete(mL, mB, mC, mI, mO, flag, cK, cI, selI, selS, gdim, m, tidx, warp, lane)
+        self.complete(mL, mB, mC, mI, mO, flag, cK, cI, selI, selS, sL, sB, gdim, m, tidx, warp, lane)
 
     def smem_tensors(self) -> tuple:
         """The kernel's shared memory, in allocation order: red (warp partial sums), flag
-        (the counter value this CTA read), cK/cI (top-k candidates), selI/selS (winners).
+        (the counter value this CTA read), cK/cI (top-k candidates), selI/selS (winners), and
+        when staging sL/sB (the logits and the bias for the top-k; else None, None).
         Called inside a kernel (gemv_multi.py's router segment allocates the same)."""
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout((self.cfg.rows, WARPS), stride=(WARPS, 1)), 16)
@@ -161,7 +171,11 @@ class RouterFast:
         cI = smem.allocate_tensor(Int32, cute.make_layout((WARPS, CAP), stride=(CAP, 1)), 16)
         selI = smem.allocate_tensor(Int32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
         selS = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32), stride=(32, 1)), 16)
-        return red, flag, cK, cI, selI, selS
+        if cutlass.const_expr(self.stage):
+            sL = smem.allocate_tensor(Float32, cute.make_layout((self.cfg.rows, self.E), stride=(self.E, 1)), 16)
+            sB = smem.allocate_tensor(Float32, cute.make_layout(self.E), 16)
+            return red, flag, cK, cI, selI, selS, sL, sB
+        return red, flag, cK, cI, selI, selS, None, None
 
     @cute.jit
     def gemv_cta(self, mY: cute.Tensor, mW: cute.Tensor, mL: cute.Tensor, red: cute.Tensor,
@@ -203,10 +217,12 @@ class RouterFast:
     @cute.jit
     def complete(self, mL: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mI: cute.Tensor,
                  mO: cute.Tensor, flag: cute.Tensor, cK: cute.Tensor, cI: cute.Tensor,
-                 selI: cute.Tensor, selS: cute.Tensor, ctas: Int32, m: Int32, tidx: Int32,
-                 warp: Int32, lane: Int32):
+                 selI: cute.Tensor, selS: cute.Tensor, sL: cute.Tensor | None, sB: cute.Tensor | None,
+                 ctas: Int32, m: Int32, tidx: Int32, warp: Int32, lane: Int32):
         """Grid completion (router.py's pattern) over the `ctas` router CTAs: the last one to
-        bump the counter runs the top-k of every row and re-zeroes the counter."""
+        bump the counter runs the top-k of every row and re-zeroes the counter. With staging
+        (sL, sB given) its 256 threads first copy the M×E logits and the bias to shared memory
+        (coalesced, all loads independent: one L2 round trip), then the top-k reads them there."""
         cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
@@ -215,8 +231,23 @@ class RouterFast:
         cute.arch.sync_threads()
         if flag[0] == ctas - 1:                                 # CTA-uniform
             cute.arch.fence_acq_rel_gpu()
-            for row in range(warp, m, WARPS):                   # warp-uniform
-                self.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
+            if cutlass.const_expr(self.stage):
+                n_l = self.cfg.rows * self.E
+                for i in cutlass.range_constexpr((n_l + WARPS * 32 - 1) // (WARPS * 32)):
+                    t = tidx + i * (WARPS * 32)
+                    if t < n_l:
+                        r_ = t // self.E
+                        sL[r_, t - r_ * self.E] = mL[r_, t - r_ * self.E]
+                for i in cutlass.range_constexpr((self.E + WARPS * 32 - 1) // (WARPS * 32)):
+                    t = tidx + i * (WARPS * 32)
+                    if t < self.E:
+                        sB[t] = mB[t]
+                cute.arch.sync_threads()
+                for row in range(warp, m, WARPS):               # warp-uniform
+                    self.topk_row(sL, sB, mI, mO, cK, cI, selI, selS, row, warp, lane)
+            else:
+                for row in range(warp, m, WARPS):               # warp-uniform
+                    self.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
 

@@ -23,7 +23,7 @@ from cutlass import Int32  # noqa: E402
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
-from kimi_decode.kernels.router_fast import (CAP, KSPLIT, RouterFast, RouterFastConfig,  # noqa: E402
+from kimi_decode.kernels.router_fast import (CAP, KSPLIT, STAGE_MAX_LOGITS, RouterFast, RouterFastConfig,  # noqa: E402
                                              can_implement, emulate_select, reference)
 
 bf, f32 = torch.bfloat16, torch.float32
@@ -57,6 +57,16 @@ def test_router_fast_compiles(tmp_path: Path, m: int) -> None:
     # top-k: warp prefix sum (shfl.up), warp barriers around the shared-memory candidates
     assert ptx.count("shfl.sync.up") == 5 and ptx.count("bar.warp.sync") >= 3
     assert re.search(r"\.reqntid 256, 1, 1", ptx)
+    # small M: the last CTA stages the logits and the bias in shared memory (coalesced scalar
+    # loads, ceil(E/256) each) before its top-k; the top-k itself reads no global memory
+    scalar = ptx.count("ld.global.b32") + ptx.count("ld.global.f32")
+    if m * K3.num_experts <= STAGE_MAX_LOGITS:
+        per = -(-K3.num_experts // 256)
+        assert scalar == per * (m + 1)
+        last_bar = ptx.rindex("bar.sync")
+        assert "ld.global" not in ptx[last_bar:]
+    else:
+        assert scalar > 2 * K3.num_experts // 32      # logits and bias read in the top-k
 
 
 def test_can_implement() -> None:
