@@ -340,7 +340,7 @@ def report(kernel_rows: list[dict], steps: list[dict], refs: list[dict], passed:
             errs = "error: " + r["error"].strip().splitlines()[-1][:200]
         su, ku = r.get("stock_us"), r.get("kernel_us")
         L.append(f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | "
-                 f"{su:.1f} | {ku:.1f} |" if su is not None else
+                 f"{su:.1f} | {ku:.1f} |" if su is not None and ku is not None else
                  f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | - | - |")
     L += ["", "## Fused step against the stock step (same weights and state, 3 steps, layers 4-7)", "",
           "| B | k | routing | result | max rel L2 | m | prefix | blocks | worst state | routing rows same | sequences compared | kernels on |",

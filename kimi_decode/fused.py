@@ -72,7 +72,7 @@ from kimi_decode.stock import Runtime, StockDecoder
 # not listed here is never used.
 VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "prefetch",
                                     "kda_split", "experts", "router_fast", "attn_res_ar", "attn_res_ag",
-                                    "gemv_variants", "moe_up", "mla_attend", "mla_glue"})
+                                    "gemv_variants", "moe_up", "mla_attend", "mla_glue", "gemv_multi"})
 # Used by default: the L2 prefetch is correct but slowed its consumer GEMV in the device check
 # (21.8 us cold vs 70.4 us after a prefetch), so it is opt-in (kernels={..., "prefetch"}).
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - {"prefetch"}

@@ -321,6 +321,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
                 a_, g_ = next(cyc)
                 return gemv(y, a_), gemv(y, g_)
             q["separate_us"] = checks.time_us(separate_mla)
+            q["kernel_us"] = q[f"kernel_unroll{GEMV_UNROLL}_us"]
             q["stock_us"] = checks.time_us(lambda: (y @ qkv_a.t(), y @ g_proj.t()))
         out += [r, q]
     return out

@@ -438,7 +438,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     counter_slow = torch.zeros(1, dtype=torch.int32, device=dev)
-    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False,
+    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False, use_router_fast=False,
                           k=stock_ops.OpSet(cfg), fx={"route": stock_ops.route})
     out = []
     for m in rows:
