@@ -121,7 +121,7 @@ def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -
     bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     # the stock router GEMM + routing as the fused LatentMoE's fallback issues them (eager ops)
-    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False,
+    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False, use_router_fast=False,
                           k=stock_ops.OpSet(cfg), fx={"route": stock_ops.route})
     out = []
     for m in rows:
