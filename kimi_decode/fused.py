@@ -293,6 +293,7 @@ class MLAAttention(stock.MLAAttention):
     use_multi = False                              # kernels/gemv_multi.py: qkv_a + g_proj, one launch
     use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
+    last_buf: torch.Tensor | None = None           # pos + t_off, kept by FusedDecoder (once per step)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
         if not (self.use_gemv or self.ar_slots or self.use_glue or self.use_multi
@@ -327,7 +328,8 @@ class MLAAttention(stock.MLAAttention):
             with op_range("kv_insert"):
                 q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
         with op_range("mla_decode"):
-            last = pos + self.t_off
+            # the step's query positions, computed once per step by FusedDecoder (last_buf)
+            last = self.last_buf if self.last_buf is not None else pos + self.t_off
             if self.attend_scratch is not None:           # one launch (kernels/mla_attend.py)
                 from kimi_decode.kernels.mla_attend import mla_attend
                 o_lat = mla_attend(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
@@ -557,6 +559,7 @@ class FusedDecoder(StockDecoder):
         self.cfg, self.rt = clone.cfg, clone.rt
         self.layers = clone.layers
         self.register_buffer("pos", clone.pos)
+        self._hoist_positions()
         self.kernels = self.enable(kernels if kernels is not None else DEFAULT_KERNELS)
 
     def forward(self, m: torch.Tensor, prefix: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -573,7 +576,21 @@ class FusedDecoder(StockDecoder):
                 T = cfg.tokens_per_seq
                 nxt = self.pos + T
                 self.pos.copy_(torch.where(nxt + T > cfg.cache_len, cfg.context_len, nxt))
+                if self.mla_last is not None:    # the next step's query positions, for every MLA layer
+                    torch.add(self.pos, self.mla_t_off, out=self.mla_last)
         return m, prefix
+
+    def _hoist_positions(self) -> None:
+        """The MLA query positions pos + t_off [T] are the same in every MLA layer of a step:
+        computed once per step here (right after pos advances, so the invariant mla_last ==
+        pos + t_off holds between steps) instead of one add kernel in each of the 24 MLA
+        layers (stock computes it per layer inside mla_decode). A plain attribute, not a
+        buffer: it is derived from pos, not decode state of its own."""
+        mla = [layer.attn for layer in self.layers if isinstance(layer.attn, MLAAttention)]
+        self.mla_t_off = mla[0].t_off if mla else None
+        self.mla_last = (self.pos + self.mla_t_off) if mla else None
+        for attn in mla:
+            attn.last_buf = self.mla_last
 
     def enable(self, kernels: frozenset[str]) -> frozenset[str]:
         """Switch the named kernels on where they can run (GPU, supported shapes), the rest

@@ -421,3 +421,20 @@ def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
     mla = [layer.attn for layer in fused.layers if hasattr(layer.attn, "use_multi")]
     assert len(mla) == 2
     assert multis == [(a.qkv_a.data_ptr(), a.g_proj.data_ptr()) for a in mla] * steps
+
+
+def test_mla_positions_hoisted_once_per_step() -> None:
+    """The MLA query positions pos + t_off live in one tensor shared by every MLA layer and
+    are refreshed right after pos advances, so between steps (where the per-layer bench graphs
+    and the next step read them) they always equal pos + t_off, also across the cache wrap."""
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    mla = [layer.attn for layer in fused.layers if layer.kind == "mla"]
+    assert len(mla) == 2 and all(a.last_buf is fused.mla_last for a in mla)
+    steps = (cfg.cache_len - cfg.context_len) // cfg.tokens_per_seq + 2     # past one wrap
+    for s in range(steps):
+        m, prefix, blocks = stock.make_inputs(seed=90 + s)
+        with torch.no_grad():
+            fused(m, prefix, blocks)
+        assert torch.equal(fused.mla_last, fused.pos + mla[0].t_off), s
