@@ -95,8 +95,11 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - experts (M ≤ 8: 156 vs 177 us at M = 8), attn_res_ar/ag, mla_glue, GEMV (M = 1, its own
 #   table in kernels/gemv.py): every M their can_implement allows.
 # - gemv_multi: M = 1, as the plain GEMV it is made of (kernels/gemv.py GEMV_MAX_ROWS).
+# - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
+#   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
+#   155.1 us at M = 8, same results); the two M the check covers.
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
-            "gemv_multi": 1}
+            "gemv_multi": 1, "experts_pdl": 8}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -420,7 +423,7 @@ class LatentMoE(stock.LatentMoE):
             inter = cfg.expert_local_inter
             if can_implement(z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,), inter=inter):
                 return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
-                               inter=inter)
+                               inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"])
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 
