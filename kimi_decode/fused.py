@@ -26,12 +26,19 @@ and the kernel is in `VERIFIED`):
   one kernel (`router_fast`: K split over 4 warps per expert, 448 CTAs, candidate-rank top-k;
   `router`: the first version) for small M (above: the stock router GEMM's fp32 logits + one
   kernel), op `router`; the stock op `routing` disappears.
-- Shared expert on the side stream, next to the latent down-projection, overlapping the
+- MoE front at M = 1 (`gemv_multi`, op `moe_front`): router (router_fast's CTAs, top-k in the
+  last of them) + latent down-projection + shared-expert gate/up in ONE grid over the three
+  weights (75 MB), all on the main stream; bit-identical to the separate kernels. In the B = 1
+  step it replaced 39.8 us (latent_down and the shared expert on the side stream, the router
+  starting ~15 us late beside them) with 24-25 us. The shared expert's down GEMV then runs on
+  the side stream beside the routed experts, joined before the tail.
+- Shared expert (M > 1) on the side stream, next to the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts); its SiTU
   GLU is the down GEMV's prologue (`gemv_variants`: gemv_situ).
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
-  once, the zero padding of the intermediate skipped.
+  once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
+  launch (MAX_ROWS["experts_pdl"]), so its weight loads start while FC1 finishes.
 - MoE tail (`moe_up`, kernels/moe_up.py): the all-reduce of the routed latent and the shared
   expert's reduce-scatter are summed from their slots, then latent RMSNorm, this rank's
   up-projection rows and the shared add, written into the all-gather slot: one launch for
@@ -40,7 +47,9 @@ and the kernel is in `VERIFIED`):
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
   stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the first GEMV measured 33 us vs 13.8 us).
-- MLA: g_proj stays on the side stream until the gate needs it; `mla_glue` fuses W_UK
+- MLA: at M = 1 qkv_a and g_proj are one `gemv_multi` grid (op `qkv_a_g`; 41 MB), above it
+  g_proj stays on the side stream until the gate needs it; the query positions pos + t_off
+  are computed once per step by FusedDecoder, not in every MLA layer; `mla_glue` fuses W_UK
   absorption + KV-cache insert (`uk_insert`) and W_UV + sigmoid gate (`uv_gate`);
   `mla_attend` is the absorbed attention over the latent cache in one launch (split over
   positions, combined in-kernel) where it beats stock's bmm (few query rows).
