@@ -238,13 +238,17 @@ def _layers_of(doc: dict, verdict: str) -> set[str]:
 
 
 def test_k3_eager_to_graph_improves_and_back_fails(k3: dict) -> None:
-    """Replaying a CUDA graph removes launch gaps: eager -> graph improves every layer; the
-    reverse fails on every layer. Graph-side ops are exactly those of its capture map."""
+    """Replaying a CUDA graph removes launch gaps: eager -> graph improves every layer and the
+    step (gated at the layer: a single op need not get faster, e.g. in the 19:06 capture the
+    first AttnRes kernel ran 12.5 us in the eager step and 14.0 us back-to-back in the graph,
+    CI [+8%, +17%]: reported below the gate, not failing); the reverse fails on every layer.
+    Graph-side ops are exactly those of its capture map."""
     from analyzers.diff import compare
 
     eager, graph = (k3["get"](f"k3_stock_b1_k0_{m}.json.gz") for m in ("eager", "graph"))
-    fwd = compare(eager, graph).to_dict()
+    fwd = compare(eager, graph, gate="layer").to_dict()
     assert fwd["mode"] == "layers" and fwd["verdict"] == "pass"
+    assert all(r["op"] for r in fwd["rows"] if r["verdict"] == "regression below gate")
     layers = {layer for layer, _ in _capture_map_ops("k3_stock_b1_k0_graph.json.gz")}
     assert _layers_of(fwd, "improvement") >= layers
     assert {(r["layer"], r["op"]) for r in fwd["rows"] if r["op"] and r["cand_steps"]} == \
