@@ -338,10 +338,8 @@ def report(kernel_rows: list[dict], steps: list[dict], refs: list[dict], passed:
                                       "stock_us", "kernel_us", "error"))
         if "error" in r:
             errs = "error: " + r["error"].strip().splitlines()[-1][:200]
-        su, ku = r.get("stock_us"), r.get("kernel_us")
-        L.append(f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | "
-                 f"{su:.1f} | {ku:.1f} |" if su is not None and ku is not None else
-                 f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | - | - |")
+        su, ku = (f"{t:.1f}" if t is not None else "-" for t in (r.get("stock_us"), r.get("kernel_us")))
+        L.append(f"| {r['kernel']} | {case} | {'pass' if r['ok'] else 'FAIL'} | {errs} | {su} | {ku} |")
     L += ["", "## Fused step against the stock step (same weights and state, 3 steps, layers 4-7)", "",
           "| B | k | routing | result | max rel L2 | m | prefix | blocks | worst state | routing rows same | sequences compared | kernels on |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
