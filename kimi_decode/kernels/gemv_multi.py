@@ -9,6 +9,9 @@ layer 6) latent_down + shared expert ran 34 us on the side stream and the router
 not start until latent_down's had drained: 39.8 us from latent_down's start to the router's end
 for 80 MB, i.e. 2 TB/s. One grid over all the rows streams 75 MB at the GEMV's rate (in_proj
 alone: 4.6 TB/s), ~17 us, and the router's top-k is hidden behind the projection CTAs.
+Measured (bench/fused_correctness.md, H200, cold weights): 22.4 us vs 35.6 us for the separate
+kernels; 24-25 us in the step (traces/k3_fused_b1_k0_graph.json.gz): 3.0-3.4 TB/s, the rate the
+plain GEMV reaches on cold weights (4.6 TB/s was an L2-warm figure).
 
 Layout: grid = [router CTAs] + [segment 0 CTAs] + [segment 1 CTAs] (+ [segment 2 CTAs]), 256
 threads each. CTA b < E/2 (router, optional) is exactly router_fast's CTA (RouterFast.gemv_cta:

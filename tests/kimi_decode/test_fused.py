@@ -132,6 +132,28 @@ def _emulate_kda(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, 
     return ops.gated_rms_norm(o, o_norm, z[:, 3 * P:4 * P], cfg.norm_eps, z.dtype)
 
 
+def assert_state_close(stock, fused) -> None:
+    """Every floating-point decode-state buffer of fused within float32 rounding of stock's."""
+    bufs_f = dict(fused.named_buffers())
+    for name, buf in stock.named_buffers():
+        if buf.is_floating_point():
+            assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
+
+
+def run_close(stock, fused, seed: int, steps: int) -> None:
+    """`steps` steps side by side from the same inputs: outputs, AttnRes blocks and then the
+    decode state agree within float32 rounding (the kernels are float64 torch emulations)."""
+    for s in range(steps):
+        m, prefix, blocks = stock.make_inputs(seed=seed + s)
+        blocks_f = blocks.clone()
+        with torch.no_grad():
+            out_s, out_f = stock(m, prefix, blocks), fused(m, prefix, blocks_f)
+        for a, b in zip(out_s, out_f):
+            assert float((a - b).norm() / a.norm()) < 1e-5
+        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
+    assert_state_close(stock, fused)
+
+
 def _emulate_route(y, w_gate, bias, top_k, scaling, counter, logits=None, logits_bf16=False):
     """route's contract: fp32 logits computed in-kernel (small M) or the caller's."""
     from kimi_decode.kernels.router import reference
@@ -190,18 +212,7 @@ def test_kernel_call_sites_on_cpu(monkeypatch, kda_kernel: bool) -> None:
         nxt = fused.layers[i + 1].attn if i + 1 < len(fused.layers) else None
         target = None if nxt is None else getattr(nxt, "in_proj", getattr(nxt, "qkv_a", None))
         layer.mlp.prefetch_target = None if target is None else target.detach()
-    for s in range(2):
-        m, prefix, blocks = stock.make_inputs(seed=60 + s)
-        blocks_f = blocks.clone()
-        with torch.no_grad():
-            out_s, out_f = stock(m, prefix, blocks), fused(m, prefix, blocks_f)
-        for a, b in zip(out_s, out_f):
-            assert float((a - b).norm() / a.norm()) < 1e-5
-        assert float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
-    bufs_f = dict(fused.named_buffers())
-    for name, buf in stock.named_buffers():
-        if buf.is_floating_point():
-            assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
+    run_close(stock, fused, seed=60, steps=2)
     assert len(prefetched) == 2 * 5          # every MoE layer but the last, each step
     assert glue_calls == ["uk", "uv"] * (2 * 2)   # 2 MLA layers, 2 steps
     # per step: KDA in_proj + o_proj (x4 layers), MLA g, qkv_a, q_b, o (x2), MoE 3 each (x6)
@@ -401,19 +412,9 @@ def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
             layer.attn.use_multi = True
     if tp_sim:
         run_with_filled_slots(stock, fused, rt, seed=70)
+        assert_state_close(stock, fused)
     else:
-        for s in range(2):
-            m, prefix, blocks = stock.make_inputs(seed=70 + s)
-            blocks_f = blocks.clone()
-            with torch.no_grad():
-                out_s, out_f = stock(m, prefix, blocks), fused(m, prefix, blocks_f)
-            for a, b in zip(out_s, out_f):
-                assert float((a - b).norm() / a.norm()) < 1e-5
-            assert torch.equal(blocks, blocks_f) or float((blocks - blocks_f).norm() / blocks.norm()) < 1e-5
-    bufs_f = dict(fused.named_buffers())
-    for name, buf in stock.named_buffers():
-        if buf.is_floating_point() and "bufs" not in name:
-            assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
+        run_close(stock, fused, seed=70, steps=2)
     steps = 3 if tp_sim else 2
     moe = [layer.mlp for layer in fused.layers]
     assert routes == []                                            # no separate router launch
