@@ -380,6 +380,7 @@ class LatentMoE(stock.LatentMoE):
     use_gemv = False
     use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
     use_experts_kernel = False   # kernels/moe_experts.py
+    use_experts_v2 = False       # the same with FC2 in one wave (ExpertsFC2v2, kernel experts_v2)
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
@@ -423,16 +424,20 @@ class LatentMoE(stock.LatentMoE):
     def _experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j w·expert_j(z): the two-kernel CuTe path (kernels/moe_experts.py) where it
-        applies, else the stock op; with `out`, written there (the all-reduce slot)."""
+        applies (FC2 v2 where `experts_v2` is enabled and its shape rules hold, else the
+        first FC2 where `experts` is enabled), else the stock op; with `out`, written there
+        (the all-reduce slot)."""
         cfg = self.cfg
-        if self.use_experts_kernel:
-            from kimi_decode.kernels.moe_experts import can_implement, experts
+        if self.use_experts_kernel or self.use_experts_v2:
+            from kimi_decode.kernels.moe_experts import can_implement, can_implement_v2, experts
             # inter: the padded intermediate rows are zero by construction (stock.LatentMoE), so
             # the kernels skip them (a quarter of the expert bytes)
             inter = cfg.expert_local_inter
-            if can_implement(z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,), inter=inter):
+            shape = (z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,))
+            v2 = self.use_experts_v2 and can_implement_v2(*shape, inter=inter)
+            if v2 or (self.use_experts_kernel and can_implement(*shape, inter=inter)):
                 return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
-                               inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"])
+                               inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"], v2=v2)
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 
@@ -659,6 +664,7 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_gemv = "gemv" in on
                 layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
                 layer.mlp.use_experts_kernel = "experts" in on
+                layer.mlp.use_experts_v2 = "experts_v2" in on
                 layer.mlp.use_front = "gemv_multi" in on
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
                 # the last layer's output is the step's: gathered by forward (kept in its step

@@ -262,7 +262,8 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
         from kimi_decode.kernels import CHECK_MODULES
         mod = importlib.import_module(f"kimi_decode.kernels.{CHECK_MODULES[name]}")
         fn = getattr(mod, "check_ar" if name == "attn_res_ar" else "check_ag" if name == "attn_res_ag" else
-                     "check_variants" if name == "gemv_variants" else "check")
+                     "check_variants" if name == "gemv_variants" else "check_v2" if name == "experts_v2" else
+                     "check")
         return fn(timing=timing)
     return run
 

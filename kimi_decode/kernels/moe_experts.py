@@ -41,6 +41,42 @@ the w2 slices), capped at 128 by `min_blocks_per_mp=2`: 2 CTAs per SM, so 448 CT
 waves; each SM keeps ~100 KB of w2 loads in flight. The weights w[m, :] (0 for an invalid id)
 sit in shared memory too, so no register holds them across the loads.
 
+FC2 v2 (ExpertsFC2v2, kernel `experts_v2`, `experts(..., v2=True)`; FC1 unchanged). Why FC2
+reached 34% of the HBM peak (bench/ncu_fused_b1.md: 13.6 us cold for 22 MB): 126 registers
+(ptxas 13.0) allow 2 CTAs of 8 warps per SM, so 448 CTAs take 1.7 waves of all-at-once
+bursts (98 KB per SM, then the drain, then a second, uneven burst: 184 CTAs leave 80 SMs with
+one), and lanes 24..31 of every warp hold registers but load nothing (192 of 256 columns).
+Little's law asks for ~3.8 TB/s x ~1 us / 132 SMs ≈ 29 KB in flight per SM; the M = 1 stream
+is 16·3584·192·2 B = 22 MB = 167 KB per SM, so a burst that holds ALL of it fits when ~65%
+of the register file (42.7 K of 64 K registers) can be load destinations. Layout:
+- a warp = one output column l, all K experts; its 32 lanes are 4 groups of 8: group g takes
+  experts j = g + 4t (t < K/4), lane r of the group the slices q = r + 8i (i < I/64) of each
+  row: 4·3 = 12 loads of 16 B per lane at K3, every lane busy, 48 registers of data (the old
+  FC2: 16 loads, 64 registers, 25% of them idle); one warp instruction reads 4 experts'
+  whole 128-byte lines.
+- a CTA = 4 warps (4 columns) of one row: grid = M·L/4 = 896 CTAs at M = 1, CTA b taking row
+  b % M of column block b // M (the rows of a block side by side: experts shared by rows are
+  re-read from L2). min_blocks_per_mp = 7 caps ptxas at 72 registers: 7·132 = 924 CTA slots
+  ≥ 896, so the whole 22 MB is requested in one wave (~163 KB per SM in flight); ptxas spills
+  a few words under that cap (20 B stored, 32 B reloaded per thread, local memory in L1;
+  118 registers uncapped).
+- as before, all w2 loads (and the ids and weights) are issued before griddepcontrol.wait;
+  `a` [K, I] (6 KB, L2) is staged in shared memory after it, 8 threads per activation row,
+  one 128-bit slice at a time (a rolled loop: 4 registers beside the 48 in flight; staging
+  all at once made ptxas spill more); one barrier.
+- per group: K/4 dots (lane: its slices, 8 elements each, in order; then a 3-step 8-lane
+  butterfly, after which every lane of the group holds the same fp32 sum), each rounded to
+  bf16 (e); then 16 index shuffles bring e_j from group j % 4 and every lane sums
+  acc += w[m, j]·e_j in j order, as ExpertsFC2; lane 0 stores bf16(acc).
+Rounding points unchanged (h, a, e, r); only e's fp32 dot order differs from ExpertsFC2
+(3 slices per lane + 8-lane butterfly instead of 1 slice per lane + 32-lane butterfly), so
+results match it within the check's 1e-2 (an occasional one-ulp bf16 flip of an e_j), not
+bit for bit. Shuffles: 12 + 16 per warp (ExpertsFC2: 80). Expectation at M = 1 (not yet
+measured): latency + 22 MB / 3.8 TB/s ≈ 1 + 5.8 ≈ 7 us cold, against 13.6 us. With PDL in
+the step FC2 CTAs become resident beside FC1's (~3 per SM at 40 registers ≈ 30 K registers)
+only as far as registers allow (~4 of the 7), the rest as FC1 drains. At M = 8: 7,168 CTAs,
+~7.8 waves of the same per-CTA burst (24 KB).
+
 PDL (`pdl=True`): FC2 is launched with programmatic stream serialization; FC1 executes
 `griddepcontrol.launch_dependents` at its start, so FC2's CTAs may start (and issue their w2
 loads, which depend on nothing FC1 writes) while FC1's last CTAs run; `griddepcontrol.wait`
@@ -61,8 +97,9 @@ Indices: all offsets are int32 element offsets; the largest, into w13, is E·2·
 (never happens with router output). No shuffle sits in a lane-dependent branch: guards clamp
 indices and predicate loads and stores (warp_idx() included, see _common.block_sum).
 
-Check on the GPU (against stock_ops.experts_grouped and the float64 reference; times both):
-    python -m kimi_decode.kernels.moe_experts
+Check on the GPU (against stock_ops.experts_grouped and the float64 reference; times both;
+`check_v2`: FC2 v2, also against the kernels above, old vs new timed):
+    python -m kimi_decode.kernels.moe_experts [v2]
 """
 from __future__ import annotations
 
@@ -86,6 +123,9 @@ WARPS = 8        # warps per CTA (both kernels)
 MAX_ROWS = 8     # M
 MAX_PAIRS = 128  # M·K
 FC1_UNROLL = 7   # slices of the L loop in flight per lane (L / 256 = 14 at K3: two rounds)
+V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
+V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
+V2_GROUP_LANES = 8
 
 
 @dataclass(frozen=True)
@@ -299,8 +339,128 @@ class ExpertsFC2:
             cute.arch.sync_threads()                 # sA is rewritten by the next row
 
 
-def compile_for(cfg: ExpertsConfig) -> tuple[object, object]:
-    """The two compiled kernels for `cfg` (cached)."""
+class ExpertsFC2v2:
+    """Kernel 2, version 2 (kernel name `experts_v2`): the same out[m, l], one (row, 4
+    columns) per CTA, every lane loading (module docstring, "FC2 v2")."""
+
+    def __init__(self, cfg: ExpertsConfig) -> None:
+        self.cfg = cfg
+        self.per_group = cfg.top_k // V2_GROUPS              # experts per 8-lane group (K/4)
+        self.slices = cfg.inter // (VEC * V2_GROUP_LANES)     # 128-bit slices per lane per row (I/64)
+        # 48 weight registers (K·I/256 ≤ 12 slices) fit under 72 registers: 7 CTAs of 4 warps
+        # per SM, one wave at K3 (896 CTAs ≤ 7·132); more slices: 4 CTAs (≤ 128 registers)
+        self.min_blocks = 7 if self.per_group * self.slices <= 12 else 4
+
+    @cute.jit
+    def __call__(self, act: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, w2: cute.Pointer,
+                 out: cute.Pointer, m: Int32, stream: cuda.CUstream):
+        L, Ip, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.top_k, self.cfg.experts
+        ni = Ip // VEC
+        mA = cute.make_tensor(act, cute.make_layout((m * K, ni, VEC), stride=(Ip, VEC, 1)))
+        mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
+        mWt = cute.make_tensor(w, cute.make_layout((m, K), stride=(K, 1)))
+        mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
+        self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
+            grid=[m * ((L + V2_WARPS - 1) // V2_WARPS), 1, 1], block=[V2_WARPS * 32, 1, 1], stream=stream,
+            use_pdl=self.cfg.pdl, min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=-1)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
+               mO: cute.Tensor, m: Int32):
+        L, I, K, E = self.cfg.latent, self.cfg.inter, self.cfg.top_k, self.cfg.experts
+        kpg, nsl = self.per_group, self.slices
+        nq = I // VEC                        # 128-bit slices of a row actually read (24)
+        threads = V2_WARPS * 32
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
+        lane = cute.arch.lane_idx()
+        grp = lane // V2_GROUP_LANES         # the group's experts: j = grp + 4·t
+        r = lane - grp * V2_GROUP_LANES      # the lane's slices of a row: q = r + 8·i
+        # CTA b: row b % m of column block b // m (the M rows of a block run side by side,
+        # so experts shared between rows are re-read from L2)
+        cb = bidx // m
+        row = bidx - cb * m
+        col = cb * V2_WARPS + warp
+        # every thread reaches the barrier and the shuffles; an out-of-range warp (none at
+        # K3: L % 4 == 0) reads column L-1 and stores nothing
+        cc = col
+        if col >= L:
+            cc = L - 1
+        smem = cutlass.memory.SmemAllocator()
+        sA = smem.allocate_tensor(mA.element_type, cute.make_layout((K, nq, VEC), stride=(nq * VEC, VEC, 1)),
+                                  byte_alignment=16)
+        sW = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
+        wv = cute.make_rmem_tensor(cute.make_layout((VEC, nsl, kpg)), mW2.element_type)
+        av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
+        ev = cute.make_rmem_tensor(cute.make_layout(kpg), Int32)
+        ex = cute.make_rmem_tensor(cute.make_layout(kpg), Float32)
+        # the group's K/4 ids; an id outside [0, E) reads expert 0 and weighs 0
+        for t in cutlass.range_constexpr(kpg):
+            e = mIdx[row, grp + t * V2_GROUPS].to(Int32)
+            if e < 0 or e >= E:
+                e = Int32(0)
+            ev[t] = e
+        # K/4 experts x I/64 slices: 12 loads of 16 B per lane at K3, every lane busy; one
+        # warp instruction reads 4 experts' 128 contiguous bytes (a whole line each)
+        for t in cutlass.range_constexpr(kpg):
+            for i in cutlass.range_constexpr(nsl):
+                cute.autovec_copy(mW2[ev[t], cc, r + i * V2_GROUP_LANES, None], wv[None, i, t])
+        if tidx < K:                             # the row's weights, 0 for an invalid id
+            e = mIdx[row, tidx].to(Int32)
+            wj = mWt[row, tidx]
+            if e < 0 or e >= E:
+                wj = Float32(0.0)
+            sW[tidx] = wj
+        # all w2 loads are issued before this: the scheduling fence of ExpertsFC2 and, with
+        # PDL, the point past which FC1's `a` is complete and visible
+        cute.arch.griddepcontrol_wait()
+        # `a` (columns < I) staged in shared memory after the wait, with or without PDL:
+        # 8 threads per activation row, as the groups read it (thread t: row t // 8 (+ 16·n),
+        # slices t % 8 + 8·i), one 128-bit slice at a time (a rolled loop: 4 registers beside
+        # the 48 of w2 in flight)
+        jr = tidx // V2_GROUP_LANES
+        for jj in cutlass.range_constexpr((K * V2_GROUP_LANES + threads - 1) // threads):
+            j = jr + jj * (threads // V2_GROUP_LANES)
+            if j < K:
+                for i in cutlass.range(nsl, unroll=1):
+                    cute.autovec_copy(mA[row * K + j, r + i * V2_GROUP_LANES, None], av)
+                    cute.autovec_copy(av, sA[j, r + i * V2_GROUP_LANES, None])
+        cute.arch.sync_threads()
+        # each group's K/4 dot products (a lane: its slices in order, then an 8-lane
+        # butterfly, after which every lane of the group holds the same sum), rounded to bf16
+        for t in cutlass.range_constexpr(kpg):
+            s = Float32(0.0)
+            for i in cutlass.range_constexpr(nsl):
+                cute.autovec_copy(sA[grp + t * V2_GROUPS, r + i * V2_GROUP_LANES, None], av)
+                for u in cutlass.range_constexpr(VEC):
+                    s = s + wv[u, i, t].to(Float32) * av[u].to(Float32)
+            ex[t] = cute.arch.warp_reduction_sum(s, threads_in_group=V2_GROUP_LANES).to(
+                mO.element_type).to(Float32)
+        # weighted in j order, as ExpertsFC2: e_j comes from group j % 4 (a uniform source
+        # lane; every lane shuffles)
+        acc = Float32(0.0)
+        for j in cutlass.range_constexpr(K):
+            ej = cute.arch.shuffle_sync(ex[j // V2_GROUPS], offset=(j % V2_GROUPS) * V2_GROUP_LANES)
+            acc = acc + sW[j] * ej
+        if lane == 0 and col < L:
+            mO[row, col] = acc.to(mO.element_type)
+
+
+def can_implement_v2(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
+                     inter: int | None = None) -> bool:
+    """can_implement, and FC2 v2's lane split: K a multiple of 4 (four 8-lane groups, K ≤ 64
+    so a row fits its 128-thread CTA's weight staging; K/4·I/64 ≤ 16 slices in registers) and
+    I a multiple of 64 (8 lanes x 128-bit slices)."""
+    i = inter_padded if inter is None else inter
+    return (can_implement(m, k, latent, inter_padded, dtypes, inter)
+            and k % V2_GROUPS == 0 and k <= V2_WARPS * 32 and i % (VEC * V2_GROUP_LANES) == 0
+            and (k // V2_GROUPS) * (i // (VEC * V2_GROUP_LANES)) <= 16)
+
+
+def compile_for(cfg: ExpertsConfig, v2: bool = False) -> tuple[object, object]:
+    """The two compiled kernels for `cfg` (cached); `v2`: FC2 is ExpertsFC2v2."""
     def build1() -> object:
         bf = dummy_ptr(torch.bfloat16)
         return cute.compile(ExpertsFC1(cfg), bf, dummy_ptr(cfg.idx_dtype), bf, bf, Int32(1),
@@ -308,23 +468,24 @@ def compile_for(cfg: ExpertsConfig) -> tuple[object, object]:
 
     def build2() -> object:
         bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(ExpertsFC2(cfg), bf, dummy_ptr(cfg.idx_dtype), dummy_ptr(torch.float32),
-                            bf, bf, Int32(1), current_stream(), options=compile_options())
+        return cute.compile((ExpertsFC2v2 if v2 else ExpertsFC2)(cfg), bf, dummy_ptr(cfg.idx_dtype),
+                            dummy_ptr(torch.float32), bf, bf, Int32(1), current_stream(), options=compile_options())
     # FC1 does not depend on `pdl` (its launch_dependents hint is always there): one compile
     return (compiled(("experts_fc1", dataclasses.replace(cfg, pdl=False)), build1),
-            compiled(("experts_fc2", cfg), build2))
+            compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2))
 
 
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
-            inter: int | None = None, pdl: bool = False) -> torch.Tensor:
+            inter: int | None = None, pdl: bool = False, v2: bool = False) -> torch.Tensor:
     """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
     z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
     dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
     contiguous [M, L] bf16 view to write into. `inter`: the real intermediate I (w13 rows and
     w2 columns I..Ip-1 are zero padding, skipped); None reads all Ip. `pdl`: launch FC2 with
     programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
-    waits for FC1 before reading FC1's output; results are identical). Returns out [M, L]."""
+    waits for FC1 before reading FC1's output; results are identical). `v2`: FC2 is
+    ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2). Returns out [M, L]."""
     m, L = z.shape
     k = idx.shape[1]
     E, two_ip, L13 = w13.shape
@@ -332,7 +493,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     i = ip if inter is None else inter
     if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
             or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
-            or not can_implement(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
+            or not (can_implement_v2 if v2 else can_implement)(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
         raise ValueError(f"experts kernel cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
     if idx.dtype not in (torch.int32, torch.int64):
         idx = idx.to(torch.int32)
@@ -343,7 +504,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     elif out.shape != (m, L) or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
     act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
-    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl))
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), v2)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
     fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
@@ -371,10 +532,14 @@ def reference(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Te
     return (w.double().reshape(M * K, 1) * out).reshape(M, K, -1).sum(1)
 
 
-def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
+def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), v2: bool = False) -> list[dict]:
     """Kernel vs stock_ops.experts_grouped and the float64 reference on the real LatentMoE
     weights at K3 TP16 shapes, for M in `rows`: with the padding skip (inter=I), without it,
     then with PDL (last; an exception there is reported as a skipped row, see below).
+    `v2` (kernel `experts_v2`, see check_v2): FC2 is ExpertsFC2v2, also compared with the
+    verified two-kernel path (`rel_vs_old` within the same 1e-2 as vs stock; `equal_old`
+    reported: bit-equality is not expected, the per-expert fp32 dot order differs) and timed
+    against it (`old_us`, `old_same_us`).
     Timings vs OpSet(cfg).experts, the stock path's op: `stock_us`/`kernel_us` cycle through
     4 routings (~260 MB of expert weights, ≫ 50 MB L2: weights come from HBM, as in a decode
     step where every layer has its own experts); `*_same_us` repeat one routing (66-88 MB per
@@ -392,6 +557,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     w13, w2 = moe.w13.detach(), moe.w2.detach()
     beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
     I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    name, kw = ("experts_v2", {"v2": True}) if v2 else ("experts", {})
     cases = {}
     for m in rows:
         gen = torch.Generator(device=dev).manual_seed(1000 + m)
@@ -417,27 +583,34 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     def one(m: int, skip: bool, pdl: bool) -> dict:
         z, idx, w, r_s, ref, routings = cases[m]
         inter = I if skip else None
-        r = {"kernel": "experts", "M": m, "skip_pad": skip, "pdl": pdl}
+        r = {"kernel": name, "M": m, "skip_pad": skip, "pdl": pdl}
         with torch.no_grad():
             buf = torch.full((m + 1, L), float("nan"), dtype=torch.bfloat16, device=dev)
-            r_k = experts(z, idx, w, w13, w2, beta, lin_beta, out=buf[1:], inter=inter, pdl=pdl)
-            r_k32 = experts(z, idx.int(), w, w13, w2, beta, lin_beta, inter=inter, pdl=pdl)
+            r_k = experts(z, idx, w, w13, w2, beta, lin_beta, out=buf[1:], inter=inter, pdl=pdl, **kw)
+            r_k32 = experts(z, idx.int(), w, w13, w2, beta, lin_beta, inter=inter, pdl=pdl, **kw)
+            r_old = experts(z, idx, w, w13, w2, beta, lin_beta, inter=inter, pdl=pdl) if v2 else r_k
         _sync()
-        e_ks, e_k, e_s = rel(r_k, r_s), rel(r_k, ref), rel(r_s, ref)
+        e_ks, e_k, e_s, e_old = rel(r_k, r_s), rel(r_k, ref), rel(r_s, ref), rel(r_k, r_old)
         same32 = torch.equal(r_k, r_k32)
         untouched = bool(torch.isnan(buf[0]).all())          # nothing written outside `out`
         r.update(rel_vs_stock=e_ks, rel_vs_f64=e_k, stock_rel_vs_f64=e_s, int32_idx_equal=same32,
                  out_bounds_ok=untouched,
-                 ok=(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and same32 and untouched
+                 ok=(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and same32 and untouched and e_old <= 1e-2
                      and bool(torch.isfinite(r_k).all())))
+        if v2:
+            r.update(rel_vs_old=e_old, equal_old=torch.equal(r_k, r_old))
         if timing:
             ops = stock_ops.OpSet(k3_tp16(batch=m))
             dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
-            for name, call in (("stock", lambda i, ww: ops.experts(z, i, ww, w13, w2, beta, lin_beta)),
-                               ("kernel", lambda i, ww: experts(z, i, ww, w13, w2, beta, lin_beta, out=dst,
-                                                                inter=inter, pdl=pdl))):
-                r[f"{name}_us"] = time_us(cycling(call, routings))
-                r[f"{name}_same_us"] = time_us(cycling(call, routings[:1]))
+            calls = [("stock", lambda i, ww: ops.experts(z, i, ww, w13, w2, beta, lin_beta)),
+                     ("kernel", lambda i, ww: experts(z, i, ww, w13, w2, beta, lin_beta, out=dst,
+                                                      inter=inter, pdl=pdl, **kw))]
+            if v2:
+                calls.append(("old", lambda i, ww: experts(z, i, ww, w13, w2, beta, lin_beta, out=dst,
+                                                           inter=inter, pdl=pdl)))
+            for what, call in calls:
+                r[f"{what}_us"] = time_us(cycling(call, routings))
+                r[f"{what}_same_us"] = time_us(cycling(call, routings[:1]))
             nbytes = m * K * 3 * (I if skip else w2.shape[-1]) * L * 2       # FC1 2·I·L + FC2 I·L per pair
             r["kernel_tbs"] = nbytes / (r["kernel_us"] * 1e-6) / 1e12
         return r
@@ -450,12 +623,19 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
         try:
             out.append(one(m, True, True))
         except Exception as exc:  # noqa: BLE001  (report, do not abort the batched device job)
-            out.append({"kernel": "experts", "M": m, "skip_pad": True, "pdl": True, "ok": True,
+            out.append({"kernel": name, "M": m, "skip_pad": True, "pdl": True, "ok": True,
                         "skipped": f"pdl unsupported here: {type(exc).__name__}: {exc}"[:300]})
     del moe, w13, w2, cases
     return out
 
 
+def check_v2(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """The GPU check of kernel `experts_v2`: `check` with FC2 = ExpertsFC2v2, against stock,
+    the float64 reference and the verified kernels (old vs new timed, cold weights)."""
+    return check(timing=timing, rows=rows, v2=True)
+
+
 if __name__ == "__main__":
-    for row in check():
+    import sys
+    for row in (check_v2() if sys.argv[1:] == ["v2"] else check()):
         print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})

@@ -439,3 +439,44 @@ def test_mla_positions_hoisted_once_per_step() -> None:
         with torch.no_grad():
             fused(m, prefix, blocks)
         assert torch.equal(fused.mla_last, fused.pos + mla[0].t_off), s
+
+
+@pytest.mark.parametrize("enabled,v2_fits,expected", [
+    ({"experts_v2"}, True, True),               # the new FC2
+    ({"experts"}, True, False),                 # the verified kernels
+    ({"experts", "experts_v2"}, True, True),    # both verified: v2 wins
+    ({"experts", "experts_v2"}, False, False),  # v2's shape rules refuse: the old kernels
+    ({"experts_v2"}, False, None),              # ... and without `experts`: the stock op
+])
+def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expected: bool | None) -> None:
+    """enable() switches LatentMoE._experts to FC2 v2 (kernels/moe_experts.py, `v2=True`) when
+    kernel `experts_v2` is enabled and can_implement_v2 holds, to the verified kernels
+    (`v2=False`) when only `experts` is, to the stock op otherwise. The kernels are the torch
+    statement of their contract (stock's grouped experts), so the step still matches stock;
+    every MoE layer of every step makes one call, with the expected `v2`. VERIFIED and the
+    device test are patched: the lead adds experts_v2 to VERIFIED after its device check."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels_pkg
+    import kimi_decode.kernels.moe_experts as k_ex
+    from kimi_decode import stock_ops as ops
+    calls: list[bool] = []
+
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False):
+        calls.append(v2)
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+    monkeypatch.setattr(k_ex, "experts", experts)
+    monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: v2_fits)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2"})
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    assert fused.enable(frozenset(enabled)) == frozenset(enabled)
+    run_close(stock, fused, seed=90, steps=2)
+    moe_layers = sum(isinstance(layer.mlp, fused_mod.LatentMoE) for layer in fused.layers)
+    assert moe_layers == 6
+    assert calls == ([] if expected is None else [expected] * (2 * moe_layers))

@@ -33,7 +33,7 @@ from kimi_decode.comm import LocalComm, SideStream  # noqa: E402
 from kimi_decode.config import k3_tp16, tiny  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
 from kimi_decode.kernels.moe_experts import (ExpertsConfig, ExpertsFC1, ExpertsFC2,  # noqa: E402
-                                             can_implement, reference)
+                                             ExpertsFC2v2, can_implement, can_implement_v2, reference)
 from kimi_decode.stock import LatentMoE, Runtime  # noqa: E402
 from kimi_decode.weights import Seeder  # noqa: E402
 
@@ -120,6 +120,54 @@ def test_fc2_compiles(tmp_path: Path, pdl: bool) -> None:
     assert ".minnctapersm 2" in ptx                   # ≤ 128 registers: 2 CTAs per SM
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fc2_v2_compiles(tmp_path: Path, pdl: bool) -> None:
+    """ExpertsFC2v2 at K3: each lane issues its 12 w2 slices (4 experts x 3 slices, every lane
+    busy) before griddepcontrol.wait, stages `a` after it (one rolled slice loop: one
+    ld.global.v4 / st.shared.v4 in the code), one barrier, then 4 experts x 3 shared reads,
+    an 8-lane butterfly (3 shuffles) per expert and 16 index shuffles gathering e_j for the
+    j-ordered weighted sum; 7 CTAs per SM requested (≤ 72 registers)."""
+    cfg = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, K3_CFG.inter, K3_CFG.top_k, K3_CFG.experts, i64, pdl=pdl)
+    ptx = ptx_of(tmp_path, ExpertsFC2v2(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
+    common_checks(ptx)
+    K = K3.top_k
+    lines = [s.strip() for s in ptx.splitlines()]
+    vec = [i for i, s in enumerate(lines) if s.startswith("ld.global.v4")]
+    bfly = [i for i, s in enumerate(lines) if s.startswith("shfl.sync.bfly")]
+    idx_shfl = [i for i, s in enumerate(lines) if s.startswith("shfl.sync.idx")]
+    wait = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait")]
+    bar = [i for i, s in enumerate(lines) if s.startswith("bar.sync")]
+    assert len(wait) == 1 and len(bar) == 1 and wait[0] < bar[0] < bfly[0]
+    assert len([i for i in vec if i < wait[0]]) == K // 4 * 3          # all w2 loads before the wait
+    assert len([i for i in vec if wait[0] < i < bar[0]]) == 1          # the staging loop's load
+    assert len(bfly) == 3 * K // 4 and all("31, -1" in lines[i] for i in bfly)
+    assert len([i for i in idx_shfl if i > bfly[-1]]) == K            # e_j gathered in j order
+    assert ptx.count("st.shared.v4") == 1 and ptx.count("ld.shared.v4") == K // 4 * 3
+    assert "st.global.b16" in ptx
+    assert ".minnctapersm 7" in ptx
+
+
+def test_fc2_v2_registers_with_ptxas(tmp_path: Path) -> None:
+    """ptxas (when installed) fits ExpertsFC2v2 in 72 registers (7 CTAs of 4 warps per SM:
+    the 896 CTAs of M = 1 in one wave); the old FC2 needs ~126 (2 CTAs of 8 warps per SM).
+    ptxas spills a few words under that cap (20 B stored, 32 B loaded per thread with
+    CUDA 13.0's ptxas): bounded here so that growth shows."""
+    import re
+    import shutil
+    import subprocess
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not installed")
+    cfg = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, K3_CFG.inter, K3_CFG.top_k, K3_CFG.experts, i64, pdl=True)
+    ptx_of(tmp_path, ExpertsFC2v2(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
+    src = next(tmp_path.glob("*.ptx"))
+    res = subprocess.run(["ptxas", "-v", "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert regs <= 72
+    assert spill is not None and int(spill.group(1)) <= 32 and int(spill.group(2)) <= 48
+
+
 def test_fc1_int32_idx_compiles(tmp_path: Path) -> None:
     cfg = ExpertsConfig(3584, 256, 256, 16, 896, torch.int32)    # no padding skip, int32 ids
     ptx = ptx_of(tmp_path, ExpertsFC1(cfg), P(bf), P(torch.int32), P(bf), P(bf), Int32(8), Float32(4.0), Float32(25.0))
@@ -134,6 +182,10 @@ def test_can_implement() -> None:
     assert not can_implement(1, K, 32, 24, (f32,) * 3)                  # tiny: stock op
     assert not can_implement(1, K, L, 512, (bf,) * 3)                   # K·Ip/256 > 16 registers
     assert not can_implement(1, K, L, Ip, (bf,) * 3, inter=190)         # I not on a 128-bit slice
+    assert can_implement_v2(1, K, L, Ip, (bf,) * 3, inter=I) and can_implement_v2(8, K, L, Ip, (bf,) * 3)
+    assert not can_implement_v2(9, K, L, Ip, (bf,) * 3, inter=I)       # can_implement's rules too
+    assert not can_implement_v2(1, 14, L, Ip, (bf,) * 3, inter=I)      # K not a multiple of 4
+    assert not can_implement_v2(1, K, L, Ip, (bf,) * 3, inter=184)     # I not a multiple of 64
 
 
 def _moe(cfg):
@@ -260,3 +312,42 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
         return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]), *a, **kw)
     monkeypatch.setattr(moe_experts, "experts", broken)
     assert not any(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)))
+
+
+def test_check_v2_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check_v2` (kernel experts_v2) end to end on a tiny bf16 config with emulated kernels:
+    the rows are named experts_v2, compare v2 with the old kernels (rel_vs_old, equal_old) and
+    time stock, v2 and old; a v2 that ignores the routing weights fails every row although
+    the old kernels are right, and the old kernels are called without `v2`."""
+    from kimi_decode.kernels import checks, moe_experts
+    import kimi_decode.config as config
+    small = tiny(dtype="bfloat16", moe_pad_local_inter=24)
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(config, "k3_tp16", lambda **kw: small.with_(**kw))
+    seen = []
+
+    def kernels(z, idx, w, *a, v2=None, **kw):
+        seen.append(v2)
+        return _emulate(z, idx, w, *a, **kw)
+    monkeypatch.setattr(moe_experts, "experts", kernels)
+    calls = []
+
+    def fake_time_us(fn) -> float:
+        fn()
+        calls.append(1)
+        return 1.0
+    monkeypatch.setattr(checks, "time_us", fake_time_us)
+    rows = moe_experts.check_v2(timing=True, rows=(1, 2))
+    assert len(rows) == 6 and all(r["ok"] and r["kernel"] == "experts_v2" for r in rows), rows
+    assert all(r["equal_old"] and r["rel_vs_old"] == 0.0 for r in rows)
+    assert all(r["kernel_us"] == r["old_us"] == r["stock_us"] == r["old_same_us"] == 1.0 for r in rows)
+    assert len(calls) == 6 * 6 and set(seen) == {True, None}
+
+    def broken(z, idx, w, *a, v2=None, **kw):
+        if v2:
+            w = torch.full_like(w, 1.0 / w.shape[1])
+        return _emulate(z, idx, w, *a, **kw)
+    monkeypatch.setattr(moe_experts, "experts", broken)
+    rows = moe_experts.check_v2(timing=False, rows=(2,))
+    assert not any(r["ok"] for r in rows) and all(r["rel_vs_old"] > 1e-2 for r in rows)
+    assert all(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)))
