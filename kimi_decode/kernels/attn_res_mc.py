@@ -394,3 +394,123 @@ def attn_res_mc(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | No
        ptr(new_prefix), ptr(w_mix), ptr(norm_w), Int32(m), Int32(write_slot or 0), Float32(eps),
        current_stream())
     return out, new_prefix
+
+
+MODES = ("prefix", "plain", "ar", "ag")   # no delta; delta; all-reduce slots; all-gather slots
+
+
+def _inputs(mode: str, m: int, nb: int, fill: str, world: int, D: int, n_slots: int,
+            dev: torch.device, seed: int) -> dict:
+    """Random blocks, prefix and the mode's delta operand (bf16, K3 width). fill "random":
+    every slot of the collective buffer random (real TP); "zero": only slot `rank` (0) set,
+    as the one-GPU simulation leaves it."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    x = {"blocks": torch.randn(m, n_slots, D, generator=gen, device=dev).bfloat16(),
+         "prefix": torch.randn(m, D, generator=gen, device=dev).bfloat16()}
+    if mode == "plain":
+        x["delta"] = torch.randn(m, D, generator=gen, device=dev).bfloat16()
+    elif mode in ("ar", "ag"):
+        shape = (world, m, D) if mode == "ar" else (world, m, D // world)
+        buf = torch.randn(*shape, generator=gen, device=dev)
+        if fill == "zero":
+            buf[1:].zero_()
+        x["delta_slots" if mode == "ar" else "delta_gather"] = (0.25 * buf).bfloat16()
+    return x
+
+
+def _stock_delta(mode: str, x: dict) -> torch.Tensor | None:
+    """The collective's result stock's res_mix takes as its delta: the slot sum (fp32, slot
+    order, one rounding: attn_res.slot_sum) or the concatenated gather (attn_res.gather_cols)."""
+    from kimi_decode.kernels.attn_res import gather_cols, slot_sum
+    if mode == "ar":
+        return slot_sum(x["delta_slots"])
+    if mode == "ag":
+        return gather_cols(x["delta_gather"])
+    return x.get("delta")
+
+
+def check(timing: bool = True, rows: tuple[int, ...] = (1, 2), nbs: tuple[int, ...] = (1, 8),
+          world: int = 16) -> list[dict]:
+    """attn_res_mc vs the one-CTA kernel (attn_res.attn_res_rmsnorm, verified) and vs stock
+    AttnRes.update_and_mix, every mode the fused step uses: prefix only (has_delta False),
+    plain delta, ar (16 slots, reset False/True, fills zero/random), ag (gather 448, fills
+    zero/random), each with and without a block write (nb < 8), at K3 width, M = 1 and 2.
+    Stock gets the collective's result (_stock_delta) and the block write is done after it,
+    as the fused fallback does. Pass: prefix' and blocks bit-equal to the one-CTA kernel's
+    (same rounding points) and to stock's; out rel L2 ≤ 1e-2 vs stock and vs the one-CTA
+    kernel (only the fp32 order of the row sums differs), ≤ 1.5 × stock's + 1e-3 vs float64.
+    `out_mismatch_vs_one_cta`: the fraction of bf16 outputs not bit-equal to the one-CTA
+    kernel's (reported, not gated). Timing (M = 1, no write, fill zero): stock, the one-CTA
+    kernel and this kernel, CUDA-graph replays (checks.time_us)."""
+    import kimi_decode.kernels.attn_res as k_ar
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.checks import _sync, rel, time_us
+    from kimi_decode.stock import AttnRes
+    from kimi_decode.weights import Seeder
+    cfg = k3_tp16()
+    dev = torch.device(checks.DEVICE)
+    D, n_slots = cfg.hidden, cfg.attn_res_slots
+    mod = AttnRes(cfg, Seeder(cfg, dev).sub("check.attn_res_mc"))
+    out = []
+    for mode in MODES:
+        for fill in (("zero", "random") if mode in ("ar", "ag") else ("random",)):
+            for reset in ((False, True) if mode == "ar" else (False,)):
+                for m in rows:
+                    for nb in nbs:
+                        for write in (False, True):
+                            slot = nb if write else None
+                            if slot is not None and slot >= n_slots:
+                                continue
+                            seed = 100000 * MODES.index(mode) + 1000 * m + 10 * nb + 4 * reset + 2 * write + (fill == "zero")
+                            x = _inputs(mode, m, nb, fill, world, D, n_slots, dev, seed)
+                            kw = {k: v for k, v in x.items() if k in ("delta", "delta_slots", "delta_gather")}
+                            delta = _stock_delta(mode, x)
+                            b_s, b_1, b_k = (x["blocks"].clone() for _ in range(3))
+                            with torch.no_grad():
+                                if delta is None:     # prefix only: stock's mix of the prefix
+                                    p_s, x_s = x["prefix"], mod(x["prefix"], b_s, nb)
+                                else:
+                                    p_s, x_s = mod.update_and_mix(x["prefix"], delta, b_s, nb, reset)
+                                if slot is not None:
+                                    b_s[:, slot].copy_(p_s)
+                                x_1, p_1 = k_ar.attn_res_rmsnorm(b_1, nb, x["prefix"], mod.w, mod.norm, cfg.rms_eps,
+                                                                 write_slot=slot, reset=reset, **kw)
+                                x_k, p_k = attn_res_mc(b_k, nb, x["prefix"], mod.w, mod.norm, cfg.rms_eps,
+                                                       write_slot=slot, reset=reset, **kw)
+                            _sync()
+                            ref = k_ar.reference(x["blocks"], nb, x["prefix"], mod.w, mod.norm, cfg.rms_eps,
+                                                 reset=reset, **kw)
+                            e_ks, e_k1, e_k, e_s = rel(x_k, x_s), rel(x_k, x_1), rel(x_k, ref), rel(x_s, ref)
+                            exact = (torch.equal(p_k, p_1) and torch.equal(b_k, b_1) and torch.equal(p_k, p_s)
+                                     and torch.equal(b_k, b_s))
+                            ok = exact and e_ks <= 1e-2 and e_k1 <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
+                            r = {"kernel": "attn_res_mc", "mode": mode, "M": m, "nb": nb, "reset": reset,
+                                 "write": slot is not None, "fill": fill, "rel_vs_stock": e_ks,
+                                 "rel_vs_one_cta": e_k1, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+                                 "prefix_blocks_equal": exact,
+                                 "out_mismatch_vs_one_cta": float((x_k != x_1).double().mean()), "ok": ok}
+                            if timing and m == 1 and slot is None and fill == ("zero" if mode in ("ar", "ag") else "random"):
+                                def stock_call() -> None:
+                                    if delta is None:
+                                        mod(x["prefix"], b_s, nb)
+                                    else:
+                                        mod.update_and_mix(x["prefix"], delta, b_s, nb, reset)
+
+                                def one_cta_call() -> None:
+                                    k_ar.attn_res_rmsnorm(b_1, nb, x["prefix"], mod.w, mod.norm, cfg.rms_eps,
+                                                          reset=reset, **kw)
+
+                                def mc_call() -> None:
+                                    attn_res_mc(b_k, nb, x["prefix"], mod.w, mod.norm, cfg.rms_eps,
+                                                reset=reset, **kw)
+                                r["stock_us"] = time_us(stock_call)
+                                r["one_cta_us"] = time_us(one_cta_call)
+                                r["kernel_us"] = time_us(mc_call)
+                            out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    from kimi_decode.kernels.checks import _print
+    _print(check())
