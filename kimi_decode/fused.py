@@ -13,6 +13,9 @@ and the kernel is in `VERIFIED`):
 - `attn_res_ag` (tp_sim, with `moe_up`): the MoE block's all-gather is finished by the next
   layer's attention AttnRes kernel, which reads the all-gather slots in place (`Gathered`);
   the concatenation kernel disappears (the last layer's output is concatenated in forward).
+- `attn_res_mc` (M = 1, every mode above): the same AttnRes kernel with one row spread over a
+  cluster of 7 CTAs (kernels/attn_res_mc.py) instead of one CTA on one SM; the one-CTA kernel
+  stays the fallback (AttnRes._kernel).
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
   gated RMSNorm for the local heads, one kernel under op `kda_recurrence`; the stock ops
   `f_b_proj`, `conv`, `o_norm` disappear. `kda_split` (kernels/kda_split.py) spreads it over
@@ -66,7 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +110,11 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.
+# - attn_res_mc (one row over a cluster of 7 CTAs, kernels/attn_res_mc.py): M = 1, UNMEASURED
+#   until its device check has run (expected ~2.5-3.5 us vs the one-CTA kernel's 5.0 / 5.7 us
+#   at M = 1; at larger M the one-CTA kernel already has M CTAs on M SMs).
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
-            "gemv_multi": 1, "experts_pdl": 8}
+            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -218,6 +224,20 @@ class AttnRes(stock.AttnRes):
     use_kernel = False
     use_slots = False     # the kernel variant that sums all-reduce slots (kernel "attn_res_ar")
     use_gather = False    # the kernel variant that reads all-gather slots (kernel "attn_res_ag")
+    use_mc = False        # one row over a cluster of CTAs (kernel "attn_res_mc"), M ≤ MAX_ROWS
+
+    def _kernel(self, blocks: torch.Tensor, nb: int, world: int = 0, gather: int = 0) -> Callable:
+        """The kernel wrapper for this call (both take attn_res_rmsnorm's arguments): the
+        cluster kernel (kernels/attn_res_mc.py) when on, at M ≤ MAX_ROWS["attn_res_mc"] and
+        where it can run; the one-CTA kernel (kernels/attn_res.py) otherwise."""
+        m, slots, d = blocks.shape
+        if self.use_mc and m <= MAX_ROWS["attn_res_mc"]:
+            from kimi_decode.kernels import attn_res_mc as k_mc
+            if k_mc.can_implement(d, nb, slots, (blocks.dtype, self.norm.dtype), k_mc.pick_ctas(d),
+                                  world=world, gather=gather):
+                return k_mc.attn_res_mc
+        from kimi_decode.kernels.attn_res import attn_res_rmsnorm
+        return attn_res_rmsnorm
 
     def update_and_mix(self, base: torch.Tensor, delta: torch.Tensor, blocks: torch.Tensor, nb: int,
                        reset: bool, write_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,16 +247,16 @@ class AttnRes(stock.AttnRes):
         (an all-gather to finish): the kernel reads the slots in place."""
         if isinstance(delta, Gathered):
             if self.use_kernel and self.use_gather and not reset:
-                from kimi_decode.kernels.attn_res import attn_res_rmsnorm
-                x, prefix = attn_res_rmsnorm(blocks, nb, base, self.w, self.norm, self.eps,
-                                             delta_gather=delta.buf, write_slot=write_slot)
+                fn = self._kernel(blocks, nb, gather=delta.buf.shape[-1])
+                x, prefix = fn(blocks, nb, base, self.w, self.norm, self.eps,
+                               delta_gather=delta.buf, write_slot=write_slot)
                 return prefix, x
             delta = delta.gather()
         if isinstance(delta, Slots):
             if self.use_kernel and self.use_slots:
-                from kimi_decode.kernels.attn_res import attn_res_rmsnorm
-                x, prefix = attn_res_rmsnorm(blocks, nb, base, self.w, self.norm, self.eps,
-                                             delta_slots=delta.buf, reset=reset, write_slot=write_slot)
+                fn = self._kernel(blocks, nb, world=delta.buf.shape[0])
+                x, prefix = fn(blocks, nb, base, self.w, self.norm, self.eps,
+                               delta_slots=delta.buf, reset=reset, write_slot=write_slot)
                 return prefix, x
             delta = delta.reduce()
         if not self.use_kernel:
@@ -244,13 +264,11 @@ class AttnRes(stock.AttnRes):
             if write_slot is not None:
                 blocks[:, write_slot].copy_(prefix)
             return prefix, x
-        from kimi_decode.kernels.attn_res import attn_res_rmsnorm
+        fn = self._kernel(blocks, nb)
         if reset:
-            x, prefix = attn_res_rmsnorm(blocks, nb, delta, self.w, self.norm, self.eps,
-                                         write_slot=write_slot)
+            x, prefix = fn(blocks, nb, delta, self.w, self.norm, self.eps, write_slot=write_slot)
         else:
-            x, prefix = attn_res_rmsnorm(blocks, nb, base, self.w, self.norm, self.eps,
-                                         delta=delta, write_slot=write_slot)
+            x, prefix = fn(blocks, nb, base, self.w, self.norm, self.eps, delta=delta, write_slot=write_slot)
         return prefix, x
 
 
@@ -633,6 +651,7 @@ class FusedDecoder(StockDecoder):
                 res.use_kernel = "attn_res" in on
                 res.use_slots = ar_slots
                 res.use_gather = ag_slots
+                res.use_mc = {"attn_res", "attn_res_mc"} <= on
             if isinstance(layer.attn, KDAAttention):
                 layer.attn.use_kernel = ("kda" in on or "kda_split" in on) and cfg.rows <= MAX_ROWS["kda"]
                 layer.attn.split_scratch = None

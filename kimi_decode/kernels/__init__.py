@@ -17,14 +17,15 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            "attn_res_ag", "mla_glue",
            # third round: one grid for the GEMVs that share an input (MoE front with the router; MLA qkv_a + g_proj)
            "gemv_multi",
-           # FC2 of the routed experts in one wave, every lane loading (moe_experts.ExpertsFC2v2)
-           "experts_v2")
+           # fourth round: FC2 of the routed experts in one wave, every lane loading
+           # (moe_experts.ExpertsFC2v2); AttnRes at M = 1 with one row over a cluster of CTAs
+           "experts_v2", "attn_res_mc")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
                  "attn_res_ar": "attn_res", "attn_res_ag": "attn_res", "gemv_variants": "gemv", "moe_up": "moe_up",
                  "mla_attend": "mla_attend", "mla_glue": "mla_glue", "gemv_multi": "gemv_multi",
-                 "experts_v2": "moe_experts"}
+                 "experts_v2": "moe_experts", "attn_res_mc": "attn_res_mc"}
 
 
 def applicable(name: str, cfg: object) -> bool:

@@ -362,6 +362,68 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])
 
 
+@pytest.mark.parametrize("batch,k,mc", [(1, 0, True), (2, 0, True), (1, 0, False)])
+def test_attn_res_cluster_kernel_at_m1_on_cpu(monkeypatch, batch: int, k: int, mc: bool) -> None:
+    """AttnRes._kernel: with `use_mc` (kernel "attn_res_mc") every AttnRes call of an M = 1
+    step goes to the cluster kernel (kernels/attn_res_mc.py) in all its modes (plain, block
+    start, all-reduce slots, all-gather slots), at M = 2 (above MAX_ROWS["attn_res_mc"]) or
+    with the kernel off every call goes to the one-CTA kernel; the step equals stock's within
+    float32 rounding, other ranks' slots zero and holding data. Both kernels are the same torch
+    emulation of their shared contract: this checks the dispatch and the arguments passed."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels.attn_res as k_ar
+    import kimi_decode.kernels.attn_res_mc as k_mc
+    from kimi_decode.runner import build
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 64)   # the wiring at every M, not the per-M table
+    kinds: list[str] = []
+    modes: set[str] = set()
+
+    def emulated(kind: str):
+        def run(*a, **kw):
+            kinds.append(kind)
+            modes.add("ar" if kw.get("delta_slots") is not None else "ag" if kw.get("delta_gather") is not None
+                      else "plain" if kw.get("delta") is not None else "prefix")
+            return _emulate_attn_res_ag([], *a, **kw)
+        return run
+    monkeypatch.setattr(k_ar, "attn_res_rmsnorm", emulated("one"))
+    monkeypatch.setattr(k_mc, "attn_res_mc", emulated("mc"))
+    monkeypatch.setattr(k_mc, "can_implement", lambda *a, **kw: True)   # tiny's width; K3's is tested in its file
+    emulate_moe_kernels(monkeypatch)
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=batch, spec_tokens=k, tp=2, weight_chunks=2, tp_sim=True,
+               sim_world=2)
+    stock, rt = build("stock", cfg, "cpu")
+    fused = FusedDecoder.from_stock(stock)
+    for layer in fused.layers:
+        for res in (layer.attn_res, layer.mlp_res):
+            res.use_kernel = res.use_slots = res.use_gather = True
+            res.use_mc = mc
+        layer.attn.ar_slots = True
+        layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = True
+        layer.mlp.gather_out = True
+    run_with_filled_slots(stock, fused, rt, seed=90)
+    assert len(kinds) == 2 * len(cfg.layers) * 3                      # attn_res + mlp_res, 3 steps
+    assert set(kinds) == {"mc" if mc and cfg.rows == 1 else "one"}
+    assert {"ar", "ag"} <= modes
+
+
+def test_enable_switches_the_cluster_kernel(monkeypatch) -> None:
+    """enable(): use_mc on every AttnRes exactly when "attn_res" and "attn_res_mc" are both on
+    (the cluster kernel is a variant of the AttnRes kernel, never used without it)."""
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"attn_res_mc"})
+    monkeypatch.setattr(kernels, "applicable", lambda name, cfg: True)
+    fused = FusedDecoder.from_stock(StockDecoder(tiny(layers=(3, 4), batch=1)))
+    res = [r for layer in fused.layers for r in (layer.attn_res, layer.mlp_res)]
+    for kernels_on, want in (({"attn_res", "attn_res_mc"}, True), ({"attn_res"}, False),
+                             ({"attn_res_mc"}, False)):
+        on = fused.enable(frozenset(kernels_on))
+        assert on == frozenset(kernels_on)
+        assert all(r.use_mc == want and r.use_kernel == ("attn_res" in on) for r in res)
+
+
 @pytest.mark.parametrize("tp_sim", [False, True])
 def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
     """The one-launch fronts (kernels/gemv_multi.py) wired in, each emulated by its contract
