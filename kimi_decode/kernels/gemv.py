@@ -39,6 +39,16 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   804, g_proj 192 (≥ 132 SMs for every K3 projection). `kwarps` = 4 instead of 8 halves the
   CTA and doubles each warp's K share (the per-warp butterflies of C·M sums cost ~20% of the
   work at M = 8 with 8 warps on K = 7168); check_variants times both.
+- gemv_rmsnorm (class GemvRMSNorm; GemvConfig.eps, x_stride): the RMSNorm prologue of MLA's
+  q_b projection (kernel "mla_norm_fold", kernels/mla_norm_fold.py): x is columns [0, K) of
+  rows of width x_stride (qkv_a's output a [M, 2112], K = 1536), normalised in-kernel. The
+  plain layout (one warp per column); each warp issues its whole weight row (K ≤ 8 slices per
+  lane) into registers, loads the x slices it multiplies, Σx² over the warp by a butterfly
+  (every warp re-reads the 3 KB row from L2: no shared memory, no barrier), rstd, then per
+  slice xn = bf16(x · rstd · w_norm) and the plain FMA chain. Launched with at most 128
+  registers (min_blocks_per_mp = 2: ptxas took 145 uncapped, one CTA per SM, and q_b's 144
+  CTAs would not all be resident on 132 SMs); M ≤ 8 (at M = 8 ptxas spills 6 bytes under
+  the cap; the per-M table uses M = 1).
 
 Exact math (every rounding point; matches the stock ops):
 - plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
@@ -52,6 +62,12 @@ Exact math (every rounding point; matches the stock ops):
   not tanh.approx.f32; σ's 1/(1+e) is rcp.rn and u/β_lin div.rn, as torch's IEEE ops), so x
   matches torch's fp32 SiTU to a few fp32 ulps and its bf16 rounding differs only for values
   within those ulps of a bf16 rounding boundary (one bf16 ulp there).
+- rmsnorm: ss = Σ_k fp32(x[m, k])² (lane order, then a butterfly); rstd = rsqrt(ss / K + eps)
+  (rsqrt.approx.f32); xn[m, k] = bf16((fp32(x) · rstd) · fp32(w_norm[k])), stock's rounding
+  point (stock_triton.mla_norms: x · rstd · w in fp32, then bf16); then the plain formula on
+  xn in the plain kernel's order, so at M = 1 the output is bit-identical to gemv(xn, W).
+  Stock's rstd (1/sqrt, another Σ order) may differ in its last fp32 bits: xn equals stock's
+  qa except within those bits of a bf16 rounding boundary (one bf16 ulp there).
 
 Why it should reach its target: shared_down is 7168 × 384 bf16 = 5.5 MB; at ~4 TB/s that is
 ~1.4 µs of HBM time, so gemv_situ is latency bound (~3-4 µs at M = 1: h load + SiTU + barrier

@@ -16,6 +16,10 @@ Exact math (every bf16 rounding point; fp32 accumulation as cuBLAS's bf16 bmm):
                               raise there, the kernel never writes out of bounds)
   (stock's kv_insert copies a[:, rope_off:], i.e. all of a's columns past rope_off: the same
   bytes when rope_off + rope = A, as at K3: 2048 + 64 = 2112; the wrapper requires it.)
+  uk_insert_norm (GlueConfig.norm; kernel "mla_norm_fold", kernels/mla_norm_fold.py) takes
+  a's raw c_kv part instead of ckv: ckv[m] = bf16(fp32(a[m, ql:ql + c]) · rstd · fp32(kv_norm)),
+  rstd = rsqrt(Σ fp32(a)² / c + eps): warp w of every CTA reduces row min(w, M-1) (2 vectors
+  per lane, a butterfly outside any branch), the head-0 CTAs write their tile's vectors.
   stock: torch.bmm (bf16 out, fp32 accumulate, one rounding) then kv_insert (pure copies), so
   q_full's rope half and the cache rows are bit-equal to stock; q_lat differs from cuBLAS only
   by the fp32 summation order (one bf16 ulp at rounding boundaries).

@@ -43,7 +43,10 @@ gap go (~1.8 µs kernel + ~1 µs gap in the step trace); the GEMV's extra work i
 3 KB L2 read per warp and 5 shuffles + one rsqrt before its first FMA, which overlap the
 weight row already in flight (3.5 MB of q_b: ~1 µs of HBM time, the kernel ~3.4 µs, latency
 bound); uk_insert's 48 CTAs each add 1 KB of L2 reads and 5 shuffles beside the W_UK loads.
-Expected: old (norm + q_b GEMV + uk_insert) ~7.7 µs + gaps -> new ~6 µs at M = 1.
+Expected at M = 1 (trace figures, not measured for the new kernels): old = 1.8 (norm) + 3.4
+(q_b) + 2.5 (uk_insert) = 7.7 µs plus one more launch gap; new ≈ (3.4 + ~0.3 for the x row's
+L2 round trip and 5 shuffles before the first FMA) + (2.5 + ~0.1) ≈ 6.3 µs, i.e. ~1.4 µs
+and one launch gap (~1 µs in the step) less per MLA layer; the check times both.
 
 Check on the GPU (against stock's mla_norms (the Triton op of the compiled stock step, and
 the eager torch op) + the q_b GEMV + the verified uk_insert; float64 reference; times old
