@@ -56,12 +56,16 @@ and the kernel is in `VERIFIED`):
   absorption + KV-cache insert (`uk_insert`) and W_UV + sigmoid gate (`uv_gate`);
   `mla_attend` is the absorbed attention over the latent cache in one launch (split over
   positions, combined in-kernel) where it beats stock's bmm (few query rows).
+  `mla_norm_fold` (M = 1): the q/kv RMSNorms (stock op `qkv_norm`) disappear: q_b's GEMV
+  normalises the q part of qkv_a's output in its prologue (kernels/gemv.py gemv_rmsnorm) and
+  uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm).
 - `prefetch` (opt-in, see DEFAULT_KERNELS): after the routed experts are issued, a
   side-stream kernel pulls the first `PREFETCH_BYTES` of the next layer's first attention
   weight into L2 (kernels/l2_prefetch.py), under its own NVTX op `prefetch`.
 
-Still stock ops: the MLA q/kv RMSNorms and q_b projection as separate launches, the dense
-layer-0 MLP, and every op at shapes a kernel's `can_implement` refuses (large M).
+Still stock ops: the dense layer-0 MLP; the MLA q/kv RMSNorms (`qkv_norm`) where
+`mla_norm_fold` does not apply (M ≥ 2, or the kernel not verified); and every op at shapes a
+kernel's `can_implement` refuses (large M).
 
 On the CPU (no kernels) every op falls back to the stock ops, so fused equals stock exactly.
 """
@@ -107,6 +111,8 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - experts (M ≤ 8: 156 vs 177 us at M = 8), attn_res_ar/ag, mla_glue, GEMV (M = 1, its own
 #   table in kernels/gemv.py): every M their can_implement allows.
 # - gemv_multi: M = 1, as the plain GEMV it is made of (kernels/gemv.py GEMV_MAX_ROWS).
+# - mla_norm_fold: M = 1, as the GEMV whose prologue takes qkv_norm's q half (the kernel
+#   itself is correct to M = 8, see kernels/mla_norm_fold.py; from M = 2 q_b is stock's GEMM).
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.
@@ -114,7 +120,7 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   until its device check has run (expected ~2.5-3.5 us vs the one-CTA kernel's 5.0 / 5.7 us
 #   at M = 1; at larger M the one-CTA kernel already has M CTAs on M SMs).
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
-            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1}
+            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -322,6 +328,7 @@ class MLAAttention(stock.MLAAttention):
     ar_slots = False
     use_multi = False                              # kernels/gemv_multi.py: qkv_a + g_proj, one launch
     use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
+    use_fold = False                               # "mla_norm_fold": no qkv_norm launch (M = 1)
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
     last_buf: torch.Tensor | None = None           # pos + t_off, kept by FusedDecoder (once per step)
 
@@ -342,14 +349,24 @@ class MLAAttention(stock.MLAAttention):
             from kimi_decode.kernels.gemv_multi import gemv_multi
             with op_range("qkv_a_g"):
                 a, g = gemv_multi(x, [self.qkv_a, self.g_proj])
-        with op_range("qkv_norm"):
-            qa, ckv = k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
-        with op_range("q_b_proj"):
-            q = _linear(qa, self.q_b, lin, k).reshape(-1, H, nope + rope)              # [M, H, 192]
+        fold = self._fold_applies(a)
+        if fold:                                # the norms move into q_b's GEMV and uk_insert
+            from kimi_decode.kernels.gemv import gemv_rmsnorm
+            with op_range("q_b_proj"):
+                q = gemv_rmsnorm(a, self.q_a_norm, self.q_b, ql, cfg.rms_eps).reshape(-1, H, nope + rope)
+        else:
+            with op_range("qkv_norm"):
+                qa, ckv = k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
+            with op_range("q_b_proj"):
+                q = _linear(qa, self.q_b, lin, k).reshape(-1, H, nope + rope)          # [M, H, 192]
         glue = None
         if self.use_glue:
             from kimi_decode.kernels import mla_glue as glue
-        if glue is not None and glue.can_implement_uk(q.shape[0], T, H, nope, rope, c, a.shape[1], ql + c, (q.dtype,)):
+        if fold:
+            with op_range("uk_insert"):          # + c_kv's RMSNorm, read from a in-kernel
+                q_full = glue.uk_insert_norm(q, a, self.kv_a_norm, cfg.rms_eps, self.w_uk_t, self.cache, pos, T,
+                                             ql + c, ql)
+        elif glue is not None and glue.can_implement_uk(q.shape[0], T, H, nope, rope, c, a.shape[1], ql + c, (q.dtype,)):
             with op_range("uk_insert"):          # W_UK absorption + cache insert: one launch
                 q_full = glue.uk_insert(q.contiguous(), a, ckv.contiguous(), self.w_uk_t, self.cache, pos, T, ql + c)
         else:
@@ -379,6 +396,21 @@ class MLAAttention(stock.MLAAttention):
             with op_range("gate_mul"):
                 o = fx["gate"](o.reshape(B * T, -1), g)
         return _project_and_reduce(self, o)
+
+    def _fold_applies(self, a: torch.Tensor) -> bool:
+        """qkv_norm folded into q_b's GEMV (RMSNorm prologue) and uk_insert (kernel
+        "mla_norm_fold", with gemv and mla_glue on): M within the GEMV's per-M table, shapes
+        both kernels take."""
+        cfg = self.cfg
+        if not (self.use_fold and self.use_glue and self.use_gemv and a.shape[0] <= MAX_ROWS["mla_norm_fold"] and a.is_contiguous()):
+            return False
+        from kimi_decode.kernels.gemv import can_implement_norm
+        from kimi_decode.kernels.mla_glue import can_implement_uk_norm
+        ql, c, rope, H = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.mla_local_heads
+        A = a.shape[1]
+        return (can_implement_norm(a.shape[0], self.q_b.shape[0], ql, A, (a.dtype, self.q_a_norm.dtype, self.q_b.dtype))
+                and can_implement_uk_norm(a.shape[0], cfg.tokens_per_seq, H, cfg.qk_nope_dim, rope, c, A, ql + c, ql,
+                                          (a.dtype, self.kv_a_norm.dtype, self.w_uk_t.dtype, self.cache.dtype)))
 
     def _multi_applies(self, x: torch.Tensor) -> bool:
         """qkv_a and g_proj as one gemv_multi launch: kernel on, M within the per-M table."""
@@ -674,6 +706,7 @@ class FusedDecoder(StockDecoder):
                                                                        cfg.kv_lora_rank, dev)
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.use_multi = "gemv_multi" in on
+                layer.attn.use_fold = {"mla_norm_fold", "mla_glue", "gemv"} <= on
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
                 layer.attn.ar_slots = ar_slots

@@ -39,6 +39,16 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   804, g_proj 192 (≥ 132 SMs for every K3 projection). `kwarps` = 4 instead of 8 halves the
   CTA and doubles each warp's K share (the per-warp butterflies of C·M sums cost ~20% of the
   work at M = 8 with 8 warps on K = 7168); check_variants times both.
+- gemv_rmsnorm (class GemvRMSNorm; GemvConfig.eps, x_stride): the RMSNorm prologue of MLA's
+  q_b projection (kernel "mla_norm_fold", kernels/mla_norm_fold.py): x is columns [0, K) of
+  rows of width x_stride (qkv_a's output a [M, 2112], K = 1536), normalised in-kernel. The
+  plain layout (one warp per column); each warp issues its whole weight row (K ≤ 8 slices per
+  lane) into registers, loads the x slices it multiplies, Σx² over the warp by a butterfly
+  (every warp re-reads the 3 KB row from L2: no shared memory, no barrier), rstd, then per
+  slice xn = bf16(x · rstd · w_norm) and the plain FMA chain. Launched with at most 128
+  registers (min_blocks_per_mp = 2: ptxas took 145 uncapped, one CTA per SM, and q_b's 144
+  CTAs would not all be resident on 132 SMs); M ≤ 8 (at M = 8 ptxas spills 6 bytes under
+  the cap; the per-M table uses M = 1).
 
 Exact math (every rounding point; matches the stock ops):
 - plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
@@ -52,6 +62,12 @@ Exact math (every rounding point; matches the stock ops):
   not tanh.approx.f32; σ's 1/(1+e) is rcp.rn and u/β_lin div.rn, as torch's IEEE ops), so x
   matches torch's fp32 SiTU to a few fp32 ulps and its bf16 rounding differs only for values
   within those ulps of a bf16 rounding boundary (one bf16 ulp there).
+- rmsnorm: ss = Σ_k fp32(x[m, k])² (lane order, then a butterfly); rstd = rsqrt(ss / K + eps)
+  (rsqrt.approx.f32); xn[m, k] = bf16((fp32(x) · rstd) · fp32(w_norm[k])), stock's rounding
+  point (stock_triton.mla_norms: x · rstd · w in fp32, then bf16); then the plain formula on
+  xn in the plain kernel's order, so at M = 1 the output is bit-identical to gemv(xn, W).
+  Stock's rstd (1/sqrt, another Σ order) may differ in its last fp32 bits: xn equals stock's
+  qa except within those bits of a bf16 rounding boundary (one bf16 ulp there).
 
 Why it should reach its target: shared_down is 7168 × 384 bf16 = 5.5 MB; at ~4 TB/s that is
 ~1.4 µs of HBM time, so gemv_situ is latency bound (~3-4 µs at M = 1: h load + SiTU + barrier
@@ -86,6 +102,7 @@ VEC = 8
 VEC_NARROW = 4  # 64-bit loads for K a multiple of 128 (not of 256)
 WARPS = 8
 PRELOAD_SLICES = 4  # gemv_situ: K ≤ 4 slices per lane → the warp's weight row is loaded up front
+NORM_MAX_SLICES = 8  # gemv_rmsnorm: K ≤ 8 slices per lane (2048); q_b: K = 1536, 6 slices
 # Per-M table, measured on the H200 (bench/fused_correctness.md): at M = 1 the GEMV beats
 # torch's GEMM on every K3 projection (in_proj 10.1 vs 14.0 us, 4.6 TB/s); at M = 8 it loses
 # (in_proj 33 vs 13.8 us: each lane re-reads 8 x-rows per weight load), so M >= 2 goes to the
@@ -122,6 +139,10 @@ class GemvConfig:
     cols: int = 0
     kwarps: int = WARPS          # split-K: warps per CTA sharing the K slices (4 or 8)
     unroll: int = 4              # one-warp-per-column loop: slices (weight loads) in flight per lane
+    # gemv_rmsnorm (class GemvRMSNorm only): x is columns [0, K) of rows of width x_stride
+    # (e.g. the q part of qkv_a's output), normalised in the prologue with this eps
+    eps: float = 0.0
+    x_stride: int = 0
 
 
 def vec_for(k: int) -> int:
@@ -138,6 +159,16 @@ def can_implement(m: int, n: int, k: int, dtypes: tuple[torch.dtype, ...],
     return (1 <= m <= min(max_rows, SPLITK_MAX_ROWS) and k_multiple in (VEC * 32, VEC_NARROW * 32)
             and k >= 1 and k % k_multiple == 0 and n >= 1
             and all(d == torch.bfloat16 for d in dtypes))
+
+
+def can_implement_norm(m: int, n: int, k: int, x_stride: int, dtypes: tuple[torch.dtype, ...],
+                       max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """gemv_rmsnorm: x = columns [0, K) of [M, x_stride] rows; K a multiple of 256 with at most
+    NORM_MAX_SLICES slices per lane (the warp's weight row and x row live in registers);
+    x_stride ≥ K and a multiple of 8 (16-byte aligned rows); bf16; M ≤ max_rows (the kernel
+    itself handles M ≤ SPLITK_MAX_ROWS)."""
+    return (can_implement(m, n, k, dtypes, max_rows=max_rows) and k // (VEC * 32) <= NORM_MAX_SLICES
+            and x_stride >= k and x_stride % VEC == 0)
 
 
 def can_implement_situ(m: int, n: int, inter: int, dtypes: tuple[torch.dtype, ...],
@@ -334,12 +365,93 @@ class Gemv:
                 mO[r, col] = tot.to(mO.element_type)
 
 
+class GemvRMSNorm(Gemv):
+    """gemv_rmsnorm: out = bf16(RMSNorm(x; w_norm, eps)) @ Wᵀ, one warp per output column (the
+    plain kernel's layout and summation order), the norm recomputed by every warp: see the
+    module docstring."""
+
+    def __init__(self, cfg: GemvConfig) -> None:
+        assert cfg.vec == VEC and not cfg.situ and cfg.cols == 0, cfg
+        assert cfg.k % (VEC * 32) == 0 and cfg.k // (VEC * 32) <= NORM_MAX_SLICES, cfg
+        assert cfg.x_stride >= cfg.k and cfg.x_stride % VEC == 0 and 1 <= cfg.rows <= SPLITK_MAX_ROWS, cfg
+        super().__init__(cfg)
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, wn: cute.Pointer, w: cute.Pointer, out: cute.Pointer,
+                 stream: cuda.CUstream):
+        n, k, m, vec = self.cfg.n, self.cfg.k, self.cfg.rows, self.cfg.vec
+        mX = cute.make_tensor(x, cute.make_layout((m, k // vec, vec), stride=(self.cfg.x_stride, vec, 1)))
+        mN = cute.make_tensor(wn, cute.make_layout((k // vec, vec), stride=(vec, 1)))
+        mW = cute.make_tensor(w, cute.make_layout((n, k // vec, vec), stride=(k, vec, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+        # ≤ 128 registers (2 CTAs per SM): all ceil(N/8) CTAs resident at once (q_b: 144 CTAs
+        # on 132 SMs; uncapped, ptxas took 145 registers at M = 1, one CTA per SM, two waves).
+        # The explicit carveout (-1: the driver's default) keeps the DSL from querying the
+        # device at compile time (no GPU in CI), as moe_experts does.
+        self.kernel_norm(mX, mN, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
+                                                block=[WARPS * 32, 1, 1], stream=stream,
+                                                min_blocks_per_mp=2, preferred_smem_carveout=-1)
+
+    @cute.kernel
+    def kernel_norm(self, mX: cute.Tensor, mN: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        m, vec, S, k = self.cfg.rows, self.cfg.vec, self.slices, self.cfg.k
+        bidx, _, _ = cute.arch.block_idx()
+        col = bidx * WARPS + cute.arch.warp_idx()      # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        # A warp past N (only when N % 8 != 0) works on row N-1 (in bounds) and never stores:
+        # no branch around the shuffles below.
+        colc = cutlass.min(col, Int32(self.cfg.n - 1))
+        # 1. The warp's whole weight row, issued first (S 128-bit loads per lane from HBM).
+        wall = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mW.element_type)
+        for i in cutlass.range_constexpr(S):
+            cute.autovec_copy(mW[colc, lane + i * 32, None], wall[i, None])
+        nv = cute.make_rmem_tensor(cute.make_layout(vec), mN.element_type)
+        xv = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mX.element_type)
+        xn = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+        eps = Float32(self.cfg.eps)
+        for r in cutlass.range_constexpr(m):
+            # 2. Row r: the lane's slices of x (the same slices the plain kernel reads), Σx² over
+            # the warp (lane order, then a butterfly: every lane gets the total), rstd.
+            for i in cutlass.range_constexpr(S):
+                cute.autovec_copy(mX[r, lane + i * 32, None], xv[i, None])
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(S):
+                for j in cutlass.range_constexpr(vec):
+                    f = xv[i, j].to(Float32)
+                    ss = ss + f * f
+            ss = cute.arch.warp_reduction_sum(ss)
+            rstd = cute.math.rsqrt(ss / Float32(k) + eps)
+            # 3. xn = bf16(x · rstd · w_norm) (stock's rounding point), then the plain kernel's
+            # dot product in its order: slice i, element j, one fp32 chain per lane. The norm
+            # weight slice is loaded here, not up front (L1/L2-resident: every warp reads the
+            # same K values; held across the shuffle it pushed ptxas past 128 registers).
+            acc = Float32(0.0)
+            for i in cutlass.range_constexpr(S):
+                cute.autovec_copy(mN[lane + i * 32, None], nv)
+                for j in cutlass.range_constexpr(vec):
+                    xn[j] = (xv[i, j].to(Float32) * rstd * nv[j].to(Float32)).to(mX.element_type)
+                for j in cutlass.range_constexpr(vec):
+                    acc = acc + wall[i, j].to(Float32) * xn[j].to(Float32)
+            tot = cute.arch.warp_reduction_sum(acc)
+            if col < self.cfg.n:
+                if lane == 0:
+                    mO[r, col] = tot.to(mO.element_type)
+
+
 def compile_for(cfg: GemvConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
         return cute.compile(Gemv(cfg), bf, bf, bf, current_stream(), options=compile_options())
     return compiled(("gemv", cfg), build)
+
+
+def compile_norm(cfg: GemvConfig) -> object:
+    """The compiled gemv_rmsnorm kernel for `cfg` (cached)."""
+    def build() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(GemvRMSNorm(cfg), bf, bf, bf, bf, current_stream(), options=compile_options())
+    return compiled(("gemv_rmsnorm", cfg), build)
 
 
 def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -390,6 +502,38 @@ def gemv_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin_bet
     cfg = GemvConfig(n, inter, m, vec=vec_for(inter), situ=True, beta=float(beta), lin_beta=float(lin_beta))
     compile_for(cfg)(ptr(h), ptr(w), ptr(out), current_stream())
     return out
+
+
+def gemv_rmsnorm(a: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, k: int, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16(RMSNorm(a[:, :k]; w_norm, eps)) @ w[N, k]ᵀ in one kernel (MLA: qkv_norm's q half +
+    q_b_proj); a [M, A ≥ k] contiguous bf16 (only its first k columns are read), w_norm [k],
+    w [N, k]; returns [M, N] bf16 (into `out` when given). At M = 1 bit-identical to
+    gemv(qa, w) for qa = the kernel's normalised row; qa equals stock's mla_norms output
+    except where rstd's last fp32 bits move a product across a bf16 rounding boundary."""
+    m, A = a.shape
+    n = w.shape[0]
+    if (a.dim() != 2 or w.dim() != 2 or w.shape[1] != k or tuple(w_norm.shape) != (k,)
+            or not can_implement_norm(m, n, k, A, (a.dtype, w_norm.dtype, w.dtype), max_rows=SPLITK_MAX_ROWS)):
+        raise ValueError(f"gemv_rmsnorm cannot run a {tuple(a.shape)} w {tuple(w.shape)} k={k}")
+    out = _out_for(m, n, a, out)
+    cfg = GemvConfig(n, k, m, eps=float(eps), x_stride=A)
+    compile_norm(cfg)(ptr(a), ptr(w_norm), ptr(w), ptr(out), current_stream())
+    return out
+
+
+def reference_rmsnorm(x: torch.Tensor, w_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x; w_norm, eps) in float64, unrounded: x / sqrt(mean(x²) + eps) · w_norm."""
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w_norm.double()
+
+
+def emulate_rmsnorm(x: torch.Tensor, w_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """The prologue's rounding in torch: fp32 Σx², rstd = rsqrt(Σx²/K + eps), bf16((x·rstd)·w)
+    (the kernel's rsqrt is rsqrt.approx and its Σ order differs: equal up to rstd's last bits)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps)
+    return (xf * rstd * w_norm.float()).to(x.dtype)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,10 @@ Exact math (every bf16 rounding point; fp32 accumulation as cuBLAS's bf16 bmm):
                               raise there, the kernel never writes out of bounds)
   (stock's kv_insert copies a[:, rope_off:], i.e. all of a's columns past rope_off: the same
   bytes when rope_off + rope = A, as at K3: 2048 + 64 = 2112; the wrapper requires it.)
+  uk_insert_norm (GlueConfig.norm; kernel "mla_norm_fold", kernels/mla_norm_fold.py) takes
+  a's raw c_kv part instead of ckv: ckv[m] = bf16(fp32(a[m, ql:ql + c]) · rstd · fp32(kv_norm)),
+  rstd = rsqrt(Σ fp32(a)² / c + eps): warp w of every CTA reduces row min(w, M-1) (2 vectors
+  per lane, a butterfly outside any branch), the head-0 CTAs write their tile's vectors.
   stock: torch.bmm (bf16 out, fp32 accumulate, one rounding) then kv_insert (pure copies), so
   q_full's rope half and the cache rows are bit-equal to stock; q_lat differs from cuBLAS only
   by the fp32 summation order (one bf16 ulp at rounding boundaries).
@@ -87,6 +91,7 @@ VEC = 8               # bf16 per 128-bit load
 MAX_ROWS = 8          # M = B·T: accumulators M × 8 per thread, activations M × K fp32 in smem
 UK_COLS = 64          # q_lat columns per uk_insert CTA
 UV_COLS = 16          # o columns per uv_gate CTA
+NORM_MAX_VECS = 4     # uk_insert_norm: c_kv vectors per lane (c ≤ 1024; K3: c = 512, 2)
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,10 @@ class GlueConfig:
     rope: int = 64
     a_cols: int = 0
     rope_off: int = 0
+    # uk_insert_norm: ckv = bf16(RMSNorm(a[:, ckv_off:ckv_off + c]; kv_norm, eps)) in-kernel
+    norm: bool = False
+    ckv_off: int = 0
+    eps: float = 0.0
 
     @property
     def vpr(self) -> int:         # 8-column vectors per tile row
@@ -135,6 +144,16 @@ def can_implement_uk(rows: int, tokens: int, heads: int, nope: int, rope: int, k
             and rope % VEC == 0 and rope >= VEC and _tile_ok(nope, kv_rank, UK_COLS)
             and a_cols % VEC == 0 and rope_off % VEC == 0 and 0 <= rope_off and rope_off + rope <= a_cols
             and all(d == torch.bfloat16 for d in dtypes))
+
+
+def can_implement_uk_norm(rows: int, tokens: int, heads: int, nope: int, rope: int, kv_rank: int,
+                          a_cols: int, rope_off: int, ckv_off: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """uk_insert_norm: uk_insert's limits, plus a's c_kv slice 16-byte aligned and before the
+    rope slice, and c a multiple of 256 with at most NORM_MAX_VECS vectors per lane (one warp
+    holds a whole c_kv row: c / 256 128-bit loads per lane)."""
+    return (can_implement_uk(rows, tokens, heads, nope, rope, kv_rank, a_cols, rope_off, dtypes)
+            and rows <= WARPS and ckv_off % VEC == 0 and 0 <= ckv_off and ckv_off + kv_rank <= rope_off
+            and kv_rank % (32 * VEC) == 0 and kv_rank // (32 * VEC) <= NORM_MAX_VECS)
 
 
 def can_implement_uv(rows: int, heads: int, kv_rank: int, v_dim: int, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -171,7 +190,8 @@ class MLAGlue:
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, g: cute.Pointer,
                  a: cute.Pointer, ckv: cute.Pointer, cache: cute.Pointer, pos: cute.Pointer,
                  cache_len: Int32, stream: cuda.CUstream):
-        """uk: x = q, out = q_full, (a, ckv, cache, pos, cache_len) the insert; g unused.
+        """uk: x = q, out = q_full, (a, ckv, cache, pos, cache_len) the insert; g unused
+        (uk with `norm`: g = kv_a_norm's weight [c], ckv unused: c_kv is read from a).
         uv: x = o_lat, out = o, g = gate; a, ckv, cache, pos unused (any pointers)."""
         M, H, K, N = self.M, self.H, self.K, self.N
         mW = cute.make_tensor(w, cute.make_layout((H, K, N // VEC, VEC), stride=(K * N, N, VEC, 1)))
@@ -186,7 +206,8 @@ class MLAGlue:
             mK = cute.make_tensor(cache, cute.make_layout((self.B * cache_len, D // VEC, VEC),
                                                           stride=(D, VEC, 1)))
             mP = cute.make_tensor(pos, cute.make_layout(1))
-            self.kernel_uk(mQ, mW, mO, mOv, mA, mC, mK, mP, cache_len).launch(
+            mN = cute.make_tensor(g, cute.make_layout((N // VEC, VEC), stride=(VEC, 1)))
+            self.kernel_uk(mQ, mW, mO, mOv, mA, mC, mK, mP, mN, cache_len).launch(
                 grid=grid, block=[THREADS, 1, 1], stream=stream)
         else:
             mX = cute.make_tensor(x, cute.make_layout((M, H, K // VEC, VEC), stride=(H * K, K, VEC, 1)))
@@ -245,7 +266,8 @@ class MLAGlue:
 
     @cute.kernel
     def kernel_uk(self, mQ: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, mOv: cute.Tensor,
-                  mA: cute.Tensor, mC: cute.Tensor, mK: cute.Tensor, mP: cute.Tensor, cache_len: Int32):
+                  mA: cute.Tensor, mC: cute.Tensor, mK: cute.Tensor, mP: cute.Tensor, mN: cute.Tensor,
+                  cache_len: Int32):
         M, T, H, COLS, VPR, RV = self.M, self.T, self.H, self.COLS, self.VPR, self.RV
         tid, _, _ = cute.arch.thread_idx()
         ct, h, _ = cute.arch.block_idx()
@@ -263,16 +285,19 @@ class MLAGlue:
         # The copies (CTA-uniform branches, no shuffles inside).
         p0 = mP[0].to(Int32)
         cv = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
-        if h == 0:                           # ckv columns of this tile -> cache rows
-            for i in range(tid, M * VPR, THREADS):
-                m = i // VPR
-                v = i - m * VPR
-                b = m // T
-                p = p0 + (m - b * T)
-                if p >= 0:
-                    if p < cache_len:
-                        cute.autovec_copy(mC[m, ct * VPR + v, None], cv)
-                        cute.autovec_copy(cv, mK[b * cache_len + p, ct * VPR + v, None])
+        if cutlass.const_expr(self.cfg.norm):
+            self.norm_ckv(mA, mN, mK, p0, cache_len, h, ct, warp, lane)
+        else:
+            if h == 0:                       # ckv columns of this tile -> cache rows
+                for i in range(tid, M * VPR, THREADS):
+                    m = i // VPR
+                    v = i - m * VPR
+                    b = m // T
+                    p = p0 + (m - b * T)
+                    if p >= 0:
+                        if p < cache_len:
+                            cute.autovec_copy(mC[m, ct * VPR + v, None], cv)
+                            cute.autovec_copy(cv, mK[b * cache_len + p, ct * VPR + v, None])
         if ct == 0:                          # q's rope part of head h -> q_full
             for i in range(tid, M * RV, THREADS):
                 m = i // RV
@@ -298,6 +323,46 @@ class MLAGlue:
             for w in cutlass.range_constexpr(WARPS):
                 tot += red[w, m, col]
             mO[m * H + h, ct * COLS + col] = tot.to(BFloat16)
+
+    @cute.jit
+    def norm_ckv(self, mA: cute.Tensor, mN: cute.Tensor, mK: cute.Tensor, p0: Int32, cache_len: Int32,
+                 h: Int32, ct: Int32, warp: Int32, lane: Int32):
+        """uk_insert_norm's ckv copy: warp w normalises row m = w (M ≤ 8 warps) and the CTAs
+        of head 0 write their tile's VPR vectors of it into the cache. Every warp of every
+        CTA loads and reduces (row min(w, M-1): in bounds), so the butterfly is never inside
+        a branch; only the stores are predicated.
+            ss   = Σ_k fp32(a[m, ckv_off + k])²   (lane order, then a butterfly)
+            rstd = rsqrt(ss / c + eps)
+            ckv  = bf16( fp32(a) · rstd · fp32(kv_norm) )"""
+        NV = self.N // (32 * VEC)               # c_kv vectors per lane (K3: 2)
+        off = self.cfg.ckv_off // VEC
+        mrow = cutlass.min(warp, Int32(self.M - 1))
+        xr = cute.make_rmem_tensor(cute.make_layout((NV, VEC), stride=(VEC, 1)), BFloat16)
+        for j in cutlass.range_constexpr(NV):
+            cute.autovec_copy(mA[mrow, off + lane + 32 * j, None], xr[j, None])
+        ss = Float32(0.0)
+        for j in cutlass.range_constexpr(NV):
+            for e in cutlass.range_constexpr(VEC):
+                f = xr[j, e].to(Float32)
+                ss = ss + f * f
+        ss = cute.arch.warp_reduction_sum(ss)
+        rstd = cute.math.rsqrt(ss / Float32(self.N) + Float32(self.cfg.eps))
+        nb = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        yb = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        if h == 0:
+            if warp < self.M:
+                b = warp // self.T
+                p = p0 + (warp - b * self.T)
+                if p >= 0:
+                    if p < cache_len:
+                        for j in cutlass.range_constexpr(NV):
+                            v = lane + 32 * j       # this lane's vector of the row
+                            if v >= ct * self.VPR:
+                                if v < ct * self.VPR + self.VPR:   # in this CTA's column tile
+                                    cute.autovec_copy(mN[v, None], nb)
+                                    for e in cutlass.range_constexpr(VEC):
+                                        yb[e] = (xr[j, e].to(Float32) * rstd * nb[e].to(Float32)).to(BFloat16)
+                                    cute.autovec_copy(yb, mK[b * cache_len + p, v, None])
 
     @cute.kernel
     def kernel_uv(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor):
@@ -330,6 +395,12 @@ class MLAGlue:
 def config_uk(rows: int, tokens: int, heads: int, nope: int, rope: int, kv_rank: int,
               a_cols: int, rope_off: int) -> GlueConfig:
     return GlueConfig("uk", rows, tokens, heads, nope, kv_rank, UK_COLS, rope, a_cols, rope_off)
+
+
+def config_uk_norm(rows: int, tokens: int, heads: int, nope: int, rope: int, kv_rank: int,
+                   a_cols: int, rope_off: int, ckv_off: int, eps: float) -> GlueConfig:
+    return GlueConfig("uk", rows, tokens, heads, nope, kv_rank, UK_COLS, rope, a_cols, rope_off,
+                      norm=True, ckv_off=ckv_off, eps=float(eps))
 
 
 def config_uv(rows: int, heads: int, kv_rank: int, v_dim: int) -> GlueConfig:
@@ -365,6 +436,31 @@ def uk_insert(q: torch.Tensor, a: torch.Tensor, ckv: torch.Tensor, w_uk_t: torch
     fn = compile_for(config_uk(M, T, H, nope, rope, c, A, rope_off))
     p = ptr(q)
     fn(p, ptr(w_uk_t), ptr(q_full), p, ptr(a), ptr(ckv), ptr(cache), ptr(pos), Int32(C), current_stream())
+    return q_full
+
+
+def uk_insert_norm(q: torch.Tensor, a: torch.Tensor, kv_norm: torch.Tensor, eps: float, w_uk_t: torch.Tensor,
+                   cache: torch.Tensor, pos: torch.Tensor, T: int, rope_off: int, ckv_off: int) -> torch.Tensor:
+    """uk_insert with qkv_norm's c_kv half inside: the cache rows get
+    [bf16(RMSNorm(a[:, ckv_off:ckv_off + c]; kv_norm, eps)) | a[:, rope_off:rope_off + rope]]
+    (module docstring). q [M, H, nope + rope], a [M, A], kv_norm [c]; the rest as uk_insert.
+    Returns q_full [B, T·H, c + rope] bf16."""
+    M, H, QD = q.shape
+    Hw, nope, c = w_uk_t.shape
+    B, C, D = cache.shape
+    rope = D - c
+    A = a.shape[1]
+    if (Hw != H or QD != nope + rope or M != B * T or a.shape[0] != M or tuple(kv_norm.shape) != (c,)
+            or rope_off + rope != A
+            or pos.dtype != torch.int64 or pos.numel() != 1
+            or not can_implement_uk_norm(M, T, H, nope, rope, c, A, rope_off, ckv_off,
+                                         (q.dtype, a.dtype, kv_norm.dtype, w_uk_t.dtype, cache.dtype))):
+        raise ValueError(f"uk_insert_norm kernel cannot run q {tuple(q.shape)} a {tuple(a.shape)} "
+                         f"cache {tuple(cache.shape)}")
+    q_full = torch.empty(B, T * H, D, dtype=q.dtype, device=q.device)
+    fn = compile_for(config_uk_norm(M, T, H, nope, rope, c, A, rope_off, ckv_off, eps))
+    p, pa = ptr(q), ptr(a)
+    fn(p, ptr(w_uk_t), ptr(q_full), ptr(kv_norm), pa, pa, ptr(cache), ptr(pos), Int32(C), current_stream())
     return q_full
 
 

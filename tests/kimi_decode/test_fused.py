@@ -542,3 +542,89 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     moe_layers = sum(isinstance(layer.mlp, fused_mod.LatentMoE) for layer in fused.layers)
     assert moe_layers == 6
     assert calls == ([] if expected is None else [expected] * (2 * moe_layers))
+
+
+def _emulate_fold_kernels(monkeypatch, cfg, calls: list) -> None:
+    """gemv, gemv_rmsnorm, uk_insert(_norm), uv_gate replaced by their contracts in torch
+    (the norms as stock's F.rms_norm), shape checks off (tiny sizes)."""
+    import torch.nn.functional as F
+
+    import kimi_decode.kernels.gemv as k_gemv
+    import kimi_decode.kernels.mla_glue as k_glue
+    from kimi_decode import stock_ops
+
+    def gemv_rmsnorm(a, w_norm, w, k, eps, out=None):
+        calls.append("gemv_rmsnorm")
+        return F.rms_norm(a[:, :k], (k,), w_norm, eps) @ w.t()
+
+    def uk_insert_norm(q, a, kv_norm, eps, w_uk_t, cache, pos, T, rope_off, ckv_off):
+        calls.append("uk_insert_norm")
+        c = w_uk_t.shape[2]
+        ckv = F.rms_norm(a[:, ckv_off:ckv_off + c], (c,), kv_norm, eps)
+        return k_glue.stock_uk(q, a, ckv, w_uk_t, cache, pos, T, rope_off, stock_ops.OpSet(cfg))
+
+    def uk_insert(q, a, ckv, w, cache, pos, T, off):
+        calls.append("uk_insert")
+        return k_glue.stock_uk(q, a, ckv, w, cache, pos, T, off, stock_ops.OpSet(cfg))
+
+    monkeypatch.setattr(k_gemv, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(k_gemv, "can_implement_norm", lambda *a, **k: True)
+    monkeypatch.setattr(k_gemv, "gemv", lambda x, w, out=None: x @ w.t())
+    monkeypatch.setattr(k_gemv, "gemv_rmsnorm", gemv_rmsnorm)
+    for name in ("can_implement_uk", "can_implement_uv", "can_implement_uk_norm"):
+        monkeypatch.setattr(k_glue, name, lambda *a, **k: True)
+    monkeypatch.setattr(k_glue, "uk_insert", uk_insert)
+    monkeypatch.setattr(k_glue, "uk_insert_norm", uk_insert_norm)
+    monkeypatch.setattr(k_glue, "uv_gate", lambda o_lat, w_uv, g: k_glue.stock_uv(o_lat, w_uv, g, stock_ops.sigmoid_gate))
+
+
+@pytest.mark.parametrize("batch,fold", [(1, True), (1, False), (2, True)])
+def test_mla_norm_fold_call_sites_on_cpu(monkeypatch, batch: int, fold: bool) -> None:
+    """mla_norm_fold wired in (kernels emulated by their contracts): at M = 1 every MLA layer
+    issues no `qkv_norm` op (q_b_proj runs gemv_rmsnorm, uk_insert the norming variant) and
+    the step, its outputs, blocks and state (the latent cache included) equal stock within
+    float32 rounding; with the kernel off, or at M = 2 (past the per-M table), the old sequence
+    with qkv_norm, same results."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=batch, spec_tokens=0)
+    calls, ops = [], []
+    _emulate_fold_kernels(monkeypatch, cfg, calls)
+    real = fused_mod.op_range
+
+    def recording(op: str):
+        ops.append(op)
+        return real(op)
+    monkeypatch.setattr(fused_mod, "op_range", recording)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    mla = [layer.attn for layer in fused.layers if layer.kind == "mla"]
+    assert len(mla) == 2
+    for attn in mla:
+        attn.use_gemv = attn.use_glue = True
+        attn.use_fold = fold
+    run_close(stock, fused, seed=80, steps=2)
+    folded = fold and batch == 1
+    mla_ops = [op for op in ops if op in ("qkv_a", "qkv_norm", "q_b_proj", "uk_insert", "mla_decode")]
+    per_layer = (["qkv_a", "q_b_proj", "uk_insert", "mla_decode"] if folded
+                 else ["qkv_a", "qkv_norm", "q_b_proj", "uk_insert", "mla_decode"])
+    assert mla_ops == per_layer * (2 * 2)                      # 2 MLA layers, 2 steps
+    assert calls == (["gemv_rmsnorm", "uk_insert_norm"] if folded else ["uk_insert"]) * (2 * 2)
+
+
+def test_mla_norm_fold_enabled_only_with_its_kernels(monkeypatch) -> None:
+    """enable(): use_fold needs mla_norm_fold, mla_glue and gemv all on (and verified)."""
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels, "applicable", lambda name, cfg: True)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"mla_norm_fold"})
+    fused = FusedDecoder.from_stock(StockDecoder(tiny(layers=(3, 4, 5, 6, 7, 8), batch=1)), kernels=frozenset())
+    mla = [layer.attn for layer in fused.layers if layer.kind == "mla"]
+    for on, want in ((("mla_norm_fold", "mla_glue", "gemv"), True), (("mla_glue", "gemv"), False),
+                     (("mla_norm_fold", "gemv"), False), (("mla_norm_fold", "mla_glue"), False)):
+        fused.enable(frozenset(on))
+        assert all(a.use_fold is want for a in mla), on
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED - {"mla_norm_fold"})
+    fused.enable(frozenset({"mla_norm_fold", "mla_glue", "gemv"}))
+    assert not any(a.use_fold for a in mla)                    # not verified: never used
