@@ -16,12 +16,15 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # AttnRes reading the MoE all-gather slots in place (no concatenation kernel)
            "attn_res_ag", "mla_glue",
            # third round: one grid for the GEMVs that share an input (MoE front with the router; MLA qkv_a + g_proj)
-           "gemv_multi")
+           "gemv_multi",
+           # fourth round: mla_attend also doing mla_glue's uv_gate (W_UV + sigmoid gate) in its launch
+           "mla_attend_uv")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
                  "attn_res_ar": "attn_res", "attn_res_ag": "attn_res", "gemv_variants": "gemv", "moe_up": "moe_up",
-                 "mla_attend": "mla_attend", "mla_glue": "mla_glue", "gemv_multi": "gemv_multi"}
+                 "mla_attend": "mla_attend", "mla_glue": "mla_glue", "gemv_multi": "gemv_multi",
+                 "mla_attend_uv": "mla_attend"}
 
 
 def applicable(name: str, cfg: object) -> bool:
