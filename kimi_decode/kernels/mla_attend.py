@@ -172,14 +172,15 @@ class MLAScratch:
     counters: torch.Tensor    # [B·G + B + 2] int32, zero between calls (the last two: uv mode)
 
 
-def plan(batch: int, cache_len: int, sms: int = SMS) -> tuple[int, int, int, int]:
+def plan(batch: int, cache_len: int, sms: int = SMS, group: int | None = None) -> tuple[int, int, int, int]:
     """(splits, group, groups, tiles_per_split): about `sms` CTAs in all, whole tiles per
-    split, group ≈ √splits so both merge levels read ≤ GMAX partials."""
+    split, group ≈ √splits (or the `group` asked for, raised until groups ≤ GMAX) so both
+    merge levels read ≤ GMAX partials."""
     n_tiles = (cache_len + TILE - 1) // TILE
     target = max(1, min(n_tiles, sms // batch))
     tps = (n_tiles + target - 1) // target
     splits = (n_tiles + tps - 1) // tps
-    group = min(GMAX, max(1, math.ceil(math.sqrt(splits))))
+    group = min(GMAX, max(1, math.ceil(math.sqrt(splits)) if group is None else group))
     groups = (splits + group - 1) // group
     while groups > GMAX:          # not reached for splits ≤ 256
         group += 1
@@ -188,8 +189,8 @@ def plan(batch: int, cache_len: int, sms: int = SMS) -> tuple[int, int, int, int
 
 
 def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int,
-                 device: torch.device | str, sms: int = SMS) -> MLAScratch:
-    splits, group, groups, tps = plan(batch, cache_len, sms)
+                 device: torch.device | str, sms: int = SMS, group: int | None = None) -> MLAScratch:
+    splits, group, groups, tps = plan(batch, cache_len, sms, group)
     f32 = dict(dtype=torch.float32, device=device)
     return MLAScratch(
         batch, rows, cache_len, kv_rank, splits, group, groups, tps,
@@ -754,7 +755,8 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
     return out
 
 
-def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),), copies: int = 12) -> list[dict]:
+def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),), copies: int = 12,
+             group_sweep: tuple[int, ...] = (9, 16)) -> list[dict]:
     """mla_attend_uv (uv mode) vs the verified two-launch path it replaces, mla_attend then
     mla_glue.uv_gate: o and o_lat bit-equal by design (same code, same rounding points); vs
     the stock ops (stock_ops.mla_attend + mla_glue.stock_uv, eager and torch.compile'd, as
@@ -764,7 +766,10 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
     A second call and the timed replays must leave every counter zero. With timing: new vs
     old (2 launches) vs stock (compiled), cold (the calls cycle through `copies` copies of the
     cache and W_UV, 12 × 5.6 MB beyond the 50 MB L2, as in the step where both are read once
-    per layer) and warm (one copy)."""
+    per layer) and warm (one copy); and, to tune the host-side plan without recompiling,
+    the uv kernel with other merge group sizes (make_scratch(..., group=n), n in
+    group_sweep: at 130 splits 9 → 15 groups, 16 → 9 groups vs the default 12 → 11; rows of
+    their own, held to the float64 tolerance since the merge order changes)."""
     import itertools
 
     from kimi_decode import stock_ops
@@ -808,7 +813,7 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
         ref = mla_glue.reference_uv(reference(q_full, clean, last, H, c, scale), w_uv, g)
         e_ks, e_kc, e_k, e_s = rel(o_k, o_s), rel(o_k, o_c), rel(o_k, ref), rel(o_s, ref)
         r = {"kernel": "mla_attend_uv", "B": bsz, "k": k, "C": C, "splits": sc_new.splits,
-             "workers": uv_workers(H, vd), "o_equal_two_launch": torch.equal(o_k, o_o),
+             "group": sc_new.group, "groups": sc_new.groups, "workers": uv_workers(H, vd), "o_equal_two_launch": torch.equal(o_k, o_o),
              "o_lat_equal_mla_attend": torch.equal(lat_k, lat_o), "rel_vs_two_launch": rel(o_k, o_o),
              "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
              "repeat_equal": torch.equal(o_k, o_k2),
@@ -832,8 +837,23 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
             r["two_launch_warm_us"] = timed(old, False)
             r["counters_zero_after_replays"] = int(sc_new.counters.abs().sum()) == 0
             r["ok"] = r["ok"] and r["counters_zero_after_replays"]
+            out.append(r)
+            for n in group_sweep:
+                sc_n = make_scratch(bsz, T * H, C, c, dev, group=n)
+                if not can_implement_uv(bsz, H, T, c, rope, vd, sc_n.splits, (torch.bfloat16,)):
+                    continue
+                with torch.no_grad():
+                    o_n, _ = mla_attend_uv(q_full, cache, last, H, c, scale, w_uv, g, sc_n)
+                _sync()
+                e_n = rel(o_n, ref)
+                out.append({"kernel": "mla_attend_uv", "B": bsz, "k": k, "C": C, "group": sc_n.group,
+                            "groups": sc_n.groups, "rel_vs_f64": e_n,
+                            "kernel_us": timed(lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g,
+                                                                           sc_n)[0], True),
+                            "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc_n.counters.abs().sum()) == 0})
             del sets
-        out.append(r)
+        else:
+            out.append(r)
         del cache, clean
     return out
 

@@ -207,16 +207,22 @@ def test_plan_covers_cache() -> None:
             assert (groups - 1) * group < splits                     # no empty group
             assert bsz * splits <= 2 * 132
     assert plan(1, 4160)[0] == 130 and plan(64, 4160)[0] == 2
+    # check_uv's group sweep at B = 1, k = 0: the group asked for, or raised to keep groups ≤ GMAX
+    assert plan(1, 4160)[1:3] == (12, 11)
+    assert plan(1, 4160, group=16)[1:3] == (16, 9)
+    assert plan(1, 4160, group=9)[1:3] == (9, 15)
+    assert plan(1, 4160, group=6)[1:3] == (9, 15)         # 22 groups: raised
+    assert plan(1, 4160, group=40)[1:3] == (GMAX, 9)
 
 
 def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c: int, scale: float,
-            sms: int = 132) -> torch.Tensor:
+            sms: int = 132, group_ask: int | None = None) -> torch.Tensor:
     """The kernel's algorithm in float64: splits of whole tiles, clamped loads, masked
     bf16-rounded scores, online softmax per tile, partials (m, l, o), two-level merge."""
     B, R, D = q.shape
     C = cache.shape[1]
     NEG, VALID = -1.0e30, -1.0e29
-    splits, group, groups, tps = plan(B, C, sms)
+    splits, group, groups, tps = plan(B, C, sms, group_ask)
     out = torch.zeros(B, R, c, dtype=torch.float64)
     t_of_row = torch.arange(R) // h
     for b in range(B):
@@ -255,21 +261,23 @@ def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c:
     return out
 
 
-@pytest.mark.parametrize("b,t,h,c,rope,cache_len,last0,sms", [
-    (2, 2, 3, 16, 8, 300, 250, 132),     # 10 tiles: 10 one-tile splits per sequence
-    (1, 3, 2, 16, 8, 1000, 900, 132),    # 32 tiles, several groups, a tail tile and skipped splits
-    (1, 1, 6, 512, 64, 4160, 4101, 132),  # K3 TP16 k = 0: 130 splits, 11 groups
-    (3, 2, 2, 16, 8, 700, 650, 16),      # several tiles per split
+@pytest.mark.parametrize("b,t,h,c,rope,cache_len,last0,sms,group", [
+    (2, 2, 3, 16, 8, 300, 250, 132, None),     # 10 tiles: 10 one-tile splits per sequence
+    (1, 3, 2, 16, 8, 1000, 900, 132, None),    # 32 tiles, several groups, a tail tile and skipped splits
+    (1, 1, 6, 512, 64, 4160, 4101, 132, None),  # K3 TP16 k = 0: 130 splits, 11 groups
+    (1, 1, 6, 512, 64, 4160, 4101, 132, 9),     # check_uv's group sweep: 15 groups
+    (1, 1, 6, 512, 64, 4160, 4101, 132, 16),    # 9 groups
+    (3, 2, 2, 16, 8, 700, 650, 16, None),      # several tiles per split
 ])
 def test_emulated_kernel_matches_reference(b: int, t: int, h: int, c: int, rope: int, cache_len: int,
-                                           last0: int, sms: int) -> None:
+                                           last0: int, sms: int, group: int | None) -> None:
     q, cache = _inputs(b, t, h, c, rope, cache_len, 7 + b + t)
     scale = 192 ** -0.5
     last = last0 + torch.arange(t)
     cache_nan = cache.clone()
     cache_nan[:, last0 + t:] = float("nan")                 # never read by the kernel's plan
     ref = reference(q, cache, last, h, c, scale)
-    emu = emulate(q, cache_nan, last, h, c, scale, sms)
+    emu = emulate(q, cache_nan, last, h, c, scale, sms, group)
     assert torch.isfinite(emu).all()
     assert float((emu - ref).norm() / ref.norm()) < 1e-9
 
@@ -328,3 +336,15 @@ def test_check_uv_harness_rejects_wrong_kernel(emulated) -> None:
     rows = ma.check_uv(timing=False)
     assert len(rows) == 1 and not rows[0]["ok"] and not rows[0]["o_equal_two_launch"]
     assert rows[0]["o_lat_equal_mla_attend"]
+
+
+def test_check_uv_timing_rows(emulated) -> None:
+    """check_uv's timing path (time_us replaced by one call): the main row gets new / old /
+    stock times cold and warm, and the group sweep adds its rows (15 and 9 groups)."""
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.mla_attend import check_uv
+    emulated.setattr(checks, "time_us", lambda fn: fn() is None or 1.0)
+    rows = check_uv(timing=True, copies=2)
+    assert all(r["ok"] for r in rows), rows
+    assert {"kernel_us", "two_launch_us", "stock_us", "kernel_warm_us", "two_launch_warm_us"} <= rows[0].keys()
+    assert [(r["group"], r["groups"]) for r in rows] == [(12, 11), (9, 15), (16, 9)]
