@@ -55,7 +55,9 @@ and the kernel is in `VERIFIED`):
   are computed once per step by FusedDecoder, not in every MLA layer; `mla_glue` fuses W_UK
   absorption + KV-cache insert (`uk_insert`) and W_UV + sigmoid gate (`uv_gate`);
   `mla_attend` is the absorbed attention over the latent cache in one launch (split over
-  positions, combined in-kernel) where it beats stock's bmm (few query rows).
+  positions, combined in-kernel) where it beats stock's bmm (few query rows); with
+  `mla_attend_uv` that launch also does uv_gate (its first 48 CTAs run the W_UV tiles once
+  the combine has written o_lat), so the op `uv_gate` disappears.
   `mla_norm_fold` (M = 1): the q/kv RMSNorms (stock op `qkv_norm`) disappear: q_b's GEMV
   normalises the q part of qkv_a's output in its prologue (kernels/gemv.py gemv_rmsnorm) and
   uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm).
@@ -330,6 +332,7 @@ class MLAAttention(stock.MLAAttention):
     use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
     use_fold = False                               # "mla_norm_fold": no qkv_norm launch (M = 1)
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
+    attend_uv = False                              # mla_attend_uv: mla_attend also does uv_gate
     last_buf: torch.Tensor | None = None           # pos + t_off, kept by FusedDecoder (once per step)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
@@ -374,15 +377,24 @@ class MLAAttention(stock.MLAAttention):
                 q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)
             with op_range("kv_insert"):
                 q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
+        uv_in_attend = self.attend_uv and self.attend_scratch is not None
+        if uv_in_attend and g_on_side:           # the kernel reads g
+            _join(self.rt, g)
         with op_range("mla_decode"):
             # the step's query positions, computed once per step by FusedDecoder (last_buf)
             last = self.last_buf if self.last_buf is not None else pos + self.t_off
-            if self.attend_scratch is not None:           # one launch (kernels/mla_attend.py)
+            if uv_in_attend:                     # attention + W_UV + gate: one launch
+                from kimi_decode.kernels.mla_attend import mla_attend_uv
+                o, _ = mla_attend_uv(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
+                                     self.w_uv, g.contiguous(), scratch=self.attend_scratch)
+            elif self.attend_scratch is not None:         # one launch (kernels/mla_attend.py)
                 from kimi_decode.kernels.mla_attend import mla_attend
                 o_lat = mla_attend(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
                                    scratch=self.attend_scratch)
             else:
                 o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
+        if uv_in_attend:
+            return _project_and_reduce(self, o)
         if glue is not None and glue.can_implement_uv(B * T, H, c, cfg.v_head_dim, (o_lat.dtype,)):
             if g_on_side:
                 _join(self.rt, g)
@@ -696,6 +708,7 @@ class FusedDecoder(StockDecoder):
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.use_glue = "mla_glue" in on
                 layer.attn.attend_scratch = None
+                layer.attn.attend_uv = False
                 if "mla_attend" in on:
                     from kimi_decode.kernels import mla_attend as k_mla
                     T, H = cfg.tokens_per_seq, cfg.mla_local_heads
@@ -704,6 +717,11 @@ class FusedDecoder(StockDecoder):
                             H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, (cfg.torch_dtype,)):
                         layer.attn.attend_scratch = k_mla.make_scratch(cfg.batch, T * H, cfg.cache_len,
                                                                        cfg.kv_lora_rank, dev)
+                    # uv_gate inside mla_attend's launch (its W_UV tiles run by the first CTAs)
+                    sc = layer.attn.attend_scratch
+                    layer.attn.attend_uv = bool("mla_attend_uv" in on and sc is not None and k_mla.can_implement_uv(
+                        cfg.batch, H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.v_head_dim, sc.splits,
+                        (cfg.torch_dtype,)))
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.use_multi = "gemv_multi" in on
                 layer.attn.use_fold = {"mla_norm_fold", "mla_glue", "gemv"} <= on

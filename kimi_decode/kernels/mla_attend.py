@@ -50,8 +50,38 @@ times slower than stock's tensor-core bmm; see `profitable`. The split plan is h
 (`make_scratch(..., sms=n)`), so it can be tuned from device timings without recompiling.
 Compile time on one CPU core: ~5 s for T = 1, ~35-80 s for T = 8 (R = 48 unrolls far more).
 
+uv mode (kernel name `mla_attend_uv`, MLAConfig.uv_rows = M = B·T > 0; `mla_attend_uv`):
+the same launch also does kernels/mla_glue.py's `uv_gate` on the o_lat it writes,
+    o[m, h·vd + j] = gated( Σ_k o_lat[m·H + h, k] · w_uv[h, k, j], g[m, h·vd + j] )
+with mla_glue's own code (MLAGlue.load_w / gemm_tile, then `gated`: bf16(o_lat) as written
+above, the bmm's bf16 rounding, the bf16 sigmoid, the bf16 multiply), so o equals
+uv_gate(o_lat, w_uv, g) bit for bit and has the stock rounding points of uv_bmm + gate_mul.
+Why not "the combining CTA applies W_UV": one CTA merges all R = 6 rows of a sequence (the
+last group to finish), and all heads' W_UV is 768 KB: one SM streams ~100-150 GB/s
+(Little: ~64 KB in flight / ~0.6 µs latency), i.e. 5-8 µs, more than the launch it removes.
+So the W_UV work keeps uv_gate's 48 tiles (one per head h and 16-column tile: 16 KB of
+weight, 4 128-bit loads per thread) and gives them to the grid's first NW = H·vd/16 = 48
+CTAs (linear index b·splits + s < NW, "workers"): after writing its split partial (before the
+group counter), a worker issues its tile's weight loads and its g value, does any merge it
+wins, then thread 0 spins (ld.acquire.gpu) on a ready counter that each sequence's final
+merge bumps after its o_lat is written (fence, barrier, acq_rel atomic: the pattern of the
+merge counters); once all B sequences are ready the worker stages o_lat (B·T·H × c bf16,
+from L2) and runs the uv tile. The last worker to pass the wait (a second counter) re-zeroes
+both, so replays find zeros. Deadlock freedom: a worker waits only for CTAs that never wait
+(non-workers and merges), and workers hold at most NW < SMs slots, so every other CTA finds
+a free SM (at B = 1: 130 CTAs ≤ 132 SMs, one CTA per SM at 158 registers, all resident).
+Registers stay 158 (ptxas, CPU test), no spills; shared memory + 2.5 KB (s_x, red).
+Expected at B = 1, k = 0: the attention part unchanged (its code and plan are the same); the
+uv part after the final merge costs a flag round trip (~1 µs: release atomic + acquire poll
+through L2), o_lat staging from L2 (~0.5 µs, 2 loads per thread) and the tile's 192 FMAs, 192
+shuffles and one barrier per thread (~0.3 µs): ~1.5-2 µs added to mla_attend, against
+uv_gate's 2.4 µs (graph replays, bench/fused_correctness.md) + the launch gap between the
+two kernels in the step (~1 µs): ~1-2 µs saved per MLA layer and one launch fewer. An
+expectation until the device check (check_uv) times both.
+
 Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd; times both):
     python -m kimi_decode.kernels.mla_attend
+    python -m kimi_decode.kernels.mla_attend uv     (mla_attend_uv: check_uv)
 """
 from __future__ import annotations
 
@@ -68,6 +98,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, can_implement_uv as glue_can_uv, config_uv, gated
 
 TILE = 32        # cache positions per tile (one per lane in the softmax)
 THREADS = 256
@@ -91,6 +122,12 @@ class MLAConfig:
     kv_rank: int = 512
     rope: int = 64
     scale: float = 192 ** -0.5
+    uv_rows: int = 0          # uv mode (mla_attend_uv): M = B·T rows of o; 0 = o_lat only
+    v_dim: int = 128          # uv mode: W_UV's columns per head
+
+    @property
+    def uv(self) -> bool:
+        return self.uv_rows > 0
 
     @property
     def rows(self) -> int:
@@ -132,17 +169,18 @@ class MLAScratch:
     part_ml: torch.Tensor     # [B·S, 2, R] fp32 (m, l)
     grp_o: torch.Tensor       # [B·G, R, c] fp32
     grp_ml: torch.Tensor      # [B·G, 2, R] fp32
-    counters: torch.Tensor    # [B·G + B] int32, zero between calls
+    counters: torch.Tensor    # [B·G + B + 2] int32, zero between calls (the last two: uv mode)
 
 
-def plan(batch: int, cache_len: int, sms: int = SMS) -> tuple[int, int, int, int]:
+def plan(batch: int, cache_len: int, sms: int = SMS, group: int | None = None) -> tuple[int, int, int, int]:
     """(splits, group, groups, tiles_per_split): about `sms` CTAs in all, whole tiles per
-    split, group ≈ √splits so both merge levels read ≤ GMAX partials."""
+    split, group ≈ √splits (or the `group` asked for, raised until groups ≤ GMAX) so both
+    merge levels read ≤ GMAX partials."""
     n_tiles = (cache_len + TILE - 1) // TILE
     target = max(1, min(n_tiles, sms // batch))
     tps = (n_tiles + target - 1) // target
     splits = (n_tiles + tps - 1) // tps
-    group = min(GMAX, max(1, math.ceil(math.sqrt(splits))))
+    group = min(GMAX, max(1, math.ceil(math.sqrt(splits)) if group is None else group))
     groups = (splits + group - 1) // group
     while groups > GMAX:          # not reached for splits ≤ 256
         group += 1
@@ -151,8 +189,8 @@ def plan(batch: int, cache_len: int, sms: int = SMS) -> tuple[int, int, int, int
 
 
 def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int,
-                 device: torch.device | str, sms: int = SMS) -> MLAScratch:
-    splits, group, groups, tps = plan(batch, cache_len, sms)
+                 device: torch.device | str, sms: int = SMS, group: int | None = None) -> MLAScratch:
+    splits, group, groups, tps = plan(batch, cache_len, sms, group)
     f32 = dict(dtype=torch.float32, device=device)
     return MLAScratch(
         batch, rows, cache_len, kv_rank, splits, group, groups, tps,
@@ -160,7 +198,7 @@ def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int,
         part_ml=torch.empty(batch * splits, 2, rows, **f32),
         grp_o=torch.empty(batch * groups, rows, kv_rank, **f32),
         grp_ml=torch.empty(batch * groups, 2, rows, **f32),
-        counters=torch.zeros(batch * groups + batch, dtype=torch.int32, device=device))
+        counters=torch.zeros(batch * groups + batch + 2, dtype=torch.int32, device=device))
 
 
 class MLAAttend:
@@ -177,13 +215,20 @@ class MLAAttend:
         # Load the next tile during this tile's math (36 registers) unless R is large
         # (R = 48 needs its registers for the 2R + R accumulators).
         self.prefetch = self.R <= PREFETCH_MAX_ROWS
+        if cfg.uv:     # mla_glue's uv_gate tile, run by the worker CTAs (module docstring)
+            self.glue = MLAGlue(config_uv(cfg.uv_rows, self.H, self.C, cfg.v_dim))
+            self.UM, self.VD = cfg.uv_rows, cfg.v_dim
+            self.CT = cfg.v_dim // UV_COLS                # column tiles per head
+            self.NW = self.H * self.CT                    # worker CTAs (tiles of W_UV)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, cache: cute.Pointer, last: cute.Pointer, out: cute.Pointer,
                  part_o: cute.Pointer, part_ml: cute.Pointer, grp_o: cute.Pointer,
-                 grp_ml: cute.Pointer, counters: cute.Pointer, batch: Int32, cache_len: Int32,
+                 grp_ml: cute.Pointer, counters: cute.Pointer, w_uv: cute.Pointer, g: cute.Pointer,
+                 o_uv: cute.Pointer, batch: Int32, cache_len: Int32,
                  tiles_per_split: Int32, splits: Int32, group: Int32, groups: Int32,
                  stream: cuda.CUstream):
+        """uv mode: w_uv [H, c, vd], g [M, H·vd], o_uv [M, H·vd] (bf16); otherwise unused."""
         R, D, C, NV = self.R, self.D, self.C, self.NV
         # Only the outermost modes are dynamic, so every 8-vector keeps its 16-byte alignment.
         mQ = cute.make_tensor(q, cute.make_layout((batch, R, NV, VEC), stride=(R * D, D, VEC, 1)))
@@ -195,15 +240,24 @@ class MLAAttend:
         mPml = cute.make_tensor(part_ml, cute.make_layout((batch * splits, 2, R), stride=(2 * R, R, 1)))
         mGo4 = cute.make_tensor(grp_o, cute.make_layout((batch * groups, R, C // 4, 4), stride=(R * C, C, 4, 1)))
         mGml = cute.make_tensor(grp_ml, cute.make_layout((batch * groups, 2, R), stride=(2 * R, R, 1)))
-        mCnt = cute.make_tensor(counters, cute.make_layout(batch * groups + batch))
-        self.kernel(mQ, mK, mL, mO, mPo2, mPo4, mPml, mGo4, mGml, mCnt, batch, cache_len,
+        mCnt = cute.make_tensor(counters, cute.make_layout(batch * groups + batch + 2))
+        if cutlass.const_expr(self.cfg.uv):
+            M, H, N = self.UM, self.H, self.VD
+            mX = cute.make_tensor(out, cute.make_layout((M, H, C // VEC, VEC), stride=(H * C, C, VEC, 1)))
+            mW = cute.make_tensor(w_uv, cute.make_layout((H, C, N // VEC, VEC), stride=(C * N, N, VEC, 1)))
+            mG = cute.make_tensor(g, cute.make_layout((M, H * N), stride=(H * N, 1)))
+            mU = cute.make_tensor(o_uv, cute.make_layout((M, H * N), stride=(H * N, 1)))
+        else:
+            mX, mW, mG, mU = mO, mO, mO, mO
+        self.kernel(mQ, mK, mL, mO, mPo2, mPo4, mPml, mGo4, mGml, mCnt, mX, mW, mG, mU, batch, cache_len,
                     tiles_per_split, splits, group, groups).launch(
             grid=[splits, batch, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mL: cute.Tensor, mO: cute.Tensor,
                mPo2: cute.Tensor, mPo4: cute.Tensor, mPml: cute.Tensor, mGo4: cute.Tensor,
-               mGml: cute.Tensor, mCnt: cute.Tensor, batch: Int32, cache_len: Int32, tiles_per_split: Int32,
+               mGml: cute.Tensor, mCnt: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mG: cute.Tensor,
+               mU: cute.Tensor, batch: Int32, cache_len: Int32, tiles_per_split: Int32,
                splits: Int32, group: Int32, groups: Int32):
         R, D, NV, H = self.R, self.D, self.NV, self.H
         tid, _, _ = cute.arch.thread_idx()
@@ -219,6 +273,12 @@ class MLAAttend:
         s_p = smem.allocate_tensor(Float32, cute.make_layout((R, TILE), stride=(TILE, 1)), byte_alignment=16)
         s_a = smem.allocate_tensor(Float32, cute.make_layout(R), byte_alignment=16)
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
+        if cutlass.const_expr(self.cfg.uv):        # mla_glue.gemm_tile's staging and warp sums
+            s_x = smem.allocate_tensor(Float32, cute.make_layout((self.UM, self.C), stride=(self.C, 1)),
+                                       byte_alignment=16)
+            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, self.UM, UV_COLS),
+                                                                 stride=(self.UM * UV_COLS, UV_COLS, 1)),
+                                       byte_alignment=16)
         s_k2 = cute.make_tensor(s_k.iterator, cute.make_layout((TILE, D // 2, 2), stride=(D, 2, 1)))
         s_p4 = cute.make_tensor(s_p.iterator, cute.make_layout((R, TILE // 4, 4), stride=(TILE, 4, 1)))
 
@@ -376,6 +436,22 @@ class MLAAttend:
             cute.autovec_copy(ob, mPo2[srow, r, tid, None])
         cute.arch.fence_acq_rel_gpu()       # this thread's partial before the counter bump
 
+        # uv mode: worker CTA `lin` < NW owns W_UV tile (head wh, column tile wct); its weight
+        # loads and its gate value are issued now, in flight during the merges and the wait.
+        lin = b * splits + s
+        wh = Int32(0)
+        wct = Int32(0)
+        gate = Float32(0.0)
+        if cutlass.const_expr(self.cfg.uv):
+            wbuf = cute.make_rmem_tensor(cute.make_layout((self.glue.P, VEC), stride=(VEC, 1)), BFloat16)
+            if lin < self.NW:                   # CTA-uniform
+                wh = lin // self.CT
+                wct = lin - wh * self.CT
+                self.glue.load_w(mW, wbuf, wh, wct, warp, lane)
+                if tid < self.UM * UV_COLS:
+                    gm = tid // UV_COLS
+                    gate = mG[gm, wh * self.VD + wct * UV_COLS + (tid - gm * UV_COLS)].to(Float32)
+
         grp = s // group
         gbase = grp * group
         count = splits - gbase
@@ -391,6 +467,8 @@ class MLAAttend:
             cute.arch.fence_acq_rel_gpu()
             if groups == 1:
                 self.merge(mPml, mPo4, b * splits + gbase, count, mO, mGml, mGo4, b, 0, True, tid)
+                if cutlass.const_expr(self.cfg.uv):
+                    self.publish(mCnt, batch * groups + batch, tid)
             else:
                 self.merge(mPml, mPo4, b * splits + gbase, count, mO, mGml, mGo4, b, b * groups + grp,
                            False, tid)
@@ -408,9 +486,53 @@ class MLAAttend:
                     self.merge(mGml, mGo4, b * groups, groups, mO, mGml, mGo4, b, 0, True, tid)
                     if tid == 0:
                         mCnt[batch * groups + b] = Int32(0)
+                    if cutlass.const_expr(self.cfg.uv):
+                        self.publish(mCnt, batch * groups + batch, tid)
             if groups == 1:
                 if tid == 0:
                     mCnt[b * groups + grp] = Int32(0)
+        if cutlass.const_expr(self.cfg.uv):
+            if lin < self.NW:                   # CTA-uniform
+                self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, batch * groups + batch, batch, wh, wct,
+                             gate, tid, warp, lane)
+
+    @cute.jit
+    def publish(self, mCnt: cute.Tensor, rdy: Int32, tid: Int32):
+        """This sequence's o_lat, written by every thread of the CTA, is visible GPU-wide
+        before the ready counter mCnt[rdy] is bumped (as the merge counters are)."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(mCnt.iterator + rdy, Int32(1), sem="acq_rel", scope="gpu")
+
+    @cute.jit
+    def uv_tile(self, mCnt: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor,
+                s_x: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, rdy: Int32, batch: Int32,
+                wh: Int32, wct: Int32, gate: Float32, tid: Int32, warp: Int32, lane: Int32):
+        """Wait until all `batch` sequences published o_lat (thread 0 spins on mCnt[rdy] with
+        acquire loads), then mla_glue's uv_gate tile (wh, wct) on it: o[m, n] =
+        gated(Σ_k o_lat[m, wh, k] · w_uv[wh, k, n], g[m, n]) for the UV_COLS columns n of the
+        tile; `wbuf` and `gate` were loaded before. The last worker to pass the wait (counter
+        mCnt[rdy + 1]) re-zeroes both counters: every other worker has passed it by then."""
+        if tid == 0:
+            seen = Int32(0)
+            while seen < batch:
+                seen = cute.arch.load((mCnt.iterator + rdy).llvm_ptr, Int32, sem="acquire", scope="gpu")
+            old = cute.arch.atomic_add(mCnt.iterator + (rdy + 1), Int32(1), sem="acq_rel", scope="gpu")
+            if old == self.NW - 1:
+                mCnt[rdy] = Int32(0)
+                mCnt[rdy + 1] = Int32(0)
+        cute.arch.sync_threads()
+        cute.arch.fence_acq_rel_gpu()
+        self.glue.gemm_tile(mX, mW, s_x, red, wh, wct, tid, warp, lane, wbuf)
+        if tid < self.UM * UV_COLS:            # kernel_uv's epilogue: warp sums in warp order
+            m = tid // UV_COLS
+            col = tid - m * UV_COLS
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                tot += red[w, m, col]
+            mU[m, wh * self.VD + wct * UV_COLS + col] = gated(tot, gate)
 
     @cute.jit
     def load_tile(self, mK: cute.Tensor, kbuf: cute.Tensor, row0: Int32, tstart: Int32, end: Int32,
@@ -481,7 +603,7 @@ def compile_for(cfg: MLAConfig) -> object:
     def build() -> object:
         bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
         i32, i64 = dummy_ptr(torch.int32), dummy_ptr(torch.int64)
-        return cute.compile(MLAAttend(cfg), bf, bf, i64, bf, f32, f32, f32, f32, i32, Int32(1),
+        return cute.compile(MLAAttend(cfg), bf, bf, i64, bf, f32, f32, f32, f32, i32, bf, bf, bf, Int32(1),
                             Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), current_stream(),
                             options=compile_options())
     return compiled(("mla_attend", cfg), build)
@@ -506,11 +628,58 @@ def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, he
     cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale))
     out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     sc = scratch
-    compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(out), ptr(sc.part_o), ptr(sc.part_ml),
-                     ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), Int32(B), Int32(C),
+    o = ptr(out)       # w_uv, g, o_uv: unused without the uv mode
+    compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), o, ptr(sc.part_o), ptr(sc.part_ml),
+                     ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), o, o, o, Int32(B), Int32(C),
                      Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group), Int32(sc.groups),
                      current_stream())
     return out
+
+
+def uv_workers(heads: int, v_dim: int) -> int:
+    """Worker CTAs of the uv mode: one per mla_glue uv_gate tile (UV_COLS columns of a head)."""
+    return heads * (v_dim // UV_COLS)
+
+
+def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
+                     splits: int, dtypes: tuple[torch.dtype, ...], sms: int = SMS) -> bool:
+    """uv mode: the attention's rules, mla_glue's uv_gate rules at M = B·T (M·UV_COLS ≤
+    THREADS: one epilogue value per thread), one worker per uv tile among the B·splits CTAs,
+    and fewer workers than SMs (the workers wait for CTAs that may not have started: those
+    must find a free SM; module docstring)."""
+    m = batch * tokens
+    nw = uv_workers(heads, v_dim) if v_dim % UV_COLS == 0 else 0
+    return (can_implement(heads, tokens, kv_rank, rope, dtypes)
+            and glue_can_uv(m, heads, kv_rank, v_dim, dtypes) and m * UV_COLS <= THREADS
+            and 1 <= nw <= batch * splits and nw < sms)
+
+
+def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
+                  kv_rank: int, scale: float, w_uv: torch.Tensor, g: torch.Tensor,
+                  scratch: MLAScratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_attend, then mla_glue.uv_gate on its o_lat, in one launch (uv mode, module
+    docstring). w_uv [H, c, vd], g [M, H·vd] bf16 (M = B·T). Returns (o [M, H·vd], o_lat
+    [B, T·H, c]) bf16; o equals mla_glue.uv_gate(o_lat, w_uv, g) bit for bit by design."""
+    B, R, D = q_full.shape
+    C = cache.shape[1]
+    T = last.shape[0]
+    H, c, vd = w_uv.shape
+    M = B * T
+    sc = scratch
+    if (cache.shape != (B, C, D) or R != T * heads or H != heads or c != kv_rank or last.dtype != torch.int64
+            or tuple(g.shape) != (M, H * vd)
+            or (sc.batch, sc.rows, sc.cache_len, sc.kv_rank) != (B, R, C, kv_rank)
+            or not can_implement_uv(B, heads, T, kv_rank, D - kv_rank, vd, sc.splits,
+                                    (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype))):
+        raise ValueError(f"mla_attend_uv kernel cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")
+    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), uv_rows=M, v_dim=vd)
+    o_lat = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
+    o = torch.empty(M, H * vd, dtype=torch.bfloat16, device=q_full.device)
+    compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(o_lat), ptr(sc.part_o), ptr(sc.part_ml),
+                     ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), ptr(w_uv), ptr(g), ptr(o),
+                     Int32(B), Int32(C), Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group),
+                     Int32(sc.groups), current_stream())
+    return o, o_lat
 
 
 def reference(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
@@ -586,6 +755,110 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
     return out
 
 
+def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),), copies: int = 12,
+             group_sweep: tuple[int, ...] = (9, 16)) -> list[dict]:
+    """mla_attend_uv (uv mode) vs the verified two-launch path it replaces, mla_attend then
+    mla_glue.uv_gate: o and o_lat bit-equal by design (same code, same rounding points); vs
+    the stock ops (stock_ops.mla_attend + mla_glue.stock_uv, eager and torch.compile'd, as
+    stock.MLAAttention runs them): rel ≤ 1e-2; vs the float64 chain (reference, then
+    mla_glue.reference_uv): ≤ 1.5 × stock's error + 1e-3. K3 TP16 shapes, (B, k) in `cases`:
+    B = 1, k = 0 is the one shape the per-M table uses (fused.MAX_ROWS["mla_attend_rows"] = 6).
+    A second call and the timed replays must leave every counter zero. With timing: new vs
+    old (2 launches) vs stock (compiled), cold (the calls cycle through `copies` copies of the
+    cache and W_UV, 12 × 5.6 MB beyond the 50 MB L2, as in the step where both are read once
+    per layer) and warm (one copy); and, to tune the host-side plan without recompiling,
+    the uv kernel with other merge group sizes (make_scratch(..., group=n), n in
+    group_sweep: at 130 splits 9 → 15 groups, 16 → 9 groups vs the default 12 → 11; rows of
+    their own, held to the float64 tolerance since the merge order changes)."""
+    import itertools
+
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import mla_glue
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
+    dev = torch.device(DEVICE)
+    attend_c = stock_ops.maybe_compiled(stock_ops.mla_attend, True)
+    gate_c = stock_ops.maybe_compiled(stock_ops.sigmoid_gate, True)
+    out = []
+    for bsz, k in cases:
+        cfg = k3_tp16(batch=bsz, spec_tokens=k)
+        H, T, c, rope = cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim
+        C, vd, scale, M = cfg.cache_len, cfg.v_head_dim, (cfg.qk_nope_dim + rope) ** -0.5, bsz * T
+        gen = torch.Generator(device=dev).manual_seed(2000 * bsz + k)
+        cache = torch.randn(bsz, C, c + rope, generator=gen, device=dev)
+        cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
+        q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
+        w_uv = (torch.randn(H, c, vd, generator=gen, device=dev) * c ** -0.5).bfloat16()
+        g = (torch.randn(M, H * vd, generator=gen, device=dev) * 2.0).bfloat16()
+        pos0 = cfg.context_len + 5 * (1 + k)
+        last = pos0 + torch.arange(T, device=dev)
+        cache[:, pos0 + T:] = float("nan")            # never to be read
+        cache = cache.bfloat16()
+        clean = cache.nan_to_num(0.0)
+        sc_new = make_scratch(bsz, T * H, C, c, dev)
+        sc_old = make_scratch(bsz, T * H, C, c, dev)
+        if not can_implement_uv(bsz, H, T, c, rope, vd, sc_new.splits, (torch.bfloat16,)):
+            out.append({"kernel": "mla_attend_uv", "B": bsz, "k": k, "ok": False,
+                        "why": "can_implement_uv refuses this shape"})
+            continue
+        with torch.no_grad():
+            o_k, lat_k = mla_attend_uv(q_full, cache, last, H, c, scale, w_uv, g, sc_new)
+            o_k2, _ = mla_attend_uv(q_full, cache, last, H, c, scale, w_uv, g, sc_new)  # counters reset?
+            lat_o = mla_attend(q_full, cache, last, H, c, scale, sc_old)
+            o_o = mla_glue.uv_gate(lat_o, w_uv, g)
+            o_s = mla_glue.stock_uv(stock_ops.mla_attend(q_full, clean, last, H, c, scale), w_uv, g,
+                                    stock_ops.sigmoid_gate)
+            o_c = mla_glue.stock_uv(attend_c(q_full, clean, last, H, c, scale), w_uv, g, gate_c)
+        _sync()
+        ref = mla_glue.reference_uv(reference(q_full, clean, last, H, c, scale), w_uv, g)
+        e_ks, e_kc, e_k, e_s = rel(o_k, o_s), rel(o_k, o_c), rel(o_k, ref), rel(o_s, ref)
+        r = {"kernel": "mla_attend_uv", "B": bsz, "k": k, "C": C, "splits": sc_new.splits,
+             "group": sc_new.group, "groups": sc_new.groups, "workers": uv_workers(H, vd), "o_equal_two_launch": torch.equal(o_k, o_o),
+             "o_lat_equal_mla_attend": torch.equal(lat_k, lat_o), "rel_vs_two_launch": rel(o_k, o_o),
+             "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+             "repeat_equal": torch.equal(o_k, o_k2),
+             "counters_zero": int(sc_new.counters.abs().sum()) == 0}
+        r["ok"] = bool(r["o_equal_two_launch"] and r["o_lat_equal_mla_attend"] and r["repeat_equal"]
+                       and r["counters_zero"] and e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
+                       and bool(torch.isfinite(o_k).all()))
+        if timing:
+            sets = [(clean, w_uv)] + [(clean.clone(), w_uv.clone()) for _ in range(copies - 1)]
+
+            def timed(fn, cold: bool) -> float:
+                cyc = itertools.cycle(sets if cold else sets[:1])
+                return time_us(lambda: fn(*next(cyc)))
+            new = lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g, sc_new)  # noqa: E731
+            old = lambda ca, w: mla_glue.uv_gate(mla_attend(q_full, ca, last, H, c, scale, sc_old), w, g)  # noqa: E731
+            stock = lambda ca, w: mla_glue.stock_uv(attend_c(q_full, ca, last, H, c, scale), w, g, gate_c)  # noqa: E731
+            r["kernel_us"] = timed(new, True)
+            r["two_launch_us"] = timed(old, True)
+            r["stock_us"] = timed(stock, True)
+            r["kernel_warm_us"] = timed(new, False)
+            r["two_launch_warm_us"] = timed(old, False)
+            r["counters_zero_after_replays"] = int(sc_new.counters.abs().sum()) == 0
+            r["ok"] = r["ok"] and r["counters_zero_after_replays"]
+            out.append(r)
+            for n in group_sweep:
+                sc_n = make_scratch(bsz, T * H, C, c, dev, group=n)
+                if not can_implement_uv(bsz, H, T, c, rope, vd, sc_n.splits, (torch.bfloat16,)):
+                    continue
+                with torch.no_grad():
+                    o_n, _ = mla_attend_uv(q_full, cache, last, H, c, scale, w_uv, g, sc_n)
+                _sync()
+                e_n = rel(o_n, ref)
+                out.append({"kernel": "mla_attend_uv", "B": bsz, "k": k, "C": C, "group": sc_n.group,
+                            "groups": sc_n.groups, "rel_vs_f64": e_n,
+                            "kernel_us": timed(lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g,
+                                                                           sc_n)[0], True),
+                            "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc_n.counters.abs().sum()) == 0})
+            del sets
+        else:
+            out.append(r)
+        del cache, clean
+    return out
+
+
 if __name__ == "__main__":
-    for row in check():
+    import sys
+    for row in (check_uv() if sys.argv[1:] == ["uv"] else check()):
         print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})

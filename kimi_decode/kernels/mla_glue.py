@@ -387,9 +387,16 @@ class MLAGlue:
             for w in cutlass.range_constexpr(WARPS):
                 tot += red[w, m, col]
             n = h * N + ct * COLS + col
-            y = tot.to(BFloat16).to(Float32)                            # the bmm's bf16 output
-            s = sigmoid(mG[m, n].to(Float32)).to(BFloat16).to(Float32)  # torch.sigmoid in bf16
-            mO[m, n] = (y * s).to(BFloat16)                             # the bf16 multiply
+            mO[m, n] = gated(tot, mG[m, n].to(Float32))
+
+
+@cute.jit
+def gated(tot: Float32, gate: Float32) -> BFloat16:
+    """o = bf16( bf16(tot) · bf16(σ(gate)) ): the stock rounding points of uv_bmm + gate_mul
+    (module docstring). Shared with mla_attend's uv mode, so both round identically."""
+    y = tot.to(BFloat16).to(Float32)                                # the bmm's bf16 output
+    s = sigmoid(gate).to(BFloat16).to(Float32)                      # torch.sigmoid in bf16
+    return (y * s).to(BFloat16)                                     # the bf16 multiply
 
 
 def config_uk(rows: int, tokens: int, heads: int, nope: int, rope: int, kv_rank: int,

@@ -628,3 +628,79 @@ def test_mla_norm_fold_enabled_only_with_its_kernels(monkeypatch) -> None:
     monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED - {"mla_norm_fold"})
     fused.enable(frozenset({"mla_norm_fold", "mla_glue", "gemv"}))
     assert not any(a.use_fold for a in mla)                    # not verified: never used
+
+
+@pytest.mark.parametrize("uv,batch,k", [(True, 1, 0), (True, 2, 7), (False, 1, 0)])
+def test_mla_attend_call_sites_on_cpu(monkeypatch, uv: bool, batch: int, k: int) -> None:
+    """mla_attend (and with `uv` mla_attend_uv) switched on through enable(), each emulated by
+    its contract: mla_attend = stock_ops.mla_attend; mla_attend_uv = the same, then
+    mla_glue.stock_uv with the eager gate (the stock ops uv_bmm + gate_mul), returning
+    (o, o_lat). The emulations issue stock's own float ops, so the step must equal stock
+    exactly (outputs, blocks, state). Per MLA layer the ops from the cache insert on are
+    kv_insert, join (g from the side stream, before the kernel reads it), mla_decode, o_proj
+    with uv (no uv_bmm / gate_mul / uv_gate), and kv_insert, mla_decode, uv_bmm, join,
+    gate_mul, o_proj without. enable() turns the uv mode on only with both names enabled."""
+    pytest.importorskip("cutlass")
+    from types import SimpleNamespace
+
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels_pkg
+    import kimi_decode.kernels.mla_attend as k_mla
+    from kimi_decode import stock_ops
+    from kimi_decode.kernels import mla_glue
+    scratch = SimpleNamespace(splits=130)
+    calls, ops = [], []
+
+    def attend(q_full, cache, last, heads, c, scale, scratch=None):
+        assert scratch is not None
+        calls.append("attend")
+        return stock_ops.mla_attend(q_full, cache, last, heads, c, scale)
+
+    def attend_uv(q_full, cache, last, heads, c, scale, w_uv, g, scratch=None):
+        assert scratch is not None and g.is_contiguous()
+        calls.append("attend_uv")
+        o_lat = stock_ops.mla_attend(q_full, cache, last, heads, c, scale)
+        return mla_glue.stock_uv(o_lat, w_uv, g, stock_ops.sigmoid_gate), o_lat
+    monkeypatch.setattr(k_mla, "mla_attend", attend)
+    monkeypatch.setattr(k_mla, "mla_attend_uv", attend_uv)
+    monkeypatch.setattr(k_mla, "can_implement", lambda *a: True)
+    monkeypatch.setattr(k_mla, "can_implement_uv", lambda *a: True)
+    monkeypatch.setattr(k_mla, "make_scratch", lambda *a, **kw: scratch)
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "mla_attend_rows", 64)   # the wiring at every M
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"mla_attend_uv"})
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
+    real_range, real_join = fused_mod.op_range, fused_mod._join
+    monkeypatch.setattr(fused_mod, "op_range", lambda op: ops.append(op) or real_range(op))
+    monkeypatch.setattr(fused_mod, "_join", lambda rt, *t: ops.append("join") or real_join(rt, *t))
+
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=batch, spec_tokens=k)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    mla = [layer.attn for layer in fused.layers if layer.kind == "mla"]
+    assert len(mla) == 2
+    assert fused.enable(frozenset({"mla_attend"})) == {"mla_attend"}
+    assert all(a.attend_scratch is scratch and not a.attend_uv for a in mla)
+    names = frozenset({"mla_attend", "mla_attend_uv"} if uv else {"mla_attend"})
+    assert fused.enable(names) == names
+    assert all(a.attend_scratch is scratch and a.attend_uv == uv for a in mla)
+    steps = 2
+    for s in range(steps):
+        m, prefix, blocks = stock.make_inputs(seed=80 + s)
+        blocks_f = blocks.clone()
+        with torch.no_grad():
+            out_s, out_f = stock(m, prefix, blocks), fused(m, prefix, blocks_f)
+        for a, b in zip(out_s, out_f):
+            assert torch.equal(a, b)
+        assert torch.equal(blocks, blocks_f)
+    bufs_f = dict(fused.named_buffers())
+    for name, buf in stock.named_buffers():
+        assert torch.equal(buf, bufs_f[name]), name
+    assert calls == ["attend_uv" if uv else "attend"] * (2 * steps)
+    tails = []
+    for i, op in enumerate(ops):
+        if op == "kv_insert":
+            tails.append(ops[i:ops.index("o_proj", i) + 1])
+    want = (["kv_insert", "join", "mla_decode", "o_proj"] if uv
+            else ["kv_insert", "mla_decode", "uv_bmm", "join", "gate_mul", "o_proj"])
+    assert tails == [want] * (2 * steps)

@@ -8,6 +8,11 @@ Oracles:
 - `reference` (float64, the formula of the module docstring) equals the stock op
   stock_ops.mla_attend on random inputs, small and at K3 shapes (so the device check's
   reference is right), and the mask matters (a different `last` changes it);
+- the uv mode (mla_attend_uv) compiles at K3 B = 1, k = 0 with its added instructions (the
+  acquire poll of the ready counter, the W_UV tile's 128-bit loads issued before the group
+  counter, the bf16 gate multiply), no local memory, and ptxas (where installed) gives the
+  same registers as the attention alone, no spills; its worker CTAs cover every uv_gate tile
+  once; can_implement_uv's limits;
 - the split/merge plan covers every cache tile exactly once with ≤ GMAX partials per merge,
   and a float64 emulation of the kernel's tiles, online softmax and two-level merge (same
   plan, same masks, same clamped loads) equals the reference: the algorithm, not the DSL, is
@@ -17,6 +22,9 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,8 +38,8 @@ from cutlass import Int32  # noqa: E402
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
-from kimi_decode.kernels.mla_attend import (GMAX, TILE, MLAAttend, MLAConfig, can_implement,  # noqa: E402
-                                            plan, reference)
+from kimi_decode.kernels.mla_attend import (GMAX, SMS, TILE, MLAAttend, MLAConfig, can_implement,  # noqa: E402
+                                            can_implement_uv, plan, reference, uv_workers)
 
 bf, f32 = torch.bfloat16, torch.float32
 P = _common.dummy_ptr
@@ -40,7 +48,7 @@ P = _common.dummy_ptr
 def ptx_of(tmp_path: Path, cfg: MLAConfig) -> str:
     opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     cute.compile(MLAAttend(cfg), P(bf), P(bf), P(torch.int64), P(bf), P(f32), P(f32), P(f32), P(f32),
-                 P(torch.int32), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                 P(torch.int32), P(bf), P(bf), P(bf), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
                  _common.current_stream(), options=opts)
     files = list(tmp_path.glob("*.ptx"))
     assert len(files) == 1, files
@@ -73,6 +81,78 @@ def test_compiles_k3_t1(tmp_path: Path) -> None:
     assert "ex2" in ptx
     assert "shfl.sync.bfly" in ptx
     assert not idx_shuffles_after_first_branch(ptx)
+
+
+def k3_config(uv_rows: int = 0) -> MLAConfig:
+    cfg = k3_tp16()
+    return MLAConfig(cfg.mla_local_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_dim,
+                     (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5, uv_rows=uv_rows, v_dim=cfg.v_head_dim)
+
+
+def ptxas_usage(tmp_path: Path, ptx: str) -> tuple[int, int]:
+    """(registers, spill bytes) from ptxas -v, as the device will load the kernel."""
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([shutil.which("ptxas"), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", res.stderr))
+    return regs, spills
+
+
+def test_compiles_k3_uv_mode(tmp_path: Path) -> None:
+    """mla_attend_uv at the per-M table's shape (B = 1, k = 0: M = 1 row of o)."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "uv").mkdir()
+    base = ptx_of(tmp_path / "base", k3_config())
+    ptx = ptx_of(tmp_path / "uv", k3_config(uv_rows=1))
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert not idx_shuffles_after_first_branch(ptx)
+    # the ready-counter poll (acquire), one more acq_rel atomic (the workers' counter) and the
+    # publish atomics (the two final-merge paths): 5 in all vs 2
+    assert ptx.count("ld.acquire.gpu") == 1 and "ld.acquire.gpu" not in base
+    assert ptx.count("atom.global.acq_rel.add") == 5 and base.count("atom.global.acq_rel.add") == 2
+    assert ptx.count("mul.bf16") == 1                     # mla_glue.gated: the bf16 gate multiply
+    # W_UV: mla_glue's 4 (P) 128-bit loads per thread, after the partial's fence and before the
+    # group counter's atomic (in flight during the merges and the wait); then the o_lat staging
+    lines = ptx.splitlines()
+    fences = [i for i, s in enumerate(lines) if "fence.acq_rel.gpu" in s]
+    atoms = [i for i, s in enumerate(lines) if "atom.global.acq_rel.add" in s]
+    poll = next(i for i, s in enumerate(lines) if "ld.acquire.gpu" in s)
+    v4 = [i for i, s in enumerate(lines) if "ld.global.v4" in s]
+    assert sum(fences[0] < i < atoms[0] for i in v4) == 4
+    assert sum(i > poll for i in v4) == 1
+    assert base.count("ld.global.v4") + 4 + 1 == ptx.count("ld.global.v4")
+    if shutil.which("ptxas"):
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        regs0, _ = ptxas_usage(tmp_path, base)
+        assert spills == 0 and regs <= regs0 <= 168, (regs, regs0)   # 158 at commit time
+
+
+def test_can_implement_uv() -> None:
+    cfg = k3_tp16()
+    H, c, rope, vd = cfg.mla_local_heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.v_head_dim
+    splits = plan(1, cfg.cache_len)[0]
+    assert uv_workers(H, vd) == 48 < splits
+    assert can_implement_uv(1, H, 1, c, rope, vd, splits, (bf, bf))
+    assert can_implement_uv(2, H, 1, c, rope, vd, plan(2, cfg.cache_len)[0], (bf, bf))
+    assert not can_implement_uv(1, H, 1, c, rope, vd, 40, (bf, bf))      # fewer CTAs than uv tiles
+    assert not can_implement_uv(1, H, 1, c, rope, vd, splits, (bf, bf), sms=48)   # workers fill the GPU
+    assert not can_implement_uv(1, H, 1, c, rope, 120, splits, (bf, bf))  # vd not whole tiles
+    assert not can_implement_uv(3, H, 3, c, rope, vd, 64, (bf, bf))       # M = 9 > mla_glue's 8 rows
+    assert not can_implement_uv(1, H, 1, c, rope, vd, splits, (f32, bf))
+    assert SMS > uv_workers(H, vd)
+
+
+def test_uv_workers_cover_tiles() -> None:
+    """Worker CTA lin < NW owns tile (h, ct) = (lin // CT, lin % CT): every uv_gate tile of
+    the [H, vd / UV_COLS] grid exactly once (the kernel's index arithmetic, restated)."""
+    from kimi_decode.kernels.mla_glue import UV_COLS
+    cfg = k3_tp16()
+    H, vd = cfg.mla_local_heads, cfg.v_head_dim
+    ct_n = vd // UV_COLS
+    tiles = [(lin // ct_n, lin - (lin // ct_n) * ct_n) for lin in range(uv_workers(H, vd))]
+    assert sorted(tiles) == [(h, ct) for h in range(H) for ct in range(ct_n)]
 
 
 def test_can_implement() -> None:
@@ -127,16 +207,22 @@ def test_plan_covers_cache() -> None:
             assert (groups - 1) * group < splits                     # no empty group
             assert bsz * splits <= 2 * 132
     assert plan(1, 4160)[0] == 130 and plan(64, 4160)[0] == 2
+    # check_uv's group sweep at B = 1, k = 0: the group asked for, or raised to keep groups ≤ GMAX
+    assert plan(1, 4160)[1:3] == (12, 11)
+    assert plan(1, 4160, group=16)[1:3] == (16, 9)
+    assert plan(1, 4160, group=9)[1:3] == (9, 15)
+    assert plan(1, 4160, group=6)[1:3] == (9, 15)         # 22 groups: raised
+    assert plan(1, 4160, group=40)[1:3] == (GMAX, 9)
 
 
 def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c: int, scale: float,
-            sms: int = 132) -> torch.Tensor:
+            sms: int = 132, group_ask: int | None = None) -> torch.Tensor:
     """The kernel's algorithm in float64: splits of whole tiles, clamped loads, masked
     bf16-rounded scores, online softmax per tile, partials (m, l, o), two-level merge."""
     B, R, D = q.shape
     C = cache.shape[1]
     NEG, VALID = -1.0e30, -1.0e29
-    splits, group, groups, tps = plan(B, C, sms)
+    splits, group, groups, tps = plan(B, C, sms, group_ask)
     out = torch.zeros(B, R, c, dtype=torch.float64)
     t_of_row = torch.arange(R) // h
     for b in range(B):
@@ -175,20 +261,90 @@ def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c:
     return out
 
 
-@pytest.mark.parametrize("b,t,h,c,rope,cache_len,last0,sms", [
-    (2, 2, 3, 16, 8, 300, 250, 132),     # 10 tiles: 10 one-tile splits per sequence
-    (1, 3, 2, 16, 8, 1000, 900, 132),    # 32 tiles, several groups, a tail tile and skipped splits
-    (1, 1, 6, 512, 64, 4160, 4101, 132),  # K3 TP16 k = 0: 130 splits, 11 groups
-    (3, 2, 2, 16, 8, 700, 650, 16),      # several tiles per split
+@pytest.mark.parametrize("b,t,h,c,rope,cache_len,last0,sms,group", [
+    (2, 2, 3, 16, 8, 300, 250, 132, None),     # 10 tiles: 10 one-tile splits per sequence
+    (1, 3, 2, 16, 8, 1000, 900, 132, None),    # 32 tiles, several groups, a tail tile and skipped splits
+    (1, 1, 6, 512, 64, 4160, 4101, 132, None),  # K3 TP16 k = 0: 130 splits, 11 groups
+    (1, 1, 6, 512, 64, 4160, 4101, 132, 9),     # check_uv's group sweep: 15 groups
+    (1, 1, 6, 512, 64, 4160, 4101, 132, 16),    # 9 groups
+    (3, 2, 2, 16, 8, 700, 650, 16, None),      # several tiles per split
 ])
 def test_emulated_kernel_matches_reference(b: int, t: int, h: int, c: int, rope: int, cache_len: int,
-                                           last0: int, sms: int) -> None:
+                                           last0: int, sms: int, group: int | None) -> None:
     q, cache = _inputs(b, t, h, c, rope, cache_len, 7 + b + t)
     scale = 192 ** -0.5
     last = last0 + torch.arange(t)
     cache_nan = cache.clone()
     cache_nan[:, last0 + t:] = float("nan")                 # never read by the kernel's plan
     ref = reference(q, cache, last, h, c, scale)
-    emu = emulate(q, cache_nan, last, h, c, scale, sms)
+    emu = emulate(q, cache_nan, last, h, c, scale, sms, group)
     assert torch.isfinite(emu).all()
     assert float((emu - ref).norm() / ref.norm()) < 1e-9
+
+
+def _emulate_attend(q_full, cache, last, heads, c, scale, scratch=None):
+    """mla_attend's contract (float64 statement, o_lat rounded to bf16; positions past `last`
+    are never read, here by zeroing the NaNs the check puts there)."""
+    return reference(q_full, cache.nan_to_num(0.0), last, heads, c, scale).to(bf)
+
+
+def _emulate_uv_gate(o_lat, w_uv, g):
+    """uv_gate's contract: bf16(bf16(o_lat @ w_uv) · bf16(σ(g)))."""
+    H, c, vd = w_uv.shape
+    M = g.shape[0]
+    y = torch.einsum("mhk,hkj->mhj", o_lat.reshape(M, H, c).double(), w_uv.double()).reshape(M, -1)
+    return (y.to(bf).float() * torch.sigmoid(g.float()).to(bf).float()).to(bf)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    import kimi_decode.kernels.mla_attend as ma
+    import kimi_decode.kernels.mla_glue as mg
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(stock_ops, "maybe_compiled", lambda fn, enabled: fn)   # no inductor on CPU here
+    monkeypatch.setattr(ma, "mla_attend", _emulate_attend)
+    monkeypatch.setattr(mg, "uv_gate", _emulate_uv_gate)
+
+    def attend_uv(q_full, cache, last, heads, c, scale, w_uv, g, scratch):
+        o_lat = _emulate_attend(q_full, cache, last, heads, c, scale)
+        return _emulate_uv_gate(o_lat, w_uv, g), o_lat
+    monkeypatch.setattr(ma, "mla_attend_uv", attend_uv)
+    return monkeypatch
+
+
+def test_check_uv_harness_passes_emulation(emulated) -> None:
+    """mla_attend.check_uv (the GPU check of mla_attend_uv, registered for that name) on the
+    CPU with the kernels replaced by their contracts: its one row (B = 1, k = 0) passes."""
+    from kimi_decode.kernels import CHECK_MODULES, KERNELS
+    from kimi_decode.kernels.mla_attend import check_uv
+    assert "mla_attend_uv" in KERNELS and CHECK_MODULES["mla_attend_uv"] == "mla_attend"
+    rows = check_uv(timing=False)
+    assert len(rows) == 1 and rows[0]["ok"], rows
+    assert (rows[0]["B"], rows[0]["k"], rows[0]["workers"]) == (1, 0, 48)
+    assert rows[0]["o_equal_two_launch"] and rows[0]["o_lat_equal_mla_attend"]
+
+
+def test_check_uv_harness_rejects_wrong_kernel(emulated) -> None:
+    """A fused kernel gating with σ(-g) (o_lat right) fails: o differs from the two launches."""
+    import kimi_decode.kernels.mla_attend as ma
+
+    def wrong(q_full, cache, last, heads, c, scale, w_uv, g, scratch):
+        o_lat = _emulate_attend(q_full, cache, last, heads, c, scale)
+        return _emulate_uv_gate(o_lat, w_uv, -g), o_lat
+    emulated.setattr(ma, "mla_attend_uv", wrong)
+    rows = ma.check_uv(timing=False)
+    assert len(rows) == 1 and not rows[0]["ok"] and not rows[0]["o_equal_two_launch"]
+    assert rows[0]["o_lat_equal_mla_attend"]
+
+
+def test_check_uv_timing_rows(emulated) -> None:
+    """check_uv's timing path (time_us replaced by one call): the main row gets new / old /
+    stock times cold and warm, and the group sweep adds its rows (15 and 9 groups)."""
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.mla_attend import check_uv
+    emulated.setattr(checks, "time_us", lambda fn: fn() is None or 1.0)
+    rows = check_uv(timing=True, copies=2)
+    assert all(r["ok"] for r in rows), rows
+    assert {"kernel_us", "two_launch_us", "stock_us", "kernel_warm_us", "two_launch_warm_us"} <= rows[0].keys()
+    assert [(r["group"], r["groups"]) for r in rows] == [(12, 11), (9, 15), (16, 9)]
