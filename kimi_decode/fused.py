@@ -90,7 +90,9 @@ from kimi_decode.stock import Runtime, StockDecoder
 # not listed here is never used.
 VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "prefetch",
                                     "kda_split", "experts", "router_fast", "attn_res_ar", "attn_res_ag",
-                                    "gemv_variants", "moe_up", "mla_attend", "mla_glue", "gemv_multi"})
+                                    "gemv_variants", "moe_up", "mla_attend", "mla_glue", "gemv_multi",
+                                    # fourth round, checked on the H200 at e859ebe (2026-12-02 21:47 UTC)
+                                    "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv"})
 # Used by default: the L2 prefetch is correct but slowed its consumer GEMV in the device check
 # (21.8 us cold vs 70.4 us after a prefetch), so it is opt-in (kernels={..., "prefetch"}).
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - {"prefetch"}
@@ -115,12 +117,19 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - gemv_multi: M = 1, as the plain GEMV it is made of (kernels/gemv.py GEMV_MAX_ROWS).
 # - mla_norm_fold: M = 1, as the GEMV whose prologue takes qkv_norm's q half (the kernel
 #   itself is correct to M = 8, see kernels/mla_norm_fold.py; from M = 2 q_b is stock's GEMM).
+#   H200: 6.4 vs 7.5 us for qkv_norm + q_b + uk_insert at M = 1; at M = 8 17.1 vs 10.4 us.
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.
-# - attn_res_mc (one row over a cluster of 7 CTAs, kernels/attn_res_mc.py): M = 1, UNMEASURED
-#   until its device check has run (expected ~2.5-3.5 us vs the one-CTA kernel's 5.0 / 5.7 us
-#   at M = 1; at larger M the one-CTA kernel already has M CTAs on M SMs).
+# - attn_res_mc (one row over a cluster of 7 CTAs, kernels/attn_res_mc.py): M = 1 (its check on
+#   the H200, CUDA-graph replays at M = 1: ar mode nb = 1 3.54 vs 5.18 us for the one-CTA
+#   kernel, nb = 8 4.84 vs 8.96; plain nb = 1 2.97 vs 3.80; ag nb = 1 3.02 vs 3.99); at larger
+#   M the one-CTA kernel already has M CTAs on M SMs.
+# - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
+#   23.5 vs 26.0 us at M = 1, 142.1 vs 155.5 us at M = 8).
+# - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
+#   22.0 us vs 19.4 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
+#   final merge); kept for the kernel count (MLA 13 per layer), the step measured with it.
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1}
 
