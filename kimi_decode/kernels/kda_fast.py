@@ -9,10 +9,18 @@ Numerics: the same fp32 operations in the same order per value as kda_split at T
 conv taps, the SiLU, the warp-then-warp-order sums of q², k², the 128-term gate dot product
 in key order with its bf16 rounding, kᵀS and q̂ᵀS with the same shuffles and partial order,
 the last CTA's Σo² over the whole row re-read from scratch), with the values coming from
-registers instead of shared memory: so the target is bit-identical to kda_split. check()
-reports whether out, rec_state and conv_state are equal to kda_split's ("bit_identical"), and
-its `ok` holds the kernel to kda_split's own tolerances vs the stock ops (so a compiler that
-contracts differently would show up as bit_identical = False, not as a wrong kernel).
+registers instead of shared memory: so the target is bit-identical to kda_split. One detail
+needed care: which mul an fma absorbs is LLVM's choice (fp contraction), and in kda_split it
+computes the v channels' hist·w products in their load block, so they round on their own and
+only x·w[3] fuses: y = fma(x, w[3], hist_0·w_0) + hist_1·w_1 + hist_2·w_2 (q and k: the plain
+fma chain). Written naively here, v got the q/k chain; so the v products and x pass through
+shared memory (own slots, no barrier needed), which reproduces kda_split's form. The CPU test
+checks that the fp32 arithmetic of the two kernels' PTX is the same multiset of instructions
+(fma/mul/add/ex2/rcp/sqrt/..., with their constants); ptxas then gives the same FFMA/FMUL/FADD
+counts (242/46/64, nvdisasm on the CPU, not in the test). check() reports whether out,
+rec_state and conv_state are equal to kda_split's on the GPU ("bit_identical"); its `ok`
+holds the kernel to kda_split's own tolerances vs the stock ops (so a difference in rounding
+would show up as bit_identical = False, not as a failed kernel).
 
 The chain of kda_split at T = 1 (one CTA, in order; L2 round trip ~600-800 cycles under
 load, HBM ~1000+, barrier ~20-50, a dependent shuffle ~30; at ~1.98 GHz):
@@ -59,7 +67,8 @@ loop; not done. (A per-CTA partial Σo² in place of the o row would not be bit-
 either: warp_reduction_sum's butterfly does not sum 8 adjacent columns as one subtree.)
 
 Registers: the f_b row and f_a are 2 × 64 registers of packed bf16 held from the start to the
-gate: ptxas (CPU test) counts them; no spills at 128 threads per CTA, one CTA per SM.
+gate: ptxas (CPU, sm_90a) uses 168 registers (kda_split: 56) and spills 4 bytes (one value
+through L1, off the chain); at 128 threads per CTA and one CTA per SM the count costs nothing.
 
 Check on the GPU (against the stock KDAAttention ops and the verified kda_split; times new vs
 kda_split vs stock in CUDA graphs):
@@ -143,6 +152,7 @@ class KDAFast(KDASplit):
         s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
         s_red = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS), stride=(WARPS, 1)))
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+        s_pv = smem.allocate_tensor(Float32, cute.make_layout((CONV, C), stride=(C, 1)))  # v conv terms
 
         # 1. Every global load of the CTA (except the last CTA's o re-read), before any barrier.
         S = cute.make_rmem_tensor(cute.make_layout(C), Float32)
@@ -179,6 +189,13 @@ class KDAFast(KDASplit):
             for j in cutlass.range_constexpr(CONV):
                 wv[j] = mCw[gv, j]
             xv = mZ[row, gv].to(Float32)
+            # kda_split's rounding of the v conv: there LLVM computes the hist·w products in the
+            # load block, so they round on their own and only x·w[3] fuses into the first add;
+            # here they and x pass through shared memory (own slots) so that no fma absorbs the
+            # products and x·w[3] is not computed (rounded) in this block (PTX of both, CPU test)
+            for j in cutlass.range_constexpr(CONV - 1):
+                s_pv[j, tid] = hv[j] * wv[j]
+            s_pv[CONV - 1, tid] = xv
         a_h = mA[h]
         dt = mDt[h * d + tid]
         zb = mZ[row, 4 * P + d + h].to(Float32)                # β's input (same address, broadcast)
@@ -201,9 +218,9 @@ class KDAFast(KDASplit):
         s_q[tid] = aq
         s_k[tid] = ak
         if tid < C:
-            yv = xv * wv[CONV - 1]
+            yv = s_pv[CONV - 1, tid] * wv[CONV - 1]
             for j in cutlass.range_constexpr(CONV - 1):
-                yv += hv[j] * wv[j]
+                yv += s_pv[j, tid]
             for j in cutlass.range_constexpr(CONV - 2):
                 hv[j] = hv[j + 1]
             hv[CONV - 2] = xv

@@ -7,6 +7,7 @@ so kda_split's emulation is its oracle) and fails on a wrong one.
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ P_ = _common.dummy_ptr
 
 
 def ptx_of(tmp_path: Path, cls: type, kcfg: KDAConfig, splits: int) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     cute.compile(cls(KDASplitConfig(kcfg, splits)), P_(bf), P_(bf), P_(f32), P_(bf), P_(f32),
                  P_(f32), P_(f32), P_(bf), P_(bf), P_(f32), P_(torch.int32), Int32(1),
@@ -69,7 +71,7 @@ def test_kda_split_has_the_longer_chain(tmp_path: Path) -> None:
 
 def test_ptxas_registers(tmp_path: Path) -> None:
     """ptxas (where installed): the 128 registers of f_b + f_a fit; measured on the CPU at
-    2026-12-02: 168 registers and an 8-byte spill (one value through L1), vs kda_split's 56."""
+    2026-12-02: 168 registers and a 4-byte spill (one value through L1), vs kda_split's 56."""
     ptxas = shutil.which("ptxas")
     if not ptxas:
         pytest.skip("ptxas not installed")
@@ -80,6 +82,24 @@ def test_ptxas_registers(tmp_path: Path) -> None:
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", info).group(1))
     assert regs <= 255 and spill <= 16, info
+
+
+def f32_ops(ptx: str) -> collections.Counter:
+    """The fp32 arithmetic instructions of a PTX text, with their immediate constants."""
+    ops = re.findall(r"^\s*((?:fma\.rn|mul|add|sub|neg|max|min)\.f32|ex2\.approx\.ftz\.f32|rcp\.rn\.f32|"
+                     r"sqrt\.[a-z.]*f32|rsqrt\.[a-z.]*f32|div\.[a-z.]*f32|cvt\.sat\.f32\.f32)\s([^;]*);",
+                     ptx, flags=re.M)
+    return collections.Counter(op + " " + " ".join(re.findall(r"0f[0-9A-F]{8}", args)) for op, args in ops)
+
+
+def test_same_fp32_arithmetic_as_kda_split(tmp_path: Path) -> None:
+    """The bit-identity target, as far as the CPU can see it: the fp32 instructions (which
+    mul each fma absorbs included) of kda_fast and of kda_split at T = 1 are the same multiset;
+    the naive v conv (the fma chain of q and k) differed by one fma vs mul + add, which this
+    catches."""
+    fast = f32_ops(ptx_of(tmp_path / "fast", KDAFast, k3_kcfg(0), 16))
+    split = f32_ops(ptx_of(tmp_path / "split", KDASplit, k3_kcfg(0), 16))
+    assert fast == split and fast["fma.rn.f32 "] >= 128
 
 
 def test_t1_only_and_wrapper_rejects() -> None:
