@@ -1,7 +1,7 @@
 """kda_split at T = 1 with a shorter dependency chain: every global load a CTA needs is issued
-at its start (one overlapped round trip instead of three), the conv, the q/k norms and the
-gate all run before the first barrier, and the last CTA's norm needs no load after its
-barrier (KIMI_K3.md §1.4; same math, grid, scratch and ownership as kimi_decode.kernels.
+at its start (one overlapped round trip; with the last CTA's o re-read, 2 dependent load
+round trips instead of kda_split's 4), the conv, the q/k norms and the gate all run before
+the first barrier, and the last CTA's norm needs no load after its barrier (KIMI_K3.md §1.4; same math, grid, scratch and ownership as kimi_decode.kernels.
 kda_split, whose docstring this module assumes; used at B = 1, k = 0, where fused.MAX_ROWS
 ["kda"] = 1 puts the kernel).
 
@@ -68,7 +68,7 @@ either: warp_reduction_sum's butterfly does not sum 8 adjacent columns as one su
 
 Registers: the f_b row and f_a are 2 × 64 registers of packed bf16 held from the start to the
 gate: ptxas (CPU, sm_90a) uses 168 registers (kda_split: 56) and spills 4 bytes (one value
-through L1, off the chain); at 128 threads per CTA and one CTA per SM the count costs nothing.
+through L1); at 128 threads per CTA and one CTA per SM the count costs nothing.
 
 Check on the GPU (against the stock KDAAttention ops and the verified kda_split; times new vs
 kda_split vs stock in CUDA graphs):
