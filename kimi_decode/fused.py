@@ -20,7 +20,9 @@ and the kernel is in `VERIFIED`):
   gated RMSNorm for the local heads, one kernel under op `kda_recurrence`; the stock ops
   `f_b_proj`, `conv`, `o_norm` disappear. `kda_split` (kernels/kda_split.py) spreads it over
   (value-column groups × heads × sequences) CTAs, the last CTA of a head normalising its row;
-  `kda` (kernels/kda_decode.py, one CTA per head) is the fallback.
+  `kda_fast` (kernels/kda_fast.py) is the same kernel at B = 1, T = 1 with every global load
+  issued up front (a shorter dependency chain); `kda` (kernels/kda_decode.py, one CTA per
+  head) is the fallback.
 - Collectives finished inside kernels (tp_sim only; `Slots`, comm.SimComm.ar_slots): o_proj
   writes this rank's all-reduce slot (GEMV `out=` or cuBLAS `torch.mm(out=)`) and the
   `mlp_res` AttnRes kernel sums the slots (`attn_res_ar`): o_proj + all-reduce + AttnRes +
@@ -295,7 +297,8 @@ class KDAAttention(stock.KDAAttention):
     use_kernel = False
     use_gemv = False
     ar_slots = False                               # o_proj writes its all-reduce slot
-    split_scratch: object | None = None            # kernels/kda_split.py's buffers when it is on
+    split_scratch: object | None = None            # kernels/kda_split.py's buffers (kda_split or kda_fast)
+    use_fast = False                               # kda_fast is on and the shape is B = 1, T = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Slots:
         if not (self.use_kernel or self.use_gemv or self.ar_slots):
@@ -309,7 +312,11 @@ class KDAAttention(stock.KDAAttention):
             with op_range("kda_recurrence"):
                 kcfg = KDAConfig(H, d, cfg.tokens_per_seq, cfg.in_proj_rows, cfg.gate_lower_bound,
                                  1e-6, cfg.rms_eps)
-                if self.split_scratch is not None:       # many CTAs (kernels/kda_split.py)
+                if self.use_fast and z.shape[0] == 1:   # B = 1, T = 1 (kernels/kda_fast.py)
+                    from kimi_decode.kernels.kda_fast import kda_decode_fast
+                    o = kda_decode_fast(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias,
+                                        self.a_log, self.rec_state, self.o_norm, kcfg, self.split_scratch)
+                elif self.split_scratch is not None:     # many CTAs (kernels/kda_split.py)
                     from kimi_decode.kernels.kda_split import kda_decode_split
                     o = kda_decode_split(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias,
                                          self.a_log, self.rec_state, self.o_norm, kcfg, self.split_scratch)
@@ -706,9 +713,11 @@ class FusedDecoder(StockDecoder):
                 res.use_gather = ag_slots
                 res.use_mc = {"attn_res", "attn_res_mc"} <= on
             if isinstance(layer.attn, KDAAttention):
-                layer.attn.use_kernel = ("kda" in on or "kda_split" in on) and cfg.rows <= MAX_ROWS["kda"]
+                layer.attn.use_kernel = bool({"kda", "kda_split", "kda_fast"} & on) and cfg.rows <= MAX_ROWS["kda"]
                 layer.attn.split_scratch = None
-                if "kda_split" in on and layer.attn.use_kernel:
+                layer.attn.use_fast = ("kda_fast" in on and layer.attn.use_kernel
+                                       and cfg.batch == 1 and cfg.tokens_per_seq == 1)
+                if ("kda_split" in on and layer.attn.use_kernel) or layer.attn.use_fast:
                     from kimi_decode.kernels.kda_decode import KDAConfig
                     from kimi_decode.kernels.kda_split import make_scratch
                     kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq,

@@ -704,3 +704,42 @@ def test_mla_attend_call_sites_on_cpu(monkeypatch, uv: bool, batch: int, k: int)
     want = (["kv_insert", "join", "mla_decode", "o_proj"] if uv
             else ["kv_insert", "mla_decode", "uv_bmm", "join", "gate_mul", "o_proj"])
     assert tails == [want] * (2 * steps)
+
+
+@pytest.mark.parametrize("kernels_on,batch,k,want", [
+    ({"kda", "kda_split", "kda_fast"}, 1, 0, "fast"), ({"kda_fast"}, 1, 0, "fast"),
+    ({"kda", "kda_split"}, 1, 0, "split"), ({"kda"}, 1, 0, "kda"),
+    ({"kda", "kda_split", "kda_fast"}, 2, 0, "split"), ({"kda", "kda_fast"}, 1, 7, "kda")])
+def test_kda_fast_wiring_on_cpu(monkeypatch, kernels_on: set, batch: int, k: int, want: str) -> None:
+    """enable() + KDAAttention.forward: kda_fast (kernels/kda_fast.py) runs exactly at B = 1,
+    T = 1 when it is on, kda_split otherwise when that is on, else kda_decode; each emulated by
+    kda_decode's contract (the fast/split wrappers take kda_split's scratch), and the step
+    still matches stock. MAX_ROWS["kda"] is raised so the fallbacks at B·T > 1 are reached."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels_pkg
+    import kimi_decode.kernels.kda_decode as k_kda
+    import kimi_decode.kernels.kda_fast as k_fast
+    import kimi_decode.kernels.kda_split as k_split
+    calls = []
+
+    def emulated(kind: str):
+        def fn(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, *scratch):
+            assert (len(scratch) == 1 and scratch[0].counter.numel() >= batch * kcfg.heads) == (kind != "kda")
+            calls.append(kind)
+            return _emulate_kda(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg)
+        return fn
+    monkeypatch.setattr(k_kda, "kda_decode", emulated("kda"))
+    monkeypatch.setattr(k_split, "kda_decode_split", emulated("split"))
+    monkeypatch.setattr(k_fast, "kda_decode_fast", emulated("fast"))
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "kda", 64)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"kda_fast"})
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
+    stock = StockDecoder(tiny(layers=(3, 4), batch=batch, spec_tokens=k))
+    fused = FusedDecoder.from_stock(stock)
+    assert fused.enable(frozenset(kernels_on)) == frozenset(kernels_on)
+    kda_layers = [layer.attn for layer in fused.layers if isinstance(layer.attn, fused_mod.KDAAttention)]
+    assert kda_layers and all(a.use_fast == (want == "fast") for a in kda_layers)
+    run_close(stock, fused, seed=70, steps=2)
+    assert calls == [want] * (2 * len(kda_layers))
