@@ -23,8 +23,10 @@ then exit. Deadlock freedom does not depend on residency (the side stream's shar
 runs beside this kernel in the step, so not every CTA need be resident): tickets are handed
 out in counter order, so when a CTA holds an FC2 ticket every FC1 ticket is already held by
 a running CTA, and FC1 items never wait.
-Counters (a caller-kept zeroed int32 [3]: ticket, FC1 done, CTAs exited): each CTA, after its
-last (failing) ticket, bumps the exit counter; the CTA that reads gridDim - 1 is the last:
+Counters (a caller-kept zeroed int32 [64] buffer: ticket and CTAs-exited in words 0, 1, FC1
+items done in word 32, its own 128-byte line, so that up to ~900 polling CTAs and the ticket
+atomics do not queue on one L2 line): each CTA, after its last (failing) ticket, bumps the
+exit counter; the CTA that reads gridDim - 1 is the last:
 every other CTA has finished every ticket fetch and every wait, so it re-zeroes all three
 (mla_attend uv mode's pattern), and CUDA-graph replays find zeros.
 
@@ -34,7 +36,14 @@ min_blocks_per_mp = 7 caps ptxas at 72: 7 CTAs x 128 threads x 72 = 64,512 ≤ 6
 registers, 7 x 6.2 KB shared memory, 896 threads per SM. The grid is 7 x SMs CTAs (924 on
 the H200's 132 SMs: SM count queried from torch when the wrapper runs), all resident when
 nothing else runs. (With I = Ip = 256, FC2v2 holds 16 slices and caps at 4 CTAs per SM /
-128 registers; the grid follows: 4 x SMs.)
+128 registers; the grid follows: 4 x SMs.) ptxas (CUDA 13.0, CPU test): 72 registers, 94 B
+spill stores / 120 B loads per thread (FC2v2 alone: 20 / 32), none in FC1's load loop and
+none of the 48 w2 load destinations (read in the SASS); with a cap of 80 (6 CTAs per SM) it
+is 40 / 52 B, kept as the fallback should the spill show on the device. The acquire poll
+compiles to LDG.E.STRONG.GPU + CCTL.IVALL (L1 invalidated before `a` is read).
+Risk to watch on the device: near the end of the FC1 phase up to ~900 CTAs poll one word
+through L2 (one outstanding load each, ~0.7 us round trip: ~1.3 polls/ns) beside the last
+completion atomics; the DSL has no nanosleep for a back-off.
 
 Expectation (not measured; the device check times it): FC1 + FC2v2 with PDL took 23.5 us at
 M = 1 (cold weights, graph replays; 66 MB: 2.8 TB/s); the copy floor is ~17.5 us. One launch
@@ -67,7 +76,11 @@ from kimi_decode.kernels.moe_experts import (FC1_UNROLL, V2_GROUP_LANES, V2_GROU
                                              can_implement_v2)
 
 ONE_WARPS = 4          # warps per CTA (FC2v2's CTA; an FC1 item is 4 of FC1's warps)
-COUNTERS = 3           # ticket, FC1 items done, CTAs exited
+# counter words: the ticket and exit counters share one 128-byte line, the FC1 completion
+# counter (polled by every waiting FC2 item) has its own, so polls and ticket atomics do not
+# queue on the same L2 line
+COUNTERS = 64          # int32 words of the counter buffer (256 bytes)
+TICKET, EXITED, DONE = 0, 1, 32
 ONE_CTAS = 7
 
 
@@ -136,11 +149,11 @@ class ExpertsOne:
         # the last CTA out (every other has fetched its last ticket and passed every wait)
         # re-zeroes the counters for the next call / graph replay
         if tidx == 0:
-            old = cute.arch.atomic_add(mCnt.iterator + 2, Int32(1), sem="acq_rel", scope="gpu")
+            old = cute.arch.atomic_add(mCnt.iterator + EXITED, Int32(1), sem="acq_rel", scope="gpu")
             if old == nctas - 1:
-                mCnt[0] = Int32(0)
-                mCnt[1] = Int32(0)
-                mCnt[2] = Int32(0)
+                mCnt[TICKET] = Int32(0)
+                mCnt[EXITED] = Int32(0)
+                mCnt[DONE] = Int32(0)
 
     @cute.jit
     def ticket(self, mCnt: cute.Tensor, sT: cute.Tensor, tidx: Int32) -> Int32:
@@ -149,7 +162,7 @@ class ExpertsOne:
         (and the next item from overwriting sA) before every thread is done with it."""
         cute.arch.sync_threads()
         if tidx == 0:
-            sT[0] = cute.arch.atomic_add(mCnt.iterator, Int32(1), sem="acq_rel", scope="gpu")
+            sT[0] = cute.arch.atomic_add(mCnt.iterator + TICKET, Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.sync_threads()
         return sT[0]
 
@@ -195,7 +208,7 @@ class ExpertsOne:
         cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.atomic_add(mCnt.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.atomic_add(mCnt.iterator + DONE, Int32(1), sem="acq_rel", scope="gpu")
 
     @cute.jit
     def fc2_item(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
@@ -236,9 +249,9 @@ class ExpertsOne:
         cute.arch.griddepcontrol_wait()
         # every FC1 item has published its `a`: thread 0 polls, the CTA waits at the barrier
         if tidx == 0:
-            seen = cute.arch.load((mCnt.iterator + 1).llvm_ptr, Int32, sem="acquire", scope="gpu")
+            seen = cute.arch.load((mCnt.iterator + DONE).llvm_ptr, Int32, sem="acquire", scope="gpu")
             while seen < n1:
-                seen = cute.arch.load((mCnt.iterator + 1).llvm_ptr, Int32, sem="acquire", scope="gpu")
+                seen = cute.arch.load((mCnt.iterator + DONE).llvm_ptr, Int32, sem="acquire", scope="gpu")
         cute.arch.sync_threads()
         cute.arch.fence_acq_rel_gpu()
         jr = tidx // V2_GROUP_LANES
@@ -289,7 +302,7 @@ def sm_count(device: torch.device) -> int:
 
 
 def make_counters(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 [3] counter buffer `experts_one` needs (the caller keeps it; every
+    """The zeroed int32 [COUNTERS] counter buffer `experts_one` needs (the caller keeps it; every
     launch leaves it zeroed)."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
@@ -298,7 +311,7 @@ def experts_one(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.
                 beta: float, lin_beta: float, counters: torch.Tensor, out: torch.Tensor | None = None, *,
                 inter: int | None = None) -> torch.Tensor:
     """moe_experts.experts(..., v2=True) in one launch, equal to it bit for bit; the same
-    arguments plus `counters` (make_counters: zeroed int32 [3], left zeroed). CUDA-graph safe
+    arguments plus `counters` (make_counters: zeroed int32 [COUNTERS], left zeroed). CUDA-graph safe
     (no host syncs). Returns out [M, L]."""
     m, L = z.shape
     k = idx.shape[1]

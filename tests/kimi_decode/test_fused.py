@@ -717,7 +717,7 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
                                    expected: bool | str | None) -> None:
     """enable() switches LatentMoE._experts to the one-launch kernel (kernels/moe_experts_one.py)
     when `experts_one` is enabled, M ≤ MAX_ROWS["experts_one"] and can_implement_one holds,
-    passing the layer's counter buffer (zeroed int32 [3], registered by enable()); else the
+    passing the layer's counter buffer (zeroed int32 [64], registered by enable()); else the
     previous order (experts_v2, experts, stock). Kernels are the torch statement of their
     contract, so the step still matches stock; every MoE layer of every step makes one call.
     VERIFIED and the device test are patched (the lead adds experts_one after its device run)."""
@@ -735,7 +735,7 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
         return r if out is None else out.copy_(r)
 
     def experts_one(z, idx, w, w13, w2, beta, lin_beta, counters, out=None, *, inter=None):
-        assert counters.dtype == torch.int32 and counters.shape == (3,) and int(counters.abs().sum()) == 0
+        assert counters.dtype == torch.int32 and counters.shape == (64,) and int(counters.abs().sum()) == 0
         calls.append("one")
         r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)

@@ -81,9 +81,10 @@ def test_compiles_k3(tmp_path: Path) -> None:
     assert "bar.sync" in "\n".join(lines[fence[0]:done])
     assert len([i for i in bfly if i < wait[0]]) == 10 and len([i for i in bfly if i > acq[1]]) == 3 * K // 4
     # the last CTA out re-zeroes the three counters
-    # (words 0, 1 as one v2 store of zeros, word 2 on its own)
+    # (ticket and exit, words 0 and 1, as one v2 store of zeros; the completion counter, word 32)
     zeros = [s for s in lines[exit_:] if s.startswith("st.global")]
-    assert len(zeros) == 2 and "v2.b32" in zeros[0] and zeros[0].endswith("{0, 0};") and zeros[1].endswith("+8], 0;")
+    assert len(zeros) == 2 and "v2.b32" in zeros[0] and zeros[0].endswith("{0, 0};") and zeros[1].endswith("+128], 0;")
+    assert "+128]" in "\n".join(lines[acq[0] - 3:acq[0] + 1])                     # the poll reads word 32
 
 
 def test_no_padding_skip_compiles_with_4_ctas(tmp_path: Path) -> None:
@@ -129,7 +130,7 @@ def test_wrapper_grid_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     idx = torch.arange(K)[None] % E
     w = torch.ones(1, K)
     w13, w2 = torch.zeros(E, 2 * Ip, L, dtype=bf), torch.zeros(E, L, Ip, dtype=bf)
-    cnt = torch.zeros(3, dtype=torch.int32)
+    cnt = torch.zeros(64, dtype=torch.int32)
     mod.experts_one(z, idx, w, w13, w2, 4.0, 25.0, cnt, inter=I)
     cfg, args = launched[0]
     assert cfg.inter == I and int(args[8]) == 1 and int(args[9]) == 7 * 132 and args[7] is cnt
@@ -178,3 +179,42 @@ def test_check_fails_counters_left_nonzero(monkeypatch: pytest.MonkeyPatch) -> N
         return _one(z, idx, w, w13, w2, beta, lin_beta, counters, out, **kw)
     rows = _check_on_cpu(monkeypatch, leaky, timing=False)
     assert not any(r["ok"] for r in rows) and not any(r["counters_zero"] for r in rows)
+
+
+def _float_ops(lines: list[str]) -> list[str]:
+    """The mnemonics of the floating-point, conversion and shuffle instructions, in order."""
+    out = []
+    for s in (s.strip() for s in lines):
+        if not s or s.startswith(("//", "$", ".", "{", "}")):
+            continue
+        m = s.split()[1] if s.startswith("@") else s.split()[0]
+        if re.search(r"f32|bf16|f16|shfl|tanh|ex2|rcp|lg2", m):
+            out.append(m)
+    return out
+
+
+def test_items_run_the_two_kernels_arithmetic(tmp_path: Path) -> None:
+    """Bit-equality with FC1 + FC2v2, on the CPU: the FC1 item's code (from its first weight
+    load to the completion atomic) has ExpertsFC1's float/convert/shuffle instruction sequence
+    (from its first weight load), and the FC2 item's (from griddepcontrol.wait to the next
+    ticket) ExpertsFC2v2's (from its wait): same FMAs in the same order, same roundings."""
+    from kimi_decode.kernels.moe_experts import ExpertsFC1, ExpertsFC2v2
+    (tmp_path / "one").mkdir()
+    one = [s.strip() for s in ptx_of(tmp_path / "one", K3_CFG).splitlines()]
+
+    def kernel_ptx(sub: str, kernel: object, *args: object) -> list[str]:
+        d = tmp_path / sub
+        d.mkdir()
+        cute.compile(kernel, *args, _common.current_stream(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
+        return [s.strip() for s in next(d.glob("*.ptx")).read_text().splitlines()]
+    fc1 = kernel_ptx("fc1", ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+    fc2 = kernel_ptx("fc2", ExpertsFC2v2(K3_CFG), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
+    atom = [i for i, s in enumerate(one) if s.startswith("atom.")]
+    wait = next(i for i, s in enumerate(one) if s.startswith("griddepcontrol.wait"))
+    first_load = next(i for i, s in enumerate(one) if s.startswith("ld.global.v4"))
+    fc1_from = next(i for i, s in enumerate(fc1) if s.startswith("ld.global.v4"))
+    fc2_from = next(i for i, s in enumerate(fc2) if s.startswith("griddepcontrol.wait"))
+    a, b = _float_ops(fc1[fc1_from:]), _float_ops(one[first_load:atom[1]])
+    assert len(a) > 300 and a == b
+    a, b = _float_ops(fc2[fc2_from:]), _float_ops(one[wait:atom[2]])
+    assert len(a) > 300 and a == b
