@@ -44,6 +44,9 @@ and the kernel is in `VERIFIED`):
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
   launch (MAX_ROWS["experts_pdl"]), so its weight loads start while FC1 finishes.
+  `experts_one` (kernels/moe_experts_one.py): FC1 + FC2 v2 as work items of one persistent
+  launch (FC2 items wait on a grid-wide completion counter), bit-equal to the two kernels,
+  at M ≤ MAX_ROWS["experts_one"]; one kernel fewer per layer.
 - MoE tail (`moe_up`, kernels/moe_up.py): the all-reduce of the routed latent and the shared
   expert's reduce-scatter are summed from their slots, then latent RMSNorm, this rank's
   up-projection rows and the shared add, written into the all-gather slot: one launch for
@@ -132,8 +135,11 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
 #   22.0 us vs 19.4 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
 #   final merge); kept for the kernel count (MLA 13 per layer), the step measured with it.
+# - experts_one (FC1 + FC2 v2 in one persistent launch, kernels/moe_experts_one.py): M = 1,
+#   UNMEASURED until the device run (expected ~1-3 us under FC1 + FC2v2 with PDL's 23.5 us;
+#   the kernel is correct to M = 8, which its check also times).
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
-            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1}
+            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -459,6 +465,7 @@ class LatentMoE(stock.LatentMoE):
     use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
     use_experts_kernel = False   # kernels/moe_experts.py
     use_experts_v2 = False       # the same with FC2 in one wave (ExpertsFC2v2, kernel experts_v2)
+    use_experts_one = False      # FC1 + FC2 v2 in one persistent launch (kernels/moe_experts_one.py)
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
@@ -501,11 +508,18 @@ class LatentMoE(stock.LatentMoE):
 
     def _experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Σ_j w·expert_j(z): the two-kernel CuTe path (kernels/moe_experts.py) where it
-        applies (FC2 v2 where `experts_v2` is enabled and its shape rules hold, else the
-        first FC2 where `experts` is enabled), else the stock op; with `out`, written there
-        (the all-reduce slot)."""
+        """Σ_j w·expert_j(z): the one-launch kernel (kernels/moe_experts_one.py) where
+        `experts_one` is enabled, M ≤ MAX_ROWS["experts_one"] and its shape rules hold; else
+        the two-kernel CuTe path (kernels/moe_experts.py) where it applies (FC2 v2 where
+        `experts_v2` is enabled and its shape rules hold, else the first FC2 where `experts`
+        is enabled), else the stock op; with `out`, written there (the all-reduce slot)."""
         cfg = self.cfg
+        if self.use_experts_one and z.shape[0] <= MAX_ROWS["experts_one"]:
+            from kimi_decode.kernels.moe_experts_one import can_implement_one, experts_one
+            inter = cfg.expert_local_inter       # zero padding skipped, as below
+            if can_implement_one(z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,), inter=inter):
+                return experts_one(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta,
+                                   self.experts_counters, out=out, inter=inter)
         if self.use_experts_kernel or self.use_experts_v2:
             from kimi_decode.kernels.moe_experts import can_implement, can_implement_v2, experts
             # inter: the padded intermediate rows are zero by construction (stock.LatentMoE), so
@@ -753,6 +767,11 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
                 layer.mlp.use_experts_kernel = "experts" in on
                 layer.mlp.use_experts_v2 = "experts_v2" in on
+                layer.mlp.use_experts_one = "experts_one" in on
+                if "experts_one" in on and not hasattr(layer.mlp, "experts_counters"):
+                    # ticket / completion / exit counters of the one-launch experts; it re-zeroes them
+                    from kimi_decode.kernels.moe_experts_one import make_counters
+                    layer.mlp.register_buffer("experts_counters", make_counters(dev))
                 layer.mlp.use_front = "gemv_multi" in on
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
                 # the last layer's output is the step's: gathered by forward (kept in its step

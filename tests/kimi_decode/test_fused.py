@@ -743,3 +743,55 @@ def test_kda_fast_wiring_on_cpu(monkeypatch, kernels_on: set, batch: int, k: int
     assert kda_layers and all(a.use_fast == (want == "fast") for a in kda_layers)
     run_close(stock, fused, seed=70, steps=2)
     assert calls == [want] * (2 * len(kda_layers))
+
+
+@pytest.mark.parametrize("enabled,max_rows,one_fits,expected", [
+    ({"experts_one", "experts_v2"}, 64, True, "one"),       # within the table: one launch
+    ({"experts_one", "experts_v2"}, 1, True, True),         # M above the table: FC1 + FC2 v2
+    ({"experts_one", "experts_v2"}, 64, False, True),       # its shape rules refuse: FC1 + FC2 v2
+    ({"experts_one"}, 1, True, None),                       # ... and with no other kernel: stock
+    ({"experts_v2"}, 64, True, True),                       # experts_one not enabled
+])
+def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one_fits: bool,
+                                   expected: bool | str | None) -> None:
+    """enable() switches LatentMoE._experts to the one-launch kernel (kernels/moe_experts_one.py)
+    when `experts_one` is enabled, M ≤ MAX_ROWS["experts_one"] and can_implement_one holds,
+    passing the layer's counter buffer (zeroed int32 [64], registered by enable()); else the
+    previous order (experts_v2, experts, stock). Kernels are the torch statement of their
+    contract, so the step still matches stock; every MoE layer of every step makes one call.
+    VERIFIED and the device test are patched (the lead adds experts_one after its device run)."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels_pkg
+    import kimi_decode.kernels.moe_experts as k_ex
+    import kimi_decode.kernels.moe_experts_one as k_one
+    from kimi_decode import stock_ops as ops
+    calls: list = []
+
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False):
+        calls.append(v2)
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+
+    def experts_one(z, idx, w, w13, w2, beta, lin_beta, counters, out=None, *, inter=None):
+        assert counters.dtype == torch.int32 and counters.shape == (64,) and int(counters.abs().sum()) == 0
+        calls.append("one")
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+    monkeypatch.setattr(k_ex, "experts", experts)
+    monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: True)
+    monkeypatch.setattr(k_one, "experts_one", experts_one)
+    monkeypatch.setattr(k_one, "can_implement_one", lambda *a, **k: one_fits)
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "experts_one", max_rows)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2", "experts_one"})
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
+    assert cfg.rows > 1
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    assert fused.enable(frozenset(enabled)) == frozenset(enabled)
+    moe = [layer.mlp for layer in fused.layers if isinstance(layer.mlp, fused_mod.LatentMoE)]
+    assert len(moe) == 6 and all(hasattr(m, "experts_counters") == ("experts_one" in enabled) for m in moe)
+    run_close(stock, fused, seed=90, steps=2)
+    assert calls == ([] if expected is None else [expected] * (2 * len(moe)))
