@@ -21,14 +21,16 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # (moe_experts.ExpertsFC2v2); AttnRes at M = 1 with one row over a cluster of CTAs;
            # MLA qkv_norm folded into q_b's GEMV prologue and uk_insert (one launch fewer)
            # mla_attend also doing mla_glue's uv_gate (W_UV + sigmoid gate) in its launch
-           "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv")
+           "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv",
+           # per-shape GEMV configurations at M = 1 (gemv.TUNED / TUNED_MULTI; check_sweep times them)
+           "gemv_tuned")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
                  "attn_res_ar": "attn_res", "attn_res_ag": "attn_res", "gemv_variants": "gemv", "moe_up": "moe_up",
                  "mla_attend": "mla_attend", "mla_glue": "mla_glue", "gemv_multi": "gemv_multi",
                  "experts_v2": "moe_experts", "attn_res_mc": "attn_res_mc", "mla_norm_fold": "mla_norm_fold",
-                 "mla_attend_uv": "mla_attend"}
+                 "mla_attend_uv": "mla_attend", "gemv_tuned": "gemv"}
 
 
 def applicable(name: str, cfg: object) -> bool:
