@@ -215,7 +215,10 @@ def _config(k: int, m: int, segs: tuple[int, ...], rcfg: rf.RouterFastConfig | N
     router?)] at M = 1 while kernel "gemv_tuned" is on, else the plain layout with `unroll`."""
     if tune is None and m == 1 and kg.tuned_on():
         tune = kg.TUNED_MULTI.get((k, segs, rcfg is not None))
-    return MultiConfig(k, m, segs, rcfg, **{"unroll": unroll, **kg.tune_fields(tune, k)})
+    f = kg.tune_fields(tune, k)
+    if f.get("cols"):
+        raise ValueError(f"gemv_multi runs the plain layout only, not the split-K config {tune}")
+    return MultiConfig(k, m, segs, rcfg, **{"unroll": unroll, **f})
 
 
 def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor], *, unroll: int = GEMV_UNROLL,

@@ -76,6 +76,10 @@ def test_plain_configs_compile(tmp_path: Path, shape: str, name: str) -> None:
     cfg = kg.GemvConfig(n, k, 1, **f)
     ptx, regs = _ptx(tmp_path, kg.Gemv(cfg), P(bf), P(bf), P(bf))
     assert ".target sm_90a" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    if cfg.cols:                                      # split-K at M = 1: gemv_variants' kernel
+        assert ptx.count("bar.sync") == 1 and "ld.global.v4" in ptx and "kernel_splitk" in ptx
+        assert kg.Gemv(cfg).ctas == -(-n // cfg.cols) and (regs is None or regs <= 255)
+        return
     assert "bar.sync" not in ptx                      # warps independent, as the plain kernel
     assert re.search(rf"\.reqntid {cfg.warps * 32}, 1, 1", ptx) or f".maxntid {cfg.warps * 32}" in ptx \
         or "reqntid" not in ptx
@@ -97,7 +101,7 @@ def test_plain_configs_compile(tmp_path: Path, shape: str, name: str) -> None:
 def test_multi_configs_compile(tmp_path: Path, case: str, name: str) -> None:
     router = case == "moe_front"
     k = K3.hidden
-    if name not in kg.sweep_configs(k, router):
+    if name not in kg.sweep_configs(k, router, multi=True):
         pytest.skip(f"{name} not swept for {case}")
     f = kg.tune_fields(kg.TUNE_CONFIGS[name], k)
     if router:
@@ -155,6 +159,9 @@ def test_table_entry_changes_the_gemv_config(monkeypatch) -> None:
     assert seen[-1] == kg.GemvConfig(3216, 7168, 1)                    # explicit tune wins
     kg.gemv(torch.zeros(2, 7168, dtype=bf), w)
     assert seen[-1].cols == kg.SPLITK_COLS and seen[-1].per_warp == 1  # M = 2: split-K, untouched
+    monkeypatch.setitem(kg.TUNED, (3216, 7168), {"cols": 4, "kwarps": 4})
+    kg.gemv(x, w)
+    assert seen[-1] == kg.GemvConfig(3216, 7168, 1, cols=4, kwarps=4)  # split-K at M = 1
 
 
 def test_table_entry_changes_the_multi_config(monkeypatch) -> None:
@@ -177,6 +184,8 @@ def test_table_entry_changes_the_multi_config(monkeypatch) -> None:
     assert seen[-1].router is not None and seen[-1].unroll == 8 and seen[-1].per_warp == 1
     gm.gemv_multi(torch.zeros(2, D, dtype=bf), ws)
     assert seen[-1] == gm.MultiConfig(D, 2, (2112, 768))                # M = 2: never tuned
+    with pytest.raises(ValueError):
+        gm.gemv_multi(y, ws, tune={"cols": 4})                         # plain layout only
 
 
 def test_sweep_configs() -> None:
@@ -186,6 +195,11 @@ def test_sweep_configs() -> None:
     assert "u7" in kg.sweep_configs(1536) and "full" not in kg.sweep_configs(1536)
     assert "full" not in kg.sweep_configs(7168) and {"u7", "u8", "u14", "p2u7"} <= set(kg.sweep_configs(7168))
     assert "p4" not in kg.sweep_configs(1536) and "p4" in kg.sweep_configs(7168)
+    # split-K (not bit-identical: another summation order) only for gemv(), not gemv_multi
+    assert {"sk4", "sk4w4", "sk2"} <= set(kg.sweep_configs(768))
+    assert not any(f.get("cols") for f in kg.sweep_configs(7168, multi=True).values())
+    assert not any(f.get("cols") for f in kg.sweep_configs(7168, router=True, multi=True).values())
+    assert [c for c, f in kg.TUNE_CONFIGS.items() if not kg.exact(f)] == ["sk4", "sk4w4", "sk2"]
     assert not any(f.get("warps", 8) != 8 for f in kg.sweep_configs(7168, router=True).values())
     assert "w4" in kg.sweep_configs(7168) and kg.TUNE_CONFIGS["default"] == {}
     for f in kg.TUNE_CONFIGS.values():
