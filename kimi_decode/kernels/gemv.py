@@ -49,6 +49,45 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   registers (min_blocks_per_mp = 2: ptxas took 145 uncapped, one CTA per SM, and q_b's 144
   CTAs would not all be resident on 132 SMs); M ≤ 8 (at M = 8 ptxas spills 6 bytes under
   the cap; the per-M table uses M = 1).
+- gemv_tuned (kernel "gemv_tuned"; GemvConfig.per_warp, warps, hint, unroll; TUNE_CONFIGS):
+  per-shape configurations at M = 1, looked up in TUNED[(N, K)] (gemv) and TUNED_MULTI[(K,
+  segment N's, router?)] (gemv_multi) while set_tuned(True) (fused.enable() with "gemv" and
+  "gemv_tuned" on). Both tables are EMPTY until the device sweep (check_sweep) has run: one
+  line per shape then selects its fastest config. The plain-layout configs: `per_warp` P = 2
+  or 4 output columns per warp (per slice the lane issues P weight loads and one x load that
+  serves all P; each column keeps its own FMA chain in the plain order and its butterfly:
+  bit-identical); `warps` = 4 per CTA (finer CTAs: in_proj 804 instead of 402 on 132 SMs, the
+  most-loaded SM 7/6.09 = 15% over the mean instead of 4/3.05 = 31%); `unroll` 7 / 14 (divide
+  K = 7168's 28 slices per lane) and 8 (the earlier trial); `hint` = L1::no_allocate or
+  L1::evict_first on the weight loads (autovec_copy's l1c_evict_priority; the DSL exposes no
+  L2 eviction policy on a plain load); "full" (all of a short row's slices, K ≤ 8 slices). The
+  split-K layout at M = 1 ("sk4", "sk4w4", "sk2": `cols` columns per CTA, K dealt to its warps)
+  is swept for gemv() only: another fp32 summation order, so within bf16 tolerance of the
+  default, not bit-identical (check_sweep asserts exactly that split).
+  Why the plain layout stalls at ~3.0 TB/s (Little's law: ~3.8 TB/s × ~1 µs / 132 SMs ≈ 29 KB
+  in flight per SM): in_proj has 3216 warps (one per row) for 132 SMs, 24.4 warps per SM; the
+  SASS of the default unrolled body (nvdisasm, sm_90a) issues 5 of its 8 LDG.128 (4 weight, 4
+  x) before the first FMA and interleaves the rest with the FMA chains, so ~2.5-3 weight loads
+  per lane (1.3-1.5 KB per warp) are outstanding: 24 × ~1.4 KB ≈ 34 KB per SM, just the Little
+  need with no margin. Deeper unrolls do not change that (u7, u14: 6 LDG before the first FMA;
+  ptxas sinks the rest to their uses: 40-44 registers, not 4 per load), and unroll 8 over 28
+  slices puts a conditional exit after 4 slices inside the body (no loads hoisted above it),
+  which fits the 3-5% it gained. Expected per config (expectations, the sweep measures):
+  split-K sk4 on in_proj: 804 CTAs × 8 warps all resident (≤ 8 CTAs of 8 warps per SM), 48.7
+  warps per SM with 4 weight rows per lane per slice (its SASS issues 12 of the 20 LDG of its
+  2-slice body before the second FMA group): ≥ 4 × 512 B × 48.7 ≈ 100 KB per SM, 3×
+  the need, so the stream should approach the copy rate (46 MB at 3.8 TB/s ≈ 12 µs vs 15.3 µs
+  in the step) less its barrier + 8-warp reduction (~1 µs); per_warp 2 halves the warps per SM
+  (12.2) and with ~4 early LDG (2.7 weight) keeps ~17 KB per SM: expected no gain on in_proj
+  unless ptxas issues the second row's loads earlier; warps 4: same 24 warps per SM, a smaller
+  tail (above): a few %; the L1 hints: weights never re-read, x stays in L1: at most a few %.
+  o_proj (K = 768, 3 slices): the default is already fully unrolled (unroll 4 ≥ 3: "u*" and
+  "full" are the same kernel, not swept twice; SASS: 4 of its 6 LDG before the first FMA, the
+  rest right after): 54 warps per SM × ~1-1.5 KB ≈ 55-80 KB, so it is not short of loads in
+  flight; its 44% of peak is ramp and tail (11 MB is 2.9 µs at 3.8 TB/s vs
+  4.6 µs): per_warp 2 / 4 (448 / 224 CTAs) cut the CTA launches; expected ≤ 1 µs. The MoE
+  front keeps 8 warps per CTA (router_fast's CTAs) and ≤ 64 registers (4 CTAs per SM; the
+  default already spills 16 bytes under that cap, ptxas 13.0): p2, the hints.
 
 Exact math (every rounding point; matches the stock ops):
 - plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
@@ -81,6 +120,10 @@ Check on the GPU (against torch's matmul, the stock path's op; times both): chec
 checks.py (the plain kernel) and check_variants below (out= into an all-reduce slot, K = 384,
 gemv_situ vs stock situ_glu + matmul, split-K at M = 3 and 8); both run by
     python -m kimi_decode.kernels.gemv
+check_sweep (kernel "gemv_tuned"; every TUNE_CONFIGS entry on in_proj, o_proj, q_b and the two
+gemv_multi fronts, equal to the default, timed on cold weights; one row per shape with
+"<config>_us" and "best"):
+    python -m kimi_decode.kernels.gemv --sweep
 """
 from __future__ import annotations
 

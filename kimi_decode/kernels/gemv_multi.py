@@ -32,6 +32,11 @@ setting), so 528 CTAs are resident: the 448 router CTAs and the first projection
 together, the rest take the router CTAs' slots within ~2 us; every SM keeps 4 × 8 warps × 4
 × 512 B = 64 KB of weight loads in flight (3.9 TB/s × ~1 us / 132 SMs needs ~30 KB).
 
+Tuning (kernel "gemv_tuned", gemv.py): MultiConfig.per_warp / warps / hint / unroll are
+gemv.py's plain-layout fields, applied to every segment (8 warps per CTA with the router);
+gemv_multi and route_and_project take them as `tune=` or from gemv.TUNED_MULTI at M = 1 while
+the kernel is enabled. Bit-identical for every entry (split-K is not offered here).
+
 Check on the GPU (against router_fast + gemv and the stock ops; times all three):
     python -m kimi_decode.kernels.gemv_multi
 """

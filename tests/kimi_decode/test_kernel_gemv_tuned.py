@@ -229,3 +229,32 @@ def test_enable_sets_the_tuned_flag(monkeypatch) -> None:
     monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED - {"gemv_tuned"})
     fused.enable(frozenset({"gemv", "gemv_tuned"}))                    # not verified: off
     assert kg.tuned_on() is False
+
+
+def test_check_sweep_runs_emulated(monkeypatch) -> None:
+    """check_sweep's own logic on the CPU (kernels and timer emulated: the products in fp32,
+    the router as its torch contract, time_us = 1 µs per config): one row per shape, every
+    swept config present, ok, a "best" config."""
+    from kimi_decode import stock_ops
+    from kimi_decode.kernels import checks
+
+    def mm(x, w):
+        return (x.float() @ w.float().t()).to(torch.bfloat16)
+
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(checks, "_sync", lambda: None)
+    monkeypatch.setattr(checks, "time_us", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(kg, "gemv", lambda x, w, out=None, *, tune=None, **k: mm(x, w))
+    monkeypatch.setattr(gm, "gemv_multi", lambda x, ws, *, tune=None, **k: [mm(x, w) for w in ws])
+
+    def rap(y, w_gate, bias, top_k, scaling, counter, ws, *, tune=None, **k):
+        ids, wt = stock_ops.route(y.float() @ w_gate.float().t(), bias, top_k, scaling)
+        return ids, wt, [mm(y, w) for w in ws]
+    monkeypatch.setattr(gm, "route_and_project", rap)
+    rows = kg.check_sweep(timing=True)
+    assert [r["case"] for r in rows] == ["in_proj", "o_proj", "q_b", "moe_front", "mla_front"]
+    for r in rows:
+        assert r["ok"], r
+        k = r["K"]
+        confs = kg.sweep_configs(k, r.get("router", False), multi=r["case"].endswith("front"))
+        assert all(f"{c}_us" in r for c in confs) and r["best"] in confs and r["default_us"] == 1.0
