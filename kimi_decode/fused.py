@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -708,6 +709,13 @@ class FusedDecoder(StockDecoder):
         dev = self.pos.device
         on = frozenset(k for k in kernels & VERIFIED if _kernels_usable(dev) and applicable(k, self.cfg))
         cfg = self.cfg
+        # per-shape GEMV configurations at M = 1 (kernels/gemv.py TUNED, TUNED_MULTI): a flag of
+        # the gemv module, read by gemv() and gemv_multi at each call (so it applies to every
+        # model in the process; the tables hold only shapes the device sweep measured)
+        tuned = {"gemv", "gemv_tuned"} <= on
+        if tuned or "kimi_decode.kernels.gemv" in sys.modules:
+            from kimi_decode.kernels import gemv as k_gemv
+            k_gemv.set_tuned(tuned)
         # collectives finished inside kernels: only for the one-GPU simulation, whose slot
         # buffers the kernels can address (real NCCL keeps its own collectives)
         sim = bool(getattr(self.rt.comm, "simulated", False))

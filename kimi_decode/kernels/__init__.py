@@ -23,15 +23,17 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # mla_attend also doing mla_glue's uv_gate (W_UV + sigmoid gate) in its launch
            "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv",
            # fifth round: kda_split at T = 1 with every global load issued up front (shorter
-           # chain); the routed experts' FC1 + FC2 v2 in one persistent launch
-           "kda_fast", "experts_one")
+           # chain); the routed experts' FC1 + FC2 v2 in one persistent launch; per-shape GEMV
+           # configurations at M = 1 (gemv.TUNED / TUNED_MULTI; check_sweep times them)
+           "kda_fast", "experts_one", "gemv_tuned")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
                  "attn_res_ar": "attn_res", "attn_res_ag": "attn_res", "gemv_variants": "gemv", "moe_up": "moe_up",
                  "mla_attend": "mla_attend", "mla_glue": "mla_glue", "gemv_multi": "gemv_multi",
                  "experts_v2": "moe_experts", "attn_res_mc": "attn_res_mc", "mla_norm_fold": "mla_norm_fold",
-                 "mla_attend_uv": "mla_attend", "kda_fast": "kda_fast", "experts_one": "moe_experts_one"}
+                 "mla_attend_uv": "mla_attend", "kda_fast": "kda_fast", "experts_one": "moe_experts_one",
+                 "gemv_tuned": "gemv"}
 
 
 def applicable(name: str, cfg: object) -> bool:

@@ -262,7 +262,8 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
         from kimi_decode.kernels import CHECK_MODULES
         mod = importlib.import_module(f"kimi_decode.kernels.{CHECK_MODULES[name]}")
         fn = getattr(mod, {"attn_res_ar": "check_ar", "attn_res_ag": "check_ag", "gemv_variants": "check_variants",
-                           "mla_attend_uv": "check_uv", "experts_v2": "check_v2"}.get(name, "check"))
+                           "mla_attend_uv": "check_uv", "experts_v2": "check_v2",
+                           "gemv_tuned": "check_sweep"}.get(name, "check"))
         return fn(timing=timing)
     return run
 

@@ -49,6 +49,45 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
   registers (min_blocks_per_mp = 2: ptxas took 145 uncapped, one CTA per SM, and q_b's 144
   CTAs would not all be resident on 132 SMs); M ≤ 8 (at M = 8 ptxas spills 6 bytes under
   the cap; the per-M table uses M = 1).
+- gemv_tuned (kernel "gemv_tuned"; GemvConfig.per_warp, warps, hint, unroll; TUNE_CONFIGS):
+  per-shape configurations at M = 1, looked up in TUNED[(N, K)] (gemv) and TUNED_MULTI[(K,
+  segment N's, router?)] (gemv_multi) while set_tuned(True) (fused.enable() with "gemv" and
+  "gemv_tuned" on). Both tables are EMPTY until the device sweep (check_sweep) has run: one
+  line per shape then selects its fastest config. The plain-layout configs: `per_warp` P = 2
+  or 4 output columns per warp (per slice the lane issues P weight loads and one x load that
+  serves all P; each column keeps its own FMA chain in the plain order and its butterfly:
+  bit-identical); `warps` = 4 per CTA (finer CTAs: in_proj 804 instead of 402 on 132 SMs, the
+  most-loaded SM 7/6.09 = 15% over the mean instead of 4/3.05 = 31%); `unroll` 7 / 14 (divide
+  K = 7168's 28 slices per lane) and 8 (the earlier trial); `hint` = L1::no_allocate or
+  L1::evict_first on the weight loads (autovec_copy's l1c_evict_priority; the DSL exposes no
+  L2 eviction policy on a plain load); "full" (all of a short row's slices, K ≤ 8 slices). The
+  split-K layout at M = 1 ("sk4", "sk4w4", "sk2": `cols` columns per CTA, K dealt to its warps)
+  is swept for gemv() only: another fp32 summation order, so within bf16 tolerance of the
+  default, not bit-identical (check_sweep asserts exactly that split).
+  Why the plain layout stalls at ~3.0 TB/s (Little's law: ~3.8 TB/s × ~1 µs / 132 SMs ≈ 29 KB
+  in flight per SM): in_proj has 3216 warps (one per row) for 132 SMs, 24.4 warps per SM; the
+  SASS of the default unrolled body (nvdisasm, sm_90a) issues 5 of its 8 LDG.128 (4 weight, 4
+  x) before the first FMA and interleaves the rest with the FMA chains, so ~2.5-3 weight loads
+  per lane (1.3-1.5 KB per warp) are outstanding: 24 × ~1.4 KB ≈ 34 KB per SM, just the Little
+  need with no margin. Deeper unrolls do not change that (u7, u14: 6 LDG before the first FMA;
+  ptxas sinks the rest to their uses: 40-44 registers, not 4 per load), and unroll 8 over 28
+  slices puts a conditional exit after 4 slices inside the body (no loads hoisted above it),
+  which fits the 3-5% it gained. Expected per config (expectations, the sweep measures):
+  split-K sk4 on in_proj: 804 CTAs × 8 warps all resident (≤ 8 CTAs of 8 warps per SM), 48.7
+  warps per SM with 4 weight rows per lane per slice (its SASS issues 12 of the 20 LDG of its
+  2-slice body before the second FMA group): ≥ 4 × 512 B × 48.7 ≈ 100 KB per SM, 3×
+  the need, so the stream should approach the copy rate (46 MB at 3.8 TB/s ≈ 12 µs vs 15.3 µs
+  in the step) less its barrier + 8-warp reduction (~1 µs); per_warp 2 halves the warps per SM
+  (12.2) and with ~4 early LDG (2.7 weight) keeps ~17 KB per SM: expected no gain on in_proj
+  unless ptxas issues the second row's loads earlier; warps 4: same 24 warps per SM, a smaller
+  tail (above): a few %; the L1 hints: weights never re-read, x stays in L1: at most a few %.
+  o_proj (K = 768, 3 slices): the default is already fully unrolled (unroll 4 ≥ 3: "u*" and
+  "full" are the same kernel, not swept twice; SASS: 4 of its 6 LDG before the first FMA, the
+  rest right after): 54 warps per SM × ~1-1.5 KB ≈ 55-80 KB, so it is not short of loads in
+  flight; its 44% of peak is ramp and tail (11 MB is 2.9 µs at 3.8 TB/s vs
+  4.6 µs): per_warp 2 / 4 (448 / 224 CTAs) cut the CTA launches; expected ≤ 1 µs. The MoE
+  front keeps 8 warps per CTA (router_fast's CTAs) and ≤ 64 registers (4 CTAs per SM; the
+  default already spills 16 bytes under that cap, ptxas 13.0): p2, the hints.
 
 Exact math (every rounding point; matches the stock ops):
 - plain: out[m, n] = bf16( Σ_k fp32(x[m, k]) · fp32(w[n, k]) ), fp32 sum (lane-strided partial
@@ -81,6 +120,10 @@ Check on the GPU (against torch's matmul, the stock path's op; times both): chec
 checks.py (the plain kernel) and check_variants below (out= into an all-reduce slot, K = 384,
 gemv_situ vs stock situ_glu + matmul, split-K at M = 3 and 8); both run by
     python -m kimi_decode.kernels.gemv
+check_sweep (kernel "gemv_tuned"; every TUNE_CONFIGS entry on in_proj, o_proj, q_b and the two
+gemv_multi fronts, equal to the default, timed on cold weights; one row per shape with
+"<config>_us" and "best"):
+    python -m kimi_decode.kernels.gemv --sweep
 """
 from __future__ import annotations
 
@@ -118,6 +161,7 @@ SPLITK_WARPS = 8      # warps per split-K CTA; check_variants also times 4 (fewe
 # summation order does not depend on it, so results are bit-identical for any value).
 # check_variants times 4 and 8 on cold weights (in_proj, latent_down at M = 1).
 GEMV_UNROLL = 4
+HINTS = ("", "no_allocate", "evict_first")   # GemvConfig.hint: L1 policy of the weight loads
 
 
 @dataclass(frozen=True)
@@ -139,6 +183,12 @@ class GemvConfig:
     cols: int = 0
     kwarps: int = WARPS          # split-K: warps per CTA sharing the K slices (4 or 8)
     unroll: int = 4              # one-warp-per-column loop: slices (weight loads) in flight per lane
+    # gemv_tuned (plain layout only; the defaults are the plain kernel): output columns per warp
+    # (1, 2 or 4), warps per CTA (8 or 4), and the L1 policy of the weight loads ("" normal,
+    # "no_allocate": ld.global.L1::no_allocate, "evict_first": ld.global.L1::evict_first)
+    per_warp: int = 1
+    warps: int = WARPS
+    hint: str = ""
     # gemv_rmsnorm (class GemvRMSNorm only): x is columns [0, K) of rows of width x_stride
     # (e.g. the q part of qkv_a's output), normalised in the prologue with this eps
     eps: float = 0.0
@@ -195,7 +245,11 @@ class Gemv:
         assert cfg.cols * cfg.rows <= self.kw * 32, cfg  # one finishing thread per (column, row)
         self.full = self.slices // self.kw               # split-K: rounds every warp takes
         self.tail = self.slices % self.kw                # warps < tail take one more slice
-        self.ctas = (cfg.n + WARPS - 1) // WARPS if cfg.cols == 0 else (cfg.n + cfg.cols - 1) // cfg.cols
+        assert cfg.per_warp in (1, 2, 4) and cfg.warps in (4, 8) and cfg.hint in HINTS, cfg
+        assert (cfg.per_warp, cfg.warps) == (1, WARPS) or (cfg.cols == 0 and not cfg.situ), cfg
+        assert cfg.unroll >= 1, cfg
+        self.cpc = cfg.warps * cfg.per_warp             # plain layout: output columns per CTA
+        self.ctas = (cfg.n + self.cpc - 1) // self.cpc if cfg.cols == 0 else (cfg.n + cfg.cols - 1) // cfg.cols
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
@@ -211,15 +265,70 @@ class Gemv:
             self.kernel_splitk(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
                                                   block=[self.kw * 32, 1, 1], stream=stream)
         else:
-            self.kernel(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
-                                           block=[WARPS * 32, 1, 1], stream=stream)
+            self.kernel(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
+                                           block=[self.cfg.warps * 32, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
         bidx, _, _ = cute.arch.block_idx()
-        col = bidx * WARPS + cute.arch.warp_idx()
+        wid = bidx * self.cfg.warps + cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
-        self.column(mX, mW, mO, col, lane)
+        self.warp_columns(mX, mW, mO, wid, lane)
+
+    @cute.jit
+    def warp_columns(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, wid: Int32, lane: Int32):
+        """Warp `wid` of the plain layout: column wid (per_warp = 1, the original kernel's
+        code) or columns wid·P .. wid·P + P - 1 (per_warp = P); also gemv_multi's segments."""
+        if cutlass.const_expr(self.cfg.per_warp == 1):
+            self.column(mX, mW, mO, wid, lane)
+        else:
+            self.columns(mX, mW, mO, wid * self.cfg.per_warp, lane)
+
+    @cute.jit
+    def load_w(self, src: cute.Tensor, dst: cute.Tensor):
+        """One weight slice into registers, with the configured L1 policy (default: the plain
+        kernel's unhinted copy)."""
+        if cutlass.const_expr(self.cfg.hint == "no_allocate"):
+            cute.autovec_copy(src, dst, l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.NO_ALLOCATE)
+        elif cutlass.const_expr(self.cfg.hint == "evict_first"):
+            cute.autovec_copy(src, dst, l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST)
+        else:
+            cute.autovec_copy(src, dst)
+
+    @cute.jit
+    def columns(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col0: Int32, lane: Int32):
+        """out[:, col0 + q] = x @ W[col0 + q] for q < P = per_warp, one warp: per slice the lane
+        issues the P weight loads (P × unroll in flight), loads each x slice once for all P
+        columns, and runs each column's FMA chain in the plain kernel's order (slice i, element
+        j), then one butterfly per column as column() does: bit-identical to it. Rows past N
+        (only when N % P != 0) are clamped to N-1 for the loads and never stored."""
+        P, m, vec, n = self.cfg.per_warp, self.cfg.rows, self.cfg.vec, self.cfg.n
+        if col0 < n:
+            acc = cute.make_rmem_tensor(cute.make_layout((P, m), stride=(m, 1)), Float32)
+            acc.fill(0.0)
+            wv = cute.make_rmem_tensor(cute.make_layout((P, vec), stride=(vec, 1)), mW.element_type)
+            xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+            for i in cutlass.range(self.slices, unroll=self.cfg.unroll):
+                c = lane + i * 32
+                for q in cutlass.range_constexpr(P):
+                    if cutlass.const_expr(n % P == 0):
+                        self.load_w(mW[col0 + q, c, None], wv[q, None])
+                    else:
+                        self.load_w(mW[cutlass.min(col0 + q, Int32(n - 1)), c, None], wv[q, None])
+                for r in cutlass.range_constexpr(m):
+                    cute.autovec_copy(mX[r, c, None], xv)
+                    for q in cutlass.range_constexpr(P):
+                        for j in cutlass.range_constexpr(vec):
+                            acc[q, r] = acc[q, r] + wv[q, j].to(Float32) * xv[j].to(Float32)
+            for q in cutlass.range_constexpr(P):
+                for r in cutlass.range_constexpr(m):
+                    tot = cute.arch.warp_reduction_sum(acc[q, r])
+                    if lane == 0:
+                        if cutlass.const_expr(n % P == 0):
+                            mO[r, col0 + q] = tot.to(mO.element_type)
+                        else:
+                            if col0 + q < n:
+                                mO[r, col0 + q] = tot.to(mO.element_type)
 
     @cute.jit
     def column(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32):
@@ -232,7 +341,7 @@ class Gemv:
             xv = cute.make_rmem_tensor(cute.make_layout(self.cfg.vec), mX.element_type)
             for i in cutlass.range(self.slices, unroll=self.cfg.unroll):
                 c = lane + i * 32
-                cute.autovec_copy(mW[col, c, None], wv)
+                self.load_w(mW[col, c, None], wv)
                 for r in cutlass.range_constexpr(self.cfg.rows):
                     cute.autovec_copy(mX[r, c, None], xv)
                     for j in cutlass.range_constexpr(self.cfg.vec):
@@ -374,6 +483,7 @@ class GemvRMSNorm(Gemv):
         assert cfg.vec == VEC and not cfg.situ and cfg.cols == 0, cfg
         assert cfg.k % (VEC * 32) == 0 and cfg.k // (VEC * 32) <= NORM_MAX_SLICES, cfg
         assert cfg.x_stride >= cfg.k and cfg.x_stride % VEC == 0 and 1 <= cfg.rows <= SPLITK_MAX_ROWS, cfg
+        assert (cfg.per_warp, cfg.warps, cfg.hint) == (1, WARPS, ""), cfg
         super().__init__(cfg)
 
     @cute.jit
@@ -464,13 +574,79 @@ def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> to
     return out
 
 
+# kernel "gemv_tuned": per-shape plain-layout configurations used at M = 1 while the kernel is
+# enabled (fused.enable() calls set_tuned). Empty on purpose: the lead fills them from the
+# device sweep (check_sweep, one pass), one line per shape, with the fastest config's fields
+# from TUNE_CONFIGS, e.g.
+#     TUNED[(3216, 7168)] = {"per_warp": 2}                      # in_proj
+#     TUNED_MULTI[(7168, (3584, 768), True)] = {"unroll": 8}     # MoE front (router + 2 segments)
+# gemv(): key (N, K) of the weight. gemv_multi: key (K, segment N's, with router).
+TUNED: dict[tuple[int, int], dict[str, object]] = {}
+TUNED_MULTI: dict[tuple[int, tuple[int, ...], bool], dict[str, object]] = {}
+# The configurations check_sweep times (name -> GemvConfig field overrides of the plain kernel).
+# Every one keeps each column's fp32 FMA order and its butterfly, so all are bit-identical to
+# the default (the sweep asserts torch.equal). "full" (unroll = all slices) only where K is at
+# most FULL_MAX_SLICES slices per lane.
+# Unroll depths that do not divide the lane's slice count leave a conditional exit inside the
+# unrolled body (PTX at K = 7168, 28 slices, unroll 8: 4 loads, a branch, 4 loads), and ptxas
+# does not hoist loads above it: "u8" keeps ~4 in flight at K = 7168; "u7" / "u14" divide 28.
+TUNE_CONFIGS: dict[str, dict[str, object]] = {
+    "default": {},
+    "u7": {"unroll": 7},
+    "u8": {"unroll": 8},
+    "u14": {"unroll": 14},
+    "p2": {"per_warp": 2},
+    "p2u7": {"per_warp": 2, "unroll": 7},
+    "p4": {"per_warp": 4},
+    "w4": {"warps": 4},
+    "p2w4": {"per_warp": 2, "warps": 4},
+    "na": {"hint": "no_allocate"},
+    "p2na": {"per_warp": 2, "hint": "no_allocate"},
+    "ef": {"hint": "evict_first"},
+    "full": {"unroll": 0},          # 0: resolved to the lane's slice count (tune_fields)
+    # the split-K layout at M = 1 (gemv() runs it from M = 2): each row's K split over the
+    # CTA's warps, 2x-4x the warps per SM of the plain layout; ANOTHER fp32 summation order,
+    # so within bf16 tolerance of the default, not bit-identical (check_sweep holds it to that)
+    "sk4": {"cols": 4},
+    "sk4w4": {"cols": 4, "kwarps": 4},
+    "sk2": {"cols": 2},
+}
+FULL_MAX_SLICES = 8
+# With the router (gemv_multi's MoE front: ≤ 64 registers, 4 CTAs per SM) a lane's unrolled
+# body holds at most this many 128-bit loads (weight + x; 4 registers each).
+ROUTER_MAX_LOADS = 12
+_tuned_on = False
+
+
+def set_tuned(on: bool) -> None:
+    """Use the TUNED / TUNED_MULTI tables at M = 1 (kernel "gemv_tuned" enabled) or not."""
+    global _tuned_on
+    _tuned_on = bool(on)
+
+
+def tuned_on() -> bool:
+    return _tuned_on
+
+
+def tune_fields(fields: dict[str, object] | None, k: int) -> dict[str, object]:
+    """A table/sweep entry as GemvConfig overrides: unroll 0 means the lane's whole row
+    (K / 256 slices: every weight load of the lane issued up front)."""
+    f = dict(fields or {})
+    if f.get("unroll") == 0:
+        f["unroll"] = max(1, k // (VEC * 32))
+    return f
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-         splitk_warps: int = SPLITK_WARPS, unroll: int | None = None) -> torch.Tensor:
+         splitk_warps: int = SPLITK_WARPS, unroll: int | None = None,
+         tune: dict[str, object] | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]ᵀ on the current stream; both contiguous bf16; returns [M, N] bf16,
     written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. buf[rank]).
     M = 1: K a multiple of 256 runs the original 128-bit kernel, a multiple of 128 the 64-bit
     one; 2 ≤ M ≤ SPLITK_MAX_ROWS: the split-K layout (SPLITK_COLS columns per CTA of
-    `splitk_warps` warps, 4 or 8)."""
+    `splitk_warps` warps, 4 or 8). `tune` (GemvConfig overrides, e.g. TUNE_CONFIGS["p2"]) picks
+    a plain-layout configuration at M = 1 with K % 256 == 0; without it, TUNED[(N, K)] when
+    set_tuned(True) (kernel "gemv_tuned"), else the default. All are bit-identical."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype), k_multiple=VEC_NARROW * 32,
@@ -481,8 +657,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     unroll = GEMV_UNROLL if unroll is None else unroll
     if m >= SPLITK_MIN_ROWS:
         cfg = GemvConfig(n, k, m, vec=vec, cols=SPLITK_COLS, kwarps=splitk_warps)
+    elif vec == VEC:
+        if tune is None and _tuned_on:
+            tune = TUNED.get((n, k))
+        cfg = GemvConfig(n, k, m, **{"unroll": unroll, **tune_fields(tune, k)})
     else:
-        cfg = GemvConfig(n, k, m, unroll=unroll) if vec == VEC else GemvConfig(n, k, m, vec=vec, unroll=unroll)
+        cfg = GemvConfig(n, k, m, vec=vec, unroll=unroll)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
     return out
 
@@ -667,11 +847,165 @@ def time_cold(rows: int = 1, unrolls: tuple[int, ...] = (4, 8), copies: int = 4)
     return out
 
 
+COLD_BYTES = 160 * 2 ** 20   # the timed calls cycle through ≥ this much weight (L2: 50 MB)
+
+
+def exact(fields: dict[str, object]) -> bool:
+    """Whether a TUNE_CONFIGS entry is bit-identical to the default (every plain-layout entry;
+    not the split-K ones, cols > 0)."""
+    return not fields.get("cols")
+
+
+def sweep_configs(k: int, router: bool = False, multi: bool = False) -> dict[str, dict[str, object]]:
+    """TUNE_CONFIGS applicable at reduction K (gemv_multi: the plain layout only; with the MoE
+    front's router CTAs, whose 256-thread CTAs fix 8 warps per CTA, also at most
+    ROUTER_MAX_LOADS loads per unrolled body): "full" only for K ≤ FULL_MAX_SLICES slices per
+    lane; entries that resolve to the same kernel as an earlier one are left out."""
+    out, seen = {}, set()
+    slices = k // (VEC * 32)
+    for name, f in TUNE_CONFIGS.items():
+        g = tune_fields(f, k)
+        if g.get("cols"):
+            if not (multi or router):
+                out[name] = f
+            continue
+        u = min(int(g.get("unroll", GEMV_UNROLL)), slices)     # unroll ≥ slices: all of them
+        key = (u, g.get("per_warp", 1), g.get("warps", WARPS), g.get("hint", ""))
+        if name == "full" and slices > FULL_MAX_SLICES:
+            continue
+        if key[1] == 4 and slices % u:        # 4 columns with a remainder loop: ptxas spills (q_b)
+            continue
+        if router and (key[2] != WARPS or u * (key[1] + 1) > ROUTER_MAX_LOADS):
+            continue
+        if key in seen:                                        # same kernel as an earlier entry
+            continue
+        seen.add(key)
+        out[name] = f
+    return out
+
+
+def check_sweep(timing: bool = True) -> list[dict]:
+    """Kernel "gemv_tuned": every TUNE_CONFIGS entry at M = 1 on the K3 TP16 shapes that run
+    the plain GEMV layout (gemv: in_proj, o_proj, q_b; gemv_multi: the MoE front with the
+    router, latent_down + shared gate/up; the MLA front, qkv_a + g_proj). Each config's outputs
+    must equal the default's bit for bit (torch.equal; the router's ids and weights too), the
+    default within bf16 tolerance of torch's matmul. With timing, each config on COLD weights
+    (the calls cycle through copies totalling ≥ COLD_BYTES, beyond the 50 MB L2, as in the step
+    where every weight is read once): "<config>_us", plus "best" / "best_us" / "default_us".
+    One row per shape; TUNED / TUNED_MULTI take the winners (one line per shape)."""
+    import itertools
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels import gemv_multi as gm
+    dev = torch.device(checks.DEVICE)
+    cfg = k3_tp16()
+    D = cfg.hidden
+    out = []
+
+    def copies_for(nbytes: int) -> int:
+        return max(2, -(-COLD_BYTES // nbytes))
+
+    def finish(r: dict, times: dict[str, float], nbytes: int) -> None:
+        for name, t in times.items():
+            r[f"{name}_us"] = t
+        best = min(times, key=times.get)
+        r.update(best=best, best_us=times[best], default_us=times["default"],
+                 best_tbs=nbytes / (times[best] * 1e-6) / 1e12, default_tbs=nbytes / (times["default"] * 1e-6) / 1e12)
+
+    gen = torch.Generator(device=dev).manual_seed(4242)
+    for name in ("in_proj", "o_proj", "q_b"):
+        n, k = checks.GEMV_SHAPES[name]
+        ws = [(torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()]
+        x = torch.randn(1, k, generator=gen, device=dev).bfloat16()
+        with torch.no_grad():
+            base = gemv(x, ws[0], tune={})
+            e = checks.rel(base, x @ ws[0].t())
+        r = {"kernel": "gemv_tuned", "case": name, "M": 1, "N": n, "K": k, "rel_default_vs_stock": e}
+        ok = e <= 1e-2
+        confs = sweep_configs(k)
+        for c, f in confs.items():
+            with torch.no_grad():
+                y = gemv(x, ws[0], tune=f)
+            if exact(f):
+                eq = torch.equal(y, base)
+                r[f"equal_{c}"] = eq
+            else:                      # split-K: another summation order, bf16 tolerance
+                e_c = checks.rel(y, base)
+                r[f"rel_{c}_vs_default"] = e_c
+                eq = e_c <= 1e-2 and checks.rel(y, reference(x, ws[0])) <= 1.5 * checks.rel(base, reference(x, ws[0])) + 1e-3
+            ok = ok and eq
+        checks._sync()
+        r["ok"] = bool(ok)
+        if timing:
+            ws += [w.clone() for w in ws for _ in range(copies_for(n * k * 2) - 1)]
+            times = {}
+            for c, f in confs.items():
+                cyc = itertools.cycle(ws)
+                times[c] = checks.time_us(lambda f=f, cyc=cyc: gemv(x, next(cyc), tune=f))
+            finish(r, times, n * k * 2)
+        out.append(r)
+
+    # the two gemv_multi groupings (fused.py's moe_front and qkv_a_g ops)
+    y = torch.nn.functional.rms_norm(torch.randn(1, D, generator=gen, device=dev), (D,)).bfloat16()
+
+    def w(n: int) -> torch.Tensor:
+        return (torch.randn(n, D, generator=gen, device=dev) * D ** -0.5).bfloat16()
+
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    bias = torch.randn(cfg.num_experts, generator=gen, device=dev) * 0.02
+    front = (w(cfg.num_experts), w(cfg.latent_dim), w(2 * cfg.shared_local_inter))
+    mla = (w(cfg.qkv_a_rows), w(cfg.mla_local_heads * cfg.v_head_dim))
+
+    def run_front(ws: tuple[torch.Tensor, ...], f: dict[str, object]) -> tuple:
+        ids, wt, outs = gm.route_and_project(y, ws[0], bias, cfg.top_k, cfg.routed_scaling, counter,
+                                             list(ws[1:]), tune=f)
+        return (ids, wt, *outs)
+
+    def run_mla(ws: tuple[torch.Tensor, ...], f: dict[str, object]) -> tuple:
+        return tuple(gm.gemv_multi(y, list(ws), tune=f))
+
+    for case, ws, fn, router in (("moe_front", front, run_front, True), ("mla_front", mla, run_mla, False)):
+        nbytes = sum(t.numel() for t in ws) * 2
+        with torch.no_grad():
+            base = fn(ws, {})
+            stock = [y @ t.t() for t in ws[1:]] if router else [y @ t.t() for t in ws]
+            projs = base[2:] if router else base
+            e = max(checks.rel(a, b) for a, b in zip(projs, stock))
+        segs = tuple(t.shape[0] for t in (ws[1:] if router else ws))
+        r = {"kernel": "gemv_tuned", "case": case, "M": 1, "K": D, "segs": segs, "router": router,
+             "rel_default_vs_stock": e}
+        ok = e <= 1e-2
+        confs = sweep_configs(D, router, multi=True)
+        for c, f in confs.items():
+            eq = all(torch.equal(a, b) for a, b in zip(fn(ws, f), base))
+            r[f"equal_{c}"] = eq
+            ok = ok and eq
+        checks._sync()
+        r["counter_zero"] = int(counter.item()) == 0
+        r["ok"] = bool(ok and r["counter_zero"])
+        if timing:
+            sets = [ws] + [tuple(t.clone() for t in ws) for _ in range(copies_for(nbytes) - 1)]
+            times = {}
+            for c, f in confs.items():
+                cyc = itertools.cycle(sets)
+                times[c] = checks.time_us(lambda f=f, cyc=cyc: fn(next(cyc), f))
+            finish(r, times, nbytes)
+            r["counter_zero_after_replays"] = int(counter.item()) == 0
+            r["ok"] = r["ok"] and r["counter_zero_after_replays"]
+        out.append(r)
+    return out
+
+
 def main_variants() -> None:
     from kimi_decode.kernels.checks import _print
     _print(check_variants())
 
 if __name__ == "__main__":
     from kimi_decode.kernels.checks import main_gemv
-    main_gemv()
-    main_variants()
+    import sys
+    if "--sweep" in sys.argv:
+        from kimi_decode.kernels.checks import _print
+        _print(check_sweep())
+    else:
+        main_gemv()
+        main_variants()

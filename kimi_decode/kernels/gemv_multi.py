@@ -32,6 +32,11 @@ setting), so 528 CTAs are resident: the 448 router CTAs and the first projection
 together, the rest take the router CTAs' slots within ~2 us; every SM keeps 4 × 8 warps × 4
 × 512 B = 64 KB of weight loads in flight (3.9 TB/s × ~1 us / 132 SMs needs ~30 KB).
 
+Tuning (kernel "gemv_tuned", gemv.py): MultiConfig.per_warp / warps / hint / unroll are
+gemv.py's plain-layout fields, applied to every segment (8 warps per CTA with the router);
+gemv_multi and route_and_project take them as `tune=` or from gemv.TUNED_MULTI at M = 1 while
+the kernel is enabled. Bit-identical for every entry (split-K is not offered here).
+
 Check on the GPU (against router_fast + gemv and the stock ops; times all three):
     python -m kimi_decode.kernels.gemv_multi
 """
@@ -50,6 +55,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from kimi_decode.kernels import gemv as kg
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 from kimi_decode.kernels.gemv import GEMV_UNROLL, SPLITK_MIN_ROWS, VEC, WARPS, Gemv, GemvConfig
@@ -68,6 +74,11 @@ class MultiConfig:
     segs: tuple[int, ...]
     router: rf.RouterFastConfig | None = None
     unroll: int = GEMV_UNROLL      # the projection loop's weight loads in flight per lane (gemv.py)
+    # gemv.py's plain-layout tuning (kernel "gemv_tuned"): output columns per warp, warps per
+    # CTA (8 with the router: its CTAs are 256 threads), L1 policy of the weight loads
+    per_warp: int = 1
+    warps: int = WARPS
+    hint: str = ""
 
 
 def can_implement(m: int, k: int, ns: Sequence[int], dtypes: tuple[torch.dtype, ...],
@@ -87,8 +98,10 @@ class GemvMulti:
     def __init__(self, cfg: MultiConfig) -> None:
         assert 1 <= len(cfg.segs) <= MAX_SEGMENTS, cfg
         self.cfg = cfg
-        self.gemvs = [Gemv(GemvConfig(n, cfg.k, cfg.rows, unroll=cfg.unroll)) for n in cfg.segs]
-        self.ctas = [(n + WARPS - 1) // WARPS for n in cfg.segs]
+        self.gemvs = [Gemv(GemvConfig(n, cfg.k, cfg.rows, unroll=cfg.unroll, per_warp=cfg.per_warp,
+                                      warps=cfg.warps, hint=cfg.hint)) for n in cfg.segs]
+        self.ctas = [g.ctas for g in self.gemvs]
+        assert cfg.router is None or cfg.warps == WARPS, cfg
         self.router = None
         self.rctas = 0
         if cfg.router is not None:
@@ -125,7 +138,7 @@ class GemvMulti:
                 min_blocks_per_mp=rf.MIN_CTAS, preferred_smem_carveout=rf.SMEM_CARVEOUT)
         else:
             self.kernel(mX, mW0, mO0, mW1, mO1, mW2, mO2, mG, mB, mL, mC, mI, mR).launch(
-                grid=[grid, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+                grid=[grid, 1, 1], block=[self.cfg.warps * 32, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW0: cute.Tensor, mO0: cute.Tensor, mW1: cute.Tensor,
@@ -150,23 +163,24 @@ class GemvMulti:
     def segments(self, mX: cute.Tensor, mW0: cute.Tensor, mO0: cute.Tensor, mW1: cute.Tensor,
                  mO1: cute.Tensor, mW2: cute.Tensor, mO2: cute.Tensor, b: Int32, warp: Int32,
                  lane: Int32):
-        """Projection CTA b (counted from the first segment): one warp per output column of
-        the segment b falls in (CTA-uniform branches)."""
+        """Projection CTA b (counted from the first segment): one warp per output column (or
+        per_warp columns) of the segment b falls in (CTA-uniform branches)."""
         c0 = self.ctas[0]
+        W = self.cfg.warps
         if cutlass.const_expr(len(self.gemvs) == 1):
-            self.gemvs[0].column(mX, mW0, mO0, b * WARPS + warp, lane)
+            self.gemvs[0].warp_columns(mX, mW0, mO0, b * W + warp, lane)
         else:
             if b < c0:
-                self.gemvs[0].column(mX, mW0, mO0, b * WARPS + warp, lane)
+                self.gemvs[0].warp_columns(mX, mW0, mO0, b * W + warp, lane)
             else:
                 if cutlass.const_expr(len(self.gemvs) == 2):
-                    self.gemvs[1].column(mX, mW1, mO1, (b - c0) * WARPS + warp, lane)
+                    self.gemvs[1].warp_columns(mX, mW1, mO1, (b - c0) * W + warp, lane)
                 else:
                     c1 = self.ctas[1]
                     if b < c0 + c1:
-                        self.gemvs[1].column(mX, mW1, mO1, (b - c0) * WARPS + warp, lane)
+                        self.gemvs[1].warp_columns(mX, mW1, mO1, (b - c0) * W + warp, lane)
                     else:
-                        self.gemvs[2].column(mX, mW2, mO2, (b - c0 - c1) * WARPS + warp, lane)
+                        self.gemvs[2].warp_columns(mX, mW2, mO2, (b - c0 - c1) * W + warp, lane)
 
 
 def compile_for(cfg: MultiConfig) -> object:
@@ -200,19 +214,33 @@ def _check_operands(x: torch.Tensor, ws: Sequence[torch.Tensor], router: tuple[i
                          f"{[tuple(w.shape) for w in ws]} router={router}")
 
 
-def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor], *, unroll: int = GEMV_UNROLL) -> list[torch.Tensor]:
+def _config(k: int, m: int, segs: tuple[int, ...], rcfg: rf.RouterFastConfig | None, unroll: int,
+            tune: dict[str, object] | None) -> MultiConfig:
+    """MultiConfig with gemv.py's tuning: `tune` when given, else TUNED_MULTI[(K, segs,
+    router?)] at M = 1 while kernel "gemv_tuned" is on, else the plain layout with `unroll`."""
+    if tune is None and m == 1 and kg.tuned_on():
+        tune = kg.TUNED_MULTI.get((k, segs, rcfg is not None))
+    f = kg.tune_fields(tune, k)
+    if f.get("cols"):
+        raise ValueError(f"gemv_multi runs the plain layout only, not the split-K config {tune}")
+    return MultiConfig(k, m, segs, rcfg, **{"unroll": unroll, **f})
+
+
+def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor], *, unroll: int = GEMV_UNROLL,
+               tune: dict[str, object] | None = None) -> list[torch.Tensor]:
     """[x @ w.t() for w in ws] (each [M, N_i] bf16) in one launch on the current stream;
-    x [M, K] and every w [N_i, K] contiguous bf16, 1-3 weights. Equals gemv(x, w) bit for bit."""
+    x [M, K] and every w [N_i, K] contiguous bf16, 1-3 weights. Equals gemv(x, w) bit for bit
+    (for every `tune`, gemv.py's TUNE_CONFIGS entries)."""
     _check_operands(x, ws, None)
     m, k = x.shape
     outs = [torch.empty(m, w.shape[0], dtype=torch.bfloat16, device=x.device) for w in ws]
-    _launch(MultiConfig(k, m, tuple(w.shape[0] for w in ws), unroll=unroll), x, ws, outs, None)
+    _launch(_config(k, m, tuple(w.shape[0] for w in ws), None, unroll, tune), x, ws, outs, None)
     return outs
 
 
 def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
                       scaling: float, counter: torch.Tensor, ws: Sequence[torch.Tensor], *,
-                      unroll: int = GEMV_UNROLL) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                      unroll: int = GEMV_UNROLL, tune: dict[str, object] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """router_fast.route(y, w_gate, bias, top_k, scaling, counter) and [y @ w.t() for w in ws]
     in one launch: (ids [M, k] int64, weights [M, k] fp32, outputs). counter: the zeroed int32
     [1] buffer router_fast uses (left zeroed). Bit-identical to the separate kernels."""
@@ -227,7 +255,7 @@ def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor,
     ids = torch.empty(m, top_k, dtype=torch.int64, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
     rcfg = rf.RouterFastConfig(k, e, top_k, m, float(scaling))
-    _launch(MultiConfig(k, m, tuple(w.shape[0] for w in ws), rcfg, unroll), y, ws, outs,
+    _launch(_config(k, m, tuple(w.shape[0] for w in ws), rcfg, unroll, tune), y, ws, outs,
             (w_gate, bias, logits, counter, ids, weights))
     return ids, weights, outs
 
