@@ -98,10 +98,18 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "kda_split", "experts", "router_fast", "attn_res_ar", "attn_res_ag",
                                     "gemv_variants", "moe_up", "mla_attend", "mla_glue", "gemv_multi",
                                     # fourth round, checked on the H200 at e859ebe (2026-12-02 21:47 UTC)
-                                    "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv"})
-# Used by default: the L2 prefetch is correct but slowed its consumer GEMV in the device check
-# (21.8 us cold vs 70.4 us after a prefetch), so it is opt-in (kernels={..., "prefetch"}).
-DEFAULT_KERNELS: frozenset[str] = VERIFIED - {"prefetch"}
+                                    "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv",
+                                    # fifth round, checked at c3b2f59 / c70b123 (22:19-22:24 UTC)
+                                    "kda_fast", "experts_one", "gemv_tuned"})
+# Verified but opt-in (kernels={..., name}), both slower where they would be used:
+# - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
+#   prefetch);
+# - experts_one (FC1 + FC2 in one persistent launch, one kernel fewer per layer): 29.2 us vs
+#   23.5 us for FC1 + FC2 v2 with PDL at M = 1 (cold weights; 163 vs 141 us at M = 8); the
+#   B = 1 step with it (and kda_fast, itself 0.3 us faster than kda_split in its check) took
+#   105.3 / 124.3 us (KDA / MLA) against 97.1 / 114.5 us without both (runs c3b2f59, e859ebe).
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one"})
+DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
@@ -136,9 +144,10 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
 #   22.0 us vs 19.4 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
 #   final merge); kept for the kernel count (MLA 13 per layer), the step measured with it.
-# - experts_one (FC1 + FC2 v2 in one persistent launch, kernels/moe_experts_one.py): M = 1,
-#   UNMEASURED until the device run (expected ~1-3 us under FC1 + FC2v2 with PDL's 23.5 us;
-#   the kernel is correct to M = 8, which its check also times).
+# - experts_one (FC1 + FC2 v2 in one persistent launch, kernels/moe_experts_one.py): M = 1 when
+#   opted in (OPT_IN: slower, see there); the kernel is correct to M = 8.
+# - kda_fast: B = 1, T = 1 (6.17 vs 6.45 us for kda_split in its check, bit-identical; at B = 8
+#   12.9 vs 9.6 us, so not there).
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1}
 

@@ -52,8 +52,8 @@ Variants (compile-time fields of GemvConfig; the defaults are the kernel above, 
 - gemv_tuned (kernel "gemv_tuned"; GemvConfig.per_warp, warps, hint, unroll; TUNE_CONFIGS):
   per-shape configurations at M = 1, looked up in TUNED[(N, K)] (gemv) and TUNED_MULTI[(K,
   segment N's, router?)] (gemv_multi) while set_tuned(True) (fused.enable() with "gemv" and
-  "gemv_tuned" on). Both tables are EMPTY until the device sweep (check_sweep) has run: one
-  line per shape then selects its fastest config. The plain-layout configs: `per_warp` P = 2
+  "gemv_tuned" on). Each table entry is the fastest config of the device sweep
+  (check_sweep) for its shape, one line per shape. The plain-layout configs: `per_warp` P = 2
   or 4 output columns per warp (per slice the lane issues P weight loads and one x load that
   serves all P; each column keeps its own FMA chain in the plain order and its butterfly:
   bit-identical); `warps` = 4 per CTA (finer CTAs: in_proj 804 instead of 402 on 132 SMs, the
@@ -574,15 +574,20 @@ def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> to
     return out
 
 
-# kernel "gemv_tuned": per-shape plain-layout configurations used at M = 1 while the kernel is
-# enabled (fused.enable() calls set_tuned). Empty on purpose: the lead fills them from the
-# device sweep (check_sweep, one pass), one line per shape, with the fastest config's fields
-# from TUNE_CONFIGS, e.g.
-#     TUNED[(3216, 7168)] = {"per_warp": 2}                      # in_proj
-#     TUNED_MULTI[(7168, (3584, 768), True)] = {"unroll": 8}     # MoE front (router + 2 segments)
-# gemv(): key (N, K) of the weight. gemv_multi: key (K, segment N's, with router).
-TUNED: dict[tuple[int, int], dict[str, object]] = {}
-TUNED_MULTI: dict[tuple[int, tuple[int, ...], bool], dict[str, object]] = {}
+# kernel "gemv_tuned": per-shape configurations used at M = 1 while the kernel is enabled
+# (fused.enable() calls set_tuned), each the fastest of the device sweep (check_sweep on the
+# H200 at c70b123, 2026-12-02 22:24 UTC, cold weights, one pass; every config there checked
+# equal to the default, split-K within bf16 tolerance). gemv(): key (N, K) of the weight;
+# gemv_multi: key (K, segment N's, with router). Shapes not listed keep the default layout
+# (q_b runs gemv_rmsnorm at M = 1 under mla_norm_fold, which these tables do not touch).
+TUNED: dict[tuple[int, int], dict[str, object]] = {
+    (3216, 7168): {"cols": 4, "kwarps": 4},   # in_proj: sk4w4 12.86 us vs 13.64 (u7 13.27)
+    (7168, 768): {"hint": "no_allocate"},                          # o_proj: na 4.30 us vs 4.53
+}
+TUNED_MULTI: dict[tuple[int, tuple[int, ...], bool], dict[str, object]] = {
+    (7168, (3584, 768), True): {"hint": "evict_first"},   # MoE front: ef 21.04 us vs 22.43 (na 21.07)
+    (7168, (2112, 768), False): {"unroll": 7},            # MLA front: u7 12.23 us vs 12.81 (ef 12.52)
+}
 # The configurations check_sweep times (name -> GemvConfig field overrides of the plain kernel).
 # Every one keeps each column's fp32 FMA order and its butterfly, so all are bit-identical to
 # the default (the sweep asserts torch.equal). "full" (unroll = all slices) only where K is at
