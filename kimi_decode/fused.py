@@ -143,7 +143,8 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   23.5 vs 26.0 us at M = 1, 142.1 vs 155.5 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
 #   22.0 us vs 19.4 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
-#   final merge); kept for the kernel count (MLA 13 per layer), the step measured with it.
+#   final merge); kept for the kernel count: in the B = 1 bench at 801b1da the MLA layer took
+#   113.8 us in 13 kernels with it and 111.2 us in 14 without it (a second run at that commit).
 # - experts_one (FC1 + FC2 v2 in one persistent launch, kernels/moe_experts_one.py): M = 1 when
 #   opted in (OPT_IN: slower, see there); the kernel is correct to M = 8.
 # - kda_fast: B = 1, T = 1 (6.17 vs 6.45 us for kda_split in its check, bit-identical; at B = 8
