@@ -147,10 +147,16 @@ def render(data: dict[str, Any]) -> str:
              "(experts: distinct selected experts x one expert slice without its zero padding, i.e. 192 of",
              "the 256 intermediate rows stored; up-projection: row shard)",
              "plus KDA state read+write and the whole MLA cache buffer read. Floor = bytes / measured",
-             "copy bandwidth. Kernels: one profiled eager step, attributed to `L{idx}.{kind}` ranges.", ""]
+             "copy bandwidth (a 2 GiB device copy; from bench/fused_device.py measured when its process",
+             "starts: later in a process that has run the checks and captures the same copy measured",
+             "~11 % slower on the H200 while the layer times did not move, which would lower the floor).",
+             "Kernels: one profiled eager step, attributed to `L{idx}.{kind}` ranges.", ""]
     for variant, m in sorted(meta.items()):
         lines.append(f"- **{variant}**: {m['date']}, commit `{m['commit']}`, {m['gpu']}, torch {m['torch']} "
-                     f"(CUDA {m['cuda']}), copy bandwidth {m['copy_bw_tbs']:.2f} TB/s, {m['reps']} replays, "
+                     f"(CUDA {m['cuda']}), copy bandwidth {m['copy_bw_tbs']:.2f} TB/s"
+                     + (f" (at process start; {m['copy_bw_late_tbs']:.2f} TB/s just before the bench)"
+                        if "copy_bw_late_tbs" in m else "")
+                     + f", {m['reps']} replays, "
                      f"layers {m['layers']}, tp_sim={m['tp_sim']}, experts {m['expert_impl']}, "
                      f"compile_ops={m.get('compile_ops')}"
                      + (f", Triton op groups kept torch: {m['triton_off'] or 'none'}" if "triton_off" in m else ""))
@@ -219,7 +225,7 @@ def merge(new: dict[str, Any], md_path: Path = MD_PATH) -> dict[str, Any]:
             "meta": {**old["meta"], **new["meta"]}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, copy_bw: float | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", nargs="+", default=["stock"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -240,13 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     from kimi_decode.config import k3_tp16, parse_layers
     from tracer.capture import git_commit
 
-    bw = copy_bandwidth()
+    # copy_bw: measured by the caller at its process start (bench/fused_device.py); the copy
+    # measured here, late in such a process, is then recorded beside it
+    late = copy_bandwidth()
+    bw = late if copy_bw is None else copy_bw
     shapes = [(b, 0) for b in args.batch if 0 in args.spec] + [(1, k) for k in args.spec if k]
     shapes.sort(key=lambda s: (s[0] != 1, s[0], s[1]))     # B = 1 first: the headline shapes
     results: list[dict[str, Any]] = []
     meta = {variant: {"date": _dt.date.today().isoformat(), "commit": git_commit(),
                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                      "copy_bw_tbs": bw / 1e12, "reps": args.reps, "layers": args.layers, "tp_sim": True,
+                      "copy_bw_tbs": bw / 1e12, **({} if copy_bw is None else {"copy_bw_late_tbs": late / 1e12}),
+                      "reps": args.reps, "layers": args.layers, "tp_sim": True,
                       "expert_impl": k3_tp16(expert_impl=args.expert_impl).expert_impl,
                       "compile_ops": not args.eager_ops, "triton_off": list(args.triton_off)}
             for variant in args.variant}

@@ -258,14 +258,16 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
 
 
 def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops: bool,
-          batches: tuple[int, ...] = (1, 8, 64), specs: tuple[int, ...] = (0, 7)) -> None:
-    """bench/decode.py for stock and fused (B in `batches` at k = 0, k in `specs` at B = 1)."""
+          batches: tuple[int, ...] = (1, 8, 64), specs: tuple[int, ...] = (0, 7),
+          copy_bw: float | None = None) -> None:
+    """bench/decode.py for stock and fused (B in `batches` at k = 0, k in `specs` at B = 1);
+    `copy_bw`: the copy bandwidth measured at this process's start (the floor's divisor)."""
     import kimi_decode.fused as fused_mod
     from bench.decode import main as bench_main
     fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
     bench_main(["--variant", "stock", "fused", "--batch", *map(str, batches), "--spec", *map(str, specs),
                 "--reps", str(reps), "--expert-impl", impl, "--json", str(out / "bench.json")]
-               + ([] if compile_ops else ["--eager-ops"]))
+               + ([] if compile_ops else ["--eager-ops"]), copy_bw=copy_bw)
 
 
 def captures(out: Path, kernels: frozenset[str], base: dict[str, Any], steps: int,
@@ -396,6 +398,14 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"torch {torch.__version__} cuda {torch.version.cuda} on {torch.cuda.get_device_name()}")
+    # the floor's copy bandwidth, before anything else touches the GPU: measured after the
+    # checks and captures, the same 2 GiB copy came out ~11 % slower (3.79 vs 4.25 TB/s on the
+    # H200, 2026-12-02) while the layer times did not move
+    copy_bw = None
+    if "bench" not in args.skip and DEVICE == "cuda":
+        from bench.decode import copy_bandwidth
+        copy_bw = copy_bandwidth()
+        log(f"copy bandwidth at start: {copy_bw / 1e12:.2f} TB/s")
     from kimi_decode.device_job import probe_grouped_mm
     impl = probe_grouped_mm()
     # Correctness runs the unfused ops eagerly (fused and stock share them, so the comparison
@@ -447,7 +457,7 @@ def main() -> None:
     if "bench" not in args.skip and time.time() - T0 < args.budget_s - args.bench_s:
         try:
             bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"],
-                  tuple(args.bench_batch), tuple(args.bench_spec))
+                  tuple(args.bench_batch), tuple(args.bench_spec), copy_bw)
         except Exception:
             traceback.print_exc()
         log("bench done")
