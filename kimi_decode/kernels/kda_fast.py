@@ -89,10 +89,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
+from kimi_decode.kernels._common import sigmoid
 from kimi_decode.kernels.kda_decode import CONV, KDAConfig
-from kimi_decode.kernels.kda_split import (THREADS, VEC, WARPS, KDAScratch, KDASplit, KDASplitConfig,
-                                           splits_for)
+from kimi_decode.kernels.kda_split import (THREADS, VEC, KDAScratch, KDASplit, KDASplitConfig,
+                                           compile_kernel, launch)
 from kimi_decode.kernels.kda_split import can_implement as split_can_implement
 
 
@@ -103,7 +103,10 @@ def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int
 
 
 class KDAFast(KDASplit):
-    """See the module docstring (T = 1 only)."""
+    """See the module docstring (T = 1 only). The blocks it shares with kda_split (indices,
+    shared buffers, state and conv loads, q/k conv, norms, kᵀS, update and q̂ᵀS, arrival, the
+    last CTA's row norm) are KDASplit's @cute.jit helpers; what is its own is the up-front
+    loads, the v conv through shared memory, the register gate and the single-row norm."""
 
     def __init__(self, cfg: KDASplitConfig) -> None:
         super().__init__(cfg)
@@ -115,83 +118,37 @@ class KDAFast(KDASplit):
                  conv_state: cute.Pointer, dt_bias: cute.Pointer, a_log: cute.Pointer,
                  rec_state: cute.Pointer, o_norm: cute.Pointer, out: cute.Pointer,
                  o_buf: cute.Pointer, counter: cute.Pointer, batch: Int32, stream: cuda.CUstream):
-        H, d, P = self.H, self.d, self.P
-        m = batch                                          # T = 1: row m = b
-        mZ = cute.make_tensor(z, cute.make_layout((m, self.R), stride=(self.R, 1)))
-        mZv = cute.make_tensor(z, cute.make_layout((m, self.R // VEC, VEC), stride=(self.R, VEC, 1)))
-        mFb = cute.make_tensor(f_b, cute.make_layout((P, d // VEC, VEC), stride=(d, VEC, 1)))
-        mCw = cute.make_tensor(conv_w, cute.make_layout((3 * P, CONV), stride=(CONV, 1)))
-        mCs = cute.make_tensor(conv_state, cute.make_layout(
-            (batch, 3 * P, CONV - 1), stride=(3 * P * (CONV - 1), CONV - 1, 1)))
-        mDt = cute.make_tensor(dt_bias, cute.make_layout(P))
-        mA = cute.make_tensor(a_log, cute.make_layout(H))
-        mS = cute.make_tensor(rec_state, cute.make_layout(
-            (batch, H, d, d), stride=(H * d * d, d * d, d, 1)))
-        mOn = cute.make_tensor(o_norm, cute.make_layout(d))
-        mOut = cute.make_tensor(out, cute.make_layout((m, P), stride=(P, 1)))
-        mOb = cute.make_tensor(o_buf, cute.make_layout((m, P), stride=(P, 1)))
-        mC = cute.make_tensor(counter, cute.make_layout(batch * H))
-        self.kernel_fast(mZ, mZv, mFb, mCw, mCs, mDt, mA, mS, mOn, mOut, mOb, mC).launch(
-            grid=[self.VS, H, batch], block=[THREADS, 1, 1], stream=stream)
+        mZ, *rest = self.views(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, out,
+                               o_buf, counter, batch)            # T = 1: row m = b
+        mZv = cute.make_tensor(z, cute.make_layout((batch, self.R // VEC, VEC), stride=(self.R, VEC, 1)))
+        self.kernel_fast(mZ, mZv, *rest).launch(
+            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel_fast(self, mZ: cute.Tensor, mZv: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor,
                     mCs: cute.Tensor, mDt: cute.Tensor, mA: cute.Tensor, mS: cute.Tensor,
                     mOn: cute.Tensor, mOut: cute.Tensor, mOb: cute.Tensor, mC: cute.Tensor):
-        d, P, C, rows = self.d, self.P, self.C, self.rows
+        d, P, C = self.d, self.P, self.C
         kc = self.k
-        tid, _, _ = cute.arch.thread_idx()
-        sp, h, b = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        warp = tid // 32                  # arithmetic, not warp_idx() (a shuffle)
-        c = tid % C                       # this thread's column in the slice
-        kr = tid // C                     # first key row; keys kr + r·rows
-        c0 = sp * C                       # first global column of the slice
+        tid, sp, h, b, lane, warp, c, kr, c0 = self.indices()
         row = b                           # T = 1
         smem = cutlass.memory.SmemAllocator()
-        s_q = smem.allocate_tensor(Float32, cute.make_layout(d))
-        s_k = smem.allocate_tensor(Float32, cute.make_layout(d))
-        s_eg = smem.allocate_tensor(Float32, cute.make_layout(d))        # exp(g) per key
-        s_v = smem.allocate_tensor(Float32, cute.make_layout(C))
-        s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
-        s_red = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS), stride=(WARPS, 1)))
-        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+        s_q, s_k, s_eg, s_v, s_part, s_red, s_flag = self.shared(smem)
         s_pv = smem.allocate_tensor(Float32, cute.make_layout((CONV, C), stride=(C, 1)))  # v conv terms
 
         # 1. Every global load of the CTA (except the last CTA's o re-read), before any barrier.
-        S = cute.make_rmem_tensor(cute.make_layout(C), Float32)
-        for r in cutlass.range_constexpr(C):
-            S[r] = mS[b, h, kr + r * rows, c0 + c]
-        gq = h * d + tid                  # q channel of this thread
-        gk = P + h * d + tid              # k channel
-        gv = 2 * P + h * d + c0 + c       # v channel (used by tid < C only: then c = tid)
+        S, gq, gk, gv = self.load_slice(mS, tid, h, b, c, kr, c0)
         fb = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
         fa = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
         for vi in cutlass.range_constexpr(d // VEC):
             cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
             cute.autovec_copy(mZv[row, 4 * P // VEC + vi, None], fa[vi, None])
-        hq = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
-        hk = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
-        hv = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
-        wq = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
-        wk = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
-        wv = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
-        for j in cutlass.range_constexpr(CONV - 1):
-            hq[j] = mCs[b, gq, j].to(Float32)
-            hk[j] = mCs[b, gk, j].to(Float32)
-            hv[j] = Float32(0.0)
-        for j in cutlass.range_constexpr(CONV):
-            wq[j] = mCw[gq, j]
-            wk[j] = mCw[gk, j]
-            wv[j] = Float32(0.0)
+        hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
         xq = mZ[row, gq].to(Float32)
         xk = mZ[row, gk].to(Float32)
         xv = Float32(0.0)
         if tid < C:
-            for j in cutlass.range_constexpr(CONV - 1):
-                hv[j] = mCs[b, gv, j].to(Float32)
-            for j in cutlass.range_constexpr(CONV):
-                wv[j] = mCw[gv, j]
+            self.load_conv_v(mCs, mCw, b, gv, hv, wv)
             xv = mZ[row, gv].to(Float32)
             # kda_split's rounding of the v conv: there LLVM computes the hist·w products in the
             # load block, so they round on their own and only x·w[3] fuses into the first add;
@@ -207,20 +164,7 @@ class KDAFast(KDASplit):
         zg = mZ[row, 3 * P + h * d + tid].to(Float32)
 
         # 2. Conv update + SiLU of q, k channel tid (and the slice's v channels on tid < C).
-        yq = xq * wq[CONV - 1]
-        yk = xk * wk[CONV - 1]
-        for j in cutlass.range_constexpr(CONV - 1):
-            yq += hq[j] * wq[j]
-            yk += hk[j] * wk[j]
-        for j in cutlass.range_constexpr(CONV - 2):
-            hq[j] = hq[j + 1]
-            hk[j] = hk[j + 1]
-        hq[CONV - 2] = xq
-        hk[CONV - 2] = xk
-        aq = yq * sigmoid(yq)
-        ak = yk * sigmoid(yk)
-        s_q[tid] = aq
-        s_k[tid] = ak
+        aq, ak = self.conv_qk(xq, xk, xq * wq[CONV - 1], xk * wk[CONV - 1], hq, hk, wq, wk, s_q, s_k, tid)
         if tid < C:
             yv = s_pv[CONV - 1, tid] * wv[CONV - 1]
             for j in cutlass.range_constexpr(CONV - 1):
@@ -229,12 +173,7 @@ class KDAFast(KDASplit):
                 hv[j] = hv[j + 1]
             hv[CONV - 2] = xv
             s_v[tid] = yv * sigmoid(yv)
-        # ‖q‖², ‖k‖²: whole-warp shuffles (uniform code), one value per warp.
-        sq = cute.arch.warp_reduction_sum(aq * aq)
-        sk = cute.arch.warp_reduction_sum(ak * ak)
-        if lane == 0:
-            s_red[0, warp] = sq
-            s_red[1, warp] = sk
+        self.norm_partials(aq, ak, s_red, lane, warp)              # ‖q‖², ‖k‖² per warp
         # Gate of key tid: f_b row h·d + tid · f_a, both in registers, in key order.
         decay = cute.math.exp(a_h)
         acc = Float32(0.0)
@@ -246,73 +185,18 @@ class KDAFast(KDASplit):
         s_eg[tid] = cute.math.exp(g)
         beta = sigmoid(zb)
         cute.arch.sync_threads()                                # s_q, s_k, s_v, s_eg, s_red
-        qn = Float32(0.0)
-        kn = Float32(0.0)
-        for w in cutlass.range_constexpr(WARPS):
-            qn += s_red[0, w]
-            kn += s_red[1, w]
-        q_scale = Float32(d ** -0.5) / cute.arch.fmax(cute.math.sqrt(qn), Float32(kc.l2_eps))
-        k_scale = Float32(1.0) / cute.arch.fmax(cute.math.sqrt(kn), Float32(kc.l2_eps))
-        # 3. Decay, then this thread's share of kᵀS[:, c].
-        part = Float32(0.0)
-        for r in cutlass.range_constexpr(C):
-            key = kr + r * rows
-            S[r] = S[r] * s_eg[key]
-            part += s_k[key] * S[r]
-        for sh in cutlass.range_constexpr(self.lg, 5):
-            part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
-        if lane < C:
-            s_part[0, warp, lane] = part * k_scale
-        cute.arch.sync_threads()
-        kS = Float32(0.0)
-        for w in cutlass.range_constexpr(WARPS):
-            kS += s_part[0, w, c]
+        q_scale, k_scale = self.l2_scales(s_red)
+        # 3. Decay, then k̂ᵀS[:, c]; 4. delta-rule update, then q̂ᵀS[:, c] to scratch.
+        kS = self.decay_and_kS(S, s_eg, s_k, s_part, k_scale, tid, lane, warp, c, kr)
         u = beta * (s_v[c] - kS)
-        # 4. Delta-rule update, then this thread's share of q̂ᵀS[:, c].
-        part = Float32(0.0)
-        for r in cutlass.range_constexpr(C):
-            key = kr + r * rows
-            S[r] = S[r] + s_k[key] * k_scale * u
-            part += s_q[key] * S[r]
-        for sh in cutlass.range_constexpr(self.lg, 5):
-            part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
-        if lane < C:
-            s_part[1, warp, lane] = part * q_scale
-        cute.arch.sync_threads()
-        if tid < C:
-            o_c = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                o_c += s_part[1, w, c]
-            mOb[row, h * d + c0 + c] = o_c
+        self.update_and_o(S, s_k, s_q, s_part, k_scale, q_scale, u, mOb, row, tid, h, lane, warp, c, kr, c0)
 
         # 5. Own slice of the state and own v history back; then arrive (kda_split's pattern).
-        for r in cutlass.range_constexpr(C):
-            mS[b, h, kr + r * rows, c0 + c] = S[r]
-        if tid < C:
-            for j in cutlass.range_constexpr(CONV - 1):
-                mCs[b, gv, j] = hv[j].to(BFloat16)
-        cute.arch.fence_acq_rel_gpu()                   # this thread's o stores before the bump
-        cute.arch.sync_threads()
-        if tid == 0:
-            cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(mC.iterator + (b * self.H + h), Int32(1), sem="acq_rel", scope="gpu")
-            s_flag[0] = old
-        cute.arch.sync_threads()
+        self.arrive(mS, mCs, mC, S, hv, s_flag, tid, h, b, c, kr, c0, gv)
         if s_flag[0] == self.VS - 1:                    # CTA-uniform: the last CTA of (b, h)
-            cute.arch.fence_acq_rel_gpu()
-            # Every CTA of (b, h) has read the q, k history: write the advanced one.
-            for j in cutlass.range_constexpr(CONV - 1):
-                mCs[b, gq, j] = hq[j].to(BFloat16)
-                mCs[b, gk, j] = hk[j].to(BFloat16)
-            o_r = mOb[row, h * d + tid]
-            so = cute.arch.warp_reduction_sum(o_r * o_r)
-            if lane == 0:
-                s_red[0, warp] = so                     # slot 0's qn readers passed 4 barriers ago
-            cute.arch.sync_threads()
-            on = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                on += s_red[0, w]
-            rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
+            self.write_qk_history(mCs, hq, hk, b, gq, gk)
+            # slot 0: its qn readers passed 4 barriers ago
+            o_r, rs = self.row_rsqrt(mOb, s_red, 0, row, tid, h, lane, warp)
             gate = sigmoid(zg)
             mOut[row, h * d + tid] = (o_r * rs * wn * gate).to(BFloat16)
             if tid == 0:
@@ -321,11 +205,7 @@ class KDAFast(KDASplit):
 
 def compile_for(cfg: KDASplitConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
-    def build() -> object:
-        bf, f32, i32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32), dummy_ptr(torch.int32)
-        return cute.compile(KDAFast(cfg), bf, bf, f32, bf, f32, f32, f32, bf, bf, f32, i32, Int32(1),
-                            current_stream(), options=compile_options())
-    return compiled(("kda_fast", cfg), build)
+    return compile_kernel(KDAFast, "kda_fast", cfg)
 
 
 def kda_decode_fast(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
@@ -335,25 +215,10 @@ def kda_decode_fast(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
     """kda_split.kda_decode_split's contract at T = 1 (kcfg.tokens == 1): conv_state and
     rec_state advance in place by one token; scratch from kda_split.make_scratch. Returns out
     [B, P] bf16."""
-    batch = conv_state.shape[0]
-    p = kcfg.heads * kcfg.head_dim
-    vs = splits or splits_for(batch)
-    if (z.shape != (batch * kcfg.tokens, kcfg.in_proj_rows) or rec_state.dtype != torch.float32
-            or rec_state.shape != (batch, kcfg.heads, kcfg.head_dim, kcfg.head_dim)
-            or conv_state.shape != (batch, 3 * p, CONV - 1)
-            or scratch.o.shape[0] < z.shape[0] or scratch.o.shape[1] != p
-            or scratch.counter.numel() < batch * kcfg.heads):
-        raise ValueError("kda_decode_fast: operand shapes do not match the config")
-    fp32 = (conv_w, dt_bias, a_log, rec_state, scratch.o)
-    if (not can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1], kcfg.in_proj_rows, kcfg.tokens,
-                          (z.dtype, f_b.dtype, conv_state.dtype, o_norm.dtype), vs)
-            or any(t.dtype != torch.float32 for t in fp32) or scratch.counter.dtype != torch.int32):
-        raise ValueError("kda_decode_fast cannot run this configuration")
-    out = torch.empty(z.shape[0], p, dtype=torch.bfloat16, device=z.device)
-    compile_for(KDASplitConfig(kcfg, vs))(
-        ptr(z), ptr(f_b), ptr(conv_w), ptr(conv_state), ptr(dt_bias), ptr(a_log), ptr(rec_state),
-        ptr(o_norm), ptr(out), ptr(scratch.o), ptr(scratch.counter), Int32(batch), current_stream())
-    return out
+    return launch("kda_decode_fast", compile_for,
+                  lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
+                                                kcfg.in_proj_rows, kcfg.tokens, dts, vs),
+                  z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits)
 
 
 @torch.no_grad()
@@ -383,31 +248,20 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), steps: int = 3
     vs float64, rec_state within 1e-3, conv_state equal, counters back to zero); bit identity
     is reported, not required. B = 1 is where fused.py uses it; B = 8 (V_SPLIT = 8) covers a
     second column width. Timing: this kernel vs kda_split vs the stock ops."""
-    from kimi_decode.comm import LocalComm, SideStream
-    from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import kda_split as ks
     from kimi_decode.kernels.checks import DEVICE, _sync, rel
-    from kimi_decode.stock import KDAAttention, Runtime
-    from kimi_decode.weights import Seeder
     dev = torch.device(DEVICE)
     out = []
     for b in batches:
-        cfg = k3_tp16(batch=b, spec_tokens=0)
-        rt = Runtime(LocalComm(), SideStream(dev))
-        mod = KDAAttention(cfg, Seeder(cfg, dev).sub("check.kda"), rt)
-        kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq, cfg.in_proj_rows,
-                         cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
+        _, mod, kcfg = ks.check_module(b, 0, dev)
         sc_f, sc_s = ks.make_scratch(kcfg, b, dev), ks.make_scratch(kcfg, b, dev)
         conv_f, rec_f = mod.conv_state.clone(), mod.rec_state.clone()
         conv_s, rec_s = mod.conv_state.clone(), mod.rec_state.clone()
         e = {"out": 0.0, "out_f64": 0.0, "stock_f64": 0.0, "rec": 0.0, "vs_split": 0.0}
         conv_equal, same = True, True
         for step in range(steps):
-            gen = torch.Generator(device=dev).manual_seed(step)
-            x = torch.nn.functional.rms_norm(torch.randn(cfg.rows, cfg.hidden, generator=gen, device=dev),
-                                             (cfg.hidden,)).bfloat16()
+            z = ks.check_input(mod, step, dev)
             with torch.no_grad():
-                z = mod.k.linear(x, mod.in_proj)
                 ref, _, _ = ks.reference(z, mod.f_b, mod.conv_w, mod.conv_state, mod.dt_bias, mod.a_log,
                                          mod.rec_state, mod.o_norm, kcfg)
                 o_st = ks._stock_core(mod, z)
@@ -428,13 +282,8 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), steps: int = 3
                 t.copy_(mod.conv_state)
             for t in (rec_f, rec_s):
                 t.copy_(mod.rec_state)
-        counter_zero = int(sc_f.counter.abs().sum().item()) == 0
-        r = {"kernel": "kda_fast", "B": b, "k": 0, "splits": splits_for(b), "rel_out": e["out"],
-             "rel_out_vs_f64": e["out_f64"], "stock_rel_vs_f64": e["stock_f64"], "rel_rec_state": e["rec"],
-             "rel_out_vs_kda_split": e["vs_split"], "bit_identical": same,
-             "conv_state_equal": conv_equal, "counter_zero": counter_zero,
-             "ok": (e["out"] <= 1e-2 and e["out_f64"] <= 1.5 * e["stock_f64"] + 1e-3
-                    and e["rec"] <= 1e-3 and conv_equal and counter_zero)}
+        r = ks.check_row("kda_fast", b, 0, e, conv_equal, sc_f,
+                         rel_out_vs_kda_split=e["vs_split"], bit_identical=same)
         if timing:
             r.update(_timings(mod, kcfg, conv_f, rec_f, b))
         out.append(r)

@@ -67,6 +67,7 @@ from __future__ import annotations
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 from dataclasses import dataclass
+from typing import Callable
 
 import cuda.bindings.driver as cuda
 import torch
@@ -144,8 +145,19 @@ class KDASplit:
                  conv_state: cute.Pointer, dt_bias: cute.Pointer, a_log: cute.Pointer,
                  rec_state: cute.Pointer, o_norm: cute.Pointer, out: cute.Pointer,
                  o_buf: cute.Pointer, counter: cute.Pointer, batch: Int32, stream: cuda.CUstream):
-        H, d, P, T = self.H, self.d, self.P, self.T
-        m = batch * T
+        self.kernel(*self.views(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, out,
+                                o_buf, counter, batch)).launch(
+            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def views(self, z: cute.Pointer, f_b: cute.Pointer, conv_w: cute.Pointer,
+              conv_state: cute.Pointer, dt_bias: cute.Pointer, a_log: cute.Pointer,
+              rec_state: cute.Pointer, o_norm: cute.Pointer, out: cute.Pointer,
+              o_buf: cute.Pointer, counter: cute.Pointer, batch: Int32) -> tuple:
+        """The kernel's global tensors (mZ, mFb, mCw, mCs, mDt, mA, mS, mOn, mOut, mOb, mC);
+        shared with kda_fast.KDAFast, whose rows are m = B (T = 1)."""
+        H, d, P = self.H, self.d, self.P
+        m = batch * self.T
         mZ = cute.make_tensor(z, cute.make_layout((m, self.R), stride=(self.R, 1)))
         mFb = cute.make_tensor(f_b, cute.make_layout((P, d // VEC, VEC), stride=(d, VEC, 1)))
         mCw = cute.make_tensor(conv_w, cute.make_layout((3 * P, CONV), stride=(CONV, 1)))
@@ -159,30 +171,17 @@ class KDASplit:
         mOut = cute.make_tensor(out, cute.make_layout((m, P), stride=(P, 1)))
         mOb = cute.make_tensor(o_buf, cute.make_layout((m, P), stride=(P, 1)))
         mC = cute.make_tensor(counter, cute.make_layout(batch * H))
-        self.kernel(mZ, mFb, mCw, mCs, mDt, mA, mS, mOn, mOut, mOb, mC).launch(
-            grid=[self.VS, H, batch], block=[THREADS, 1, 1], stream=stream)
+        return mZ, mFb, mCw, mCs, mDt, mA, mS, mOn, mOut, mOb, mC
 
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor, mCs: cute.Tensor,
                mDt: cute.Tensor, mA: cute.Tensor, mS: cute.Tensor, mOn: cute.Tensor,
                mOut: cute.Tensor, mOb: cute.Tensor, mC: cute.Tensor):
-        d, P, T, C, rows = self.d, self.P, self.T, self.C, self.rows
+        d, P, T, C = self.d, self.P, self.T, self.C
         kc = self.k
-        tid, _, _ = cute.arch.thread_idx()
-        sp, h, b = cute.arch.block_idx()
-        lane = cute.arch.lane_idx()
-        warp = tid // 32                  # arithmetic, not warp_idx() (a shuffle)
-        c = tid % C                       # this thread's column in the slice
-        kr = tid // C                     # first key row; keys kr + r·rows
-        c0 = sp * C                       # first global column of the slice
+        tid, sp, h, b, lane, warp, c, kr, c0 = self.indices()
         smem = cutlass.memory.SmemAllocator()
-        s_q = smem.allocate_tensor(Float32, cute.make_layout(d))
-        s_k = smem.allocate_tensor(Float32, cute.make_layout(d))
-        s_eg = smem.allocate_tensor(Float32, cute.make_layout(d))        # exp(g) per key
-        s_v = smem.allocate_tensor(Float32, cute.make_layout(C))
-        s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
-        s_red = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS), stride=(WARPS, 1)))
-        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+        s_q, s_k, s_eg, s_v, s_part, s_red, s_flag = self.shared(smem)
         # This CTA's z inputs for all T tokens, staged once (one load latency, not T).
         s_zq = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
         s_zk = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
@@ -191,31 +190,10 @@ class KDASplit:
         s_beta = smem.allocate_tensor(Float32, cute.make_layout(T))
 
         # This CTA's state slice and conv histories into registers (all reads before any write).
-        S = cute.make_rmem_tensor(cute.make_layout(C), Float32)
-        for r in cutlass.range_constexpr(C):
-            S[r] = mS[b, h, kr + r * rows, c0 + c]
-        gq = h * d + tid                  # q channel of this thread
-        gk = P + h * d + tid              # k channel
-        gv = 2 * P + h * d + c0 + c       # v channel (used by tid < C only: then c = tid)
-        hq = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
-        hk = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
-        hv = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
-        wq = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
-        wk = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
-        wv = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
-        for j in cutlass.range_constexpr(CONV - 1):
-            hq[j] = mCs[b, gq, j].to(Float32)
-            hk[j] = mCs[b, gk, j].to(Float32)
-            hv[j] = Float32(0.0)
-        for j in cutlass.range_constexpr(CONV):
-            wq[j] = mCw[gq, j]
-            wk[j] = mCw[gk, j]
-            wv[j] = Float32(0.0)
+        S, gq, gk, gv = self.load_slice(mS, tid, h, b, c, kr, c0)
+        hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
         if tid < C:
-            for j in cutlass.range_constexpr(CONV - 1):
-                hv[j] = mCs[b, gv, j].to(Float32)
-            for j in cutlass.range_constexpr(CONV):
-                wv[j] = mCw[gv, j]
+            self.load_conv_v(mCs, mCw, b, gv, hv, wv)
         decay = cute.math.exp(mA[h])
         fbv = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
         for t in cutlass.range_constexpr(T):
@@ -236,18 +214,7 @@ class KDASplit:
             yq = xq * wq[CONV - 1]
             xk = s_zk[t, tid]
             yk = xk * wk[CONV - 1]
-            for j in cutlass.range_constexpr(CONV - 1):
-                yq += hq[j] * wq[j]
-                yk += hk[j] * wk[j]
-            for j in cutlass.range_constexpr(CONV - 2):
-                hq[j] = hq[j + 1]
-                hk[j] = hk[j + 1]
-            hq[CONV - 2] = xq
-            hk[CONV - 2] = xk
-            aq = yq * sigmoid(yq)
-            ak = yk * sigmoid(yk)
-            s_q[tid] = aq
-            s_k[tid] = ak
+            aq, ak = self.conv_qk(xq, xk, yq, yk, hq, hk, wq, wk, s_q, s_k, tid)
             if tid < C:
                 xv = s_zv[t, tid]
                 yv = xv * wv[CONV - 1]
@@ -257,12 +224,7 @@ class KDASplit:
                     hv[j] = hv[j + 1]
                 hv[CONV - 2] = xv
                 s_v[tid] = yv * sigmoid(yv)
-            # ‖q‖², ‖k‖²: whole-warp shuffles (uniform code), one value per warp.
-            sq = cute.arch.warp_reduction_sum(aq * aq)
-            sk = cute.arch.warp_reduction_sum(ak * ak)
-            if lane == 0:
-                s_red[0, warp] = sq
-                s_red[1, warp] = sk
+            self.norm_partials(aq, ak, s_red, lane, warp)
             cute.arch.sync_threads()
             # Gate of key tid: f_b row h·d + tid (16 × 128-bit loads) · f_a (shared, broadcast).
             acc = Float32(0.0)
@@ -273,50 +235,196 @@ class KDASplit:
             gr = acc.to(BFloat16).to(Float32) + mDt[h * d + tid]
             g = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
             s_eg[tid] = cute.math.exp(g)
-            qn = Float32(0.0)
-            kn = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                qn += s_red[0, w]
-                kn += s_red[1, w]
-            q_scale = Float32(d ** -0.5) / cute.arch.fmax(cute.math.sqrt(qn), Float32(kc.l2_eps))
-            k_scale = Float32(1.0) / cute.arch.fmax(cute.math.sqrt(kn), Float32(kc.l2_eps))
+            q_scale, k_scale = self.l2_scales(s_red)
             cute.arch.sync_threads()
-            # Decay, then this thread's share of kᵀS[:, c].
-            part = Float32(0.0)
-            for r in cutlass.range_constexpr(C):
-                key = kr + r * rows
-                S[r] = S[r] * s_eg[key]
-                part += s_k[key] * S[r]
-            for sh in cutlass.range_constexpr(self.lg, 5):
-                part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
-            if lane < C:
-                s_part[0, warp, lane] = part * k_scale
-            cute.arch.sync_threads()
-            kS = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                kS += s_part[0, w, c]
+            kS = self.decay_and_kS(S, s_eg, s_k, s_part, k_scale, tid, lane, warp, c, kr)
             u = s_beta[t] * (s_v[c] - kS)
-            # Delta-rule update, then this thread's share of q̂ᵀS[:, c].
-            part = Float32(0.0)
-            for r in cutlass.range_constexpr(C):
-                key = kr + r * rows
-                S[r] = S[r] + s_k[key] * k_scale * u
-                part += s_q[key] * S[r]
-            for sh in cutlass.range_constexpr(self.lg, 5):
-                part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
-            if lane < C:
-                s_part[1, warp, lane] = part * q_scale
-            cute.arch.sync_threads()
-            if tid < C:
-                o_c = Float32(0.0)
-                for w in cutlass.range_constexpr(WARPS):
-                    o_c += s_part[1, w, c]
-                mOb[row, h * d + c0 + c] = o_c
+            self.update_and_o(S, s_k, s_q, s_part, k_scale, q_scale, u, mOb, row, tid, h, lane, warp,
+                              c, kr, c0)
 
-        # Own slice of the state and own v history back; then arrive.
-        for r in cutlass.range_constexpr(C):
-            mS[b, h, kr + r * rows, c0 + c] = S[r]
-        if tid < C:
+        self.arrive(mS, mCs, mC, S, hv, s_flag, tid, h, b, c, kr, c0, gv)
+        if s_flag[0] == self.VS - 1:                    # CTA-uniform: the last CTA of (b, h)
+            self.write_qk_history(mCs, hq, hk, b, gq, gk)
+            wn = mOn[tid].to(Float32)
+            for t in range(T):
+                row = b * T + t
+                # alternating slots: the barrier of token t+1 separates reuse at t+2
+                o_r, rs = self.row_rsqrt(mOb, s_red, t % 2, row, tid, h, lane, warp)
+                gate = sigmoid(mZ[row, 3 * P + h * d + tid].to(Float32))
+                mOut[row, h * d + tid] = (o_r * rs * wn * gate).to(BFloat16)
+            if tid == 0:
+                mC[b * self.H + h] = Int32(0)
+
+    # Blocks shared with kda_fast.KDAFast (same operations in the same order: the PTX of both
+    # kernels is byte-identical to the one they had when each wrote them out).
+
+    @cute.jit
+    def indices(self) -> tuple:
+        """(tid, split, h, b, lane, warp, c, kr, c0): thread and CTA coordinates, this thread's
+        column c of the slice, first key row kr (keys kr + r·rows), the slice's first column c0."""
+        tid, _, _ = cute.arch.thread_idx()
+        sp, h, b = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = tid // 32                  # arithmetic, not warp_idx() (a shuffle)
+        c = tid % self.C                  # this thread's column in the slice
+        kr = tid // self.C                # first key row; keys kr + r·rows
+        c0 = sp * self.C                  # first global column of the slice
+        return tid, sp, h, b, lane, warp, c, kr, c0
+
+    @cute.jit
+    def shared(self, smem: cutlass.memory.SmemAllocator) -> tuple:
+        """(s_q, s_k, s_eg, s_v, s_part, s_red, s_flag): the per-token shared buffers."""
+        d, C = self.d, self.C
+        s_q = smem.allocate_tensor(Float32, cute.make_layout(d))
+        s_k = smem.allocate_tensor(Float32, cute.make_layout(d))
+        s_eg = smem.allocate_tensor(Float32, cute.make_layout(d))        # exp(g) per key
+        s_v = smem.allocate_tensor(Float32, cute.make_layout(C))
+        s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS), stride=(WARPS, 1)))
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+        return s_q, s_k, s_eg, s_v, s_part, s_red, s_flag
+
+    @cute.jit
+    def load_slice(self, mS: cute.Tensor, tid: Int32, h: Int32, b: Int32, c: Int32, kr: Int32,
+                   c0: Int32) -> tuple:
+        """(S, gq, gk, gv): this CTA's state slice in registers (C fp32) and the thread's conv
+        channels (gv used by tid < C only: then c = tid)."""
+        d, P = self.d, self.P
+        S = cute.make_rmem_tensor(cute.make_layout(self.C), Float32)
+        for r in cutlass.range_constexpr(self.C):
+            S[r] = mS[b, h, kr + r * self.rows, c0 + c]
+        gq = h * d + tid                  # q channel of this thread
+        gk = P + h * d + tid              # k channel
+        gv = 2 * P + h * d + c0 + c       # v channel (used by tid < C only: then c = tid)
+        return S, gq, gk, gv
+
+    @cute.jit
+    def load_conv_qk(self, mCs: cute.Tensor, mCw: cute.Tensor, b: Int32, gq: Int32, gk: Int32) -> tuple:
+        """(hq, hk, hv, wq, wk, wv): conv history and weights of the q and k channels (fp32);
+        the v ones zeroed (load_conv_v fills them on tid < C)."""
+        hq = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
+        hk = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
+        hv = cute.make_rmem_tensor(cute.make_layout(CONV - 1), Float32)
+        wq = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
+        wk = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
+        wv = cute.make_rmem_tensor(cute.make_layout(CONV), Float32)
+        for j in cutlass.range_constexpr(CONV - 1):
+            hq[j] = mCs[b, gq, j].to(Float32)
+            hk[j] = mCs[b, gk, j].to(Float32)
+            hv[j] = Float32(0.0)
+        for j in cutlass.range_constexpr(CONV):
+            wq[j] = mCw[gq, j]
+            wk[j] = mCw[gk, j]
+            wv[j] = Float32(0.0)
+        return hq, hk, hv, wq, wk, wv
+
+    @cute.jit
+    def load_conv_v(self, mCs: cute.Tensor, mCw: cute.Tensor, b: Int32, gv: Int32,
+                    hv: cute.Tensor, wv: cute.Tensor):
+        """Conv history and weights of v channel gv into hv, wv (the caller guards tid < C)."""
+        for j in cutlass.range_constexpr(CONV - 1):
+            hv[j] = mCs[b, gv, j].to(Float32)
+        for j in cutlass.range_constexpr(CONV):
+            wv[j] = mCw[gv, j]
+
+    @cute.jit
+    def conv_qk(self, xq: Float32, xk: Float32, yq: Float32, yk: Float32, hq: cute.Tensor,
+                hk: cute.Tensor, wq: cute.Tensor, wk: cute.Tensor, s_q: cute.Tensor, s_k: cute.Tensor,
+                tid: Int32) -> tuple:
+        """Conv update + SiLU of q and k channel tid from inputs xq, xk and their first terms
+        yq = xq·w[3], yk = xk·w[3] (the caller computes those: where each product sits
+        relative to the loads is part of the PTX), history advanced in place: (aq, ak), also
+        stored to s_q[tid], s_k[tid]."""
+        for j in cutlass.range_constexpr(CONV - 1):
+            yq += hq[j] * wq[j]
+            yk += hk[j] * wk[j]
+        for j in cutlass.range_constexpr(CONV - 2):
+            hq[j] = hq[j + 1]
+            hk[j] = hk[j + 1]
+        hq[CONV - 2] = xq
+        hk[CONV - 2] = xk
+        aq = yq * sigmoid(yq)
+        ak = yk * sigmoid(yk)
+        s_q[tid] = aq
+        s_k[tid] = ak
+        return aq, ak
+
+    @cute.jit
+    def norm_partials(self, aq: Float32, ak: Float32, s_red: cute.Tensor, lane: Int32, warp: Int32):
+        """‖q‖², ‖k‖²: whole-warp shuffles (uniform code), one value per warp in s_red[0|1, warp]."""
+        sq = cute.arch.warp_reduction_sum(aq * aq)
+        sk = cute.arch.warp_reduction_sum(ak * ak)
+        if lane == 0:
+            s_red[0, warp] = sq
+            s_red[1, warp] = sk
+
+    @cute.jit
+    def l2_scales(self, s_red: cute.Tensor) -> tuple:
+        """(q_scale, k_scale) = (d^-½ / max(‖q‖, eps), 1 / max(‖k‖, eps)) from the warp partials
+        (after a barrier)."""
+        qn = Float32(0.0)
+        kn = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            qn += s_red[0, w]
+            kn += s_red[1, w]
+        q_scale = Float32(self.d ** -0.5) / cute.arch.fmax(cute.math.sqrt(qn), Float32(self.k.l2_eps))
+        k_scale = Float32(1.0) / cute.arch.fmax(cute.math.sqrt(kn), Float32(self.k.l2_eps))
+        return q_scale, k_scale
+
+    @cute.jit
+    def publish_partial(self, part: Float32, scale: Float32, s_part: cute.Tensor, slot: int,
+                        lane: Int32, warp: Int32):
+        """A column's sum over this warp's lanes that share c (butterfly over lane bits ≥ log2 C),
+        scaled, into s_part[slot, warp, c] by lanes < C; then a barrier."""
+        for sh in cutlass.range_constexpr(self.lg, 5):
+            part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
+        if lane < self.C:
+            s_part[slot, warp, lane] = part * scale
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def decay_and_kS(self, S: cute.Tensor, s_eg: cute.Tensor, s_k: cute.Tensor, s_part: cute.Tensor,
+                     k_scale: Float32, tid: Int32, lane: Int32, warp: Int32, c: Int32, kr: Int32) -> Float32:
+        """Decay, then k̂ᵀS[:, c]: this thread's share, the shuffles over lanes that share c, the
+        4 warp partials through s_part[0] (one barrier)."""
+        part = Float32(0.0)
+        for r in cutlass.range_constexpr(self.C):
+            key = kr + r * self.rows
+            S[r] = S[r] * s_eg[key]
+            part += s_k[key] * S[r]
+        self.publish_partial(part, k_scale, s_part, 0, lane, warp)
+        kS = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            kS += s_part[0, w, c]
+        return kS
+
+    @cute.jit
+    def update_and_o(self, S: cute.Tensor, s_k: cute.Tensor, s_q: cute.Tensor, s_part: cute.Tensor,
+                     k_scale: Float32, q_scale: Float32, u: Float32, mOb: cute.Tensor, row: Int32,
+                     tid: Int32, h: Int32, lane: Int32, warp: Int32, c: Int32, kr: Int32, c0: Int32):
+        """Delta-rule update with u = β(v − k̂ᵀS), then q̂ᵀS[:, c] as in decay_and_kS (through
+        s_part[1]); threads tid < C write raw o of column c0 + c to scratch row `row`."""
+        part = Float32(0.0)
+        for r in cutlass.range_constexpr(self.C):
+            key = kr + r * self.rows
+            S[r] = S[r] + s_k[key] * k_scale * u
+            part += s_q[key] * S[r]
+        self.publish_partial(part, q_scale, s_part, 1, lane, warp)
+        if tid < self.C:
+            o_c = Float32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                o_c += s_part[1, w, c]
+            mOb[row, h * self.d + c0 + c] = o_c
+
+    @cute.jit
+    def arrive(self, mS: cute.Tensor, mCs: cute.Tensor, mC: cute.Tensor, S: cute.Tensor,
+               hv: cute.Tensor, s_flag: cute.Tensor, tid: Int32, h: Int32, b: Int32, c: Int32,
+               kr: Int32, c0: Int32, gv: Int32):
+        """Own slice of the state and own v history back; then arrive: s_flag[0] = the counter
+        of (b, h) before this CTA's bump (V_SPLIT − 1: the last CTA), after a barrier."""
+        for r in cutlass.range_constexpr(self.C):
+            mS[b, h, kr + r * self.rows, c0 + c] = S[r]
+        if tid < self.C:
             for j in cutlass.range_constexpr(CONV - 1):
                 mCs[b, gv, j] = hv[j].to(BFloat16)
         cute.arch.fence_acq_rel_gpu()                   # this thread's o stores before the bump
@@ -326,37 +434,46 @@ class KDASplit:
             old = cute.arch.atomic_add(mC.iterator + (b * self.H + h), Int32(1), sem="acq_rel", scope="gpu")
             s_flag[0] = old
         cute.arch.sync_threads()
-        if s_flag[0] == self.VS - 1:                    # CTA-uniform: the last CTA of (b, h)
-            cute.arch.fence_acq_rel_gpu()
-            # Every CTA of (b, h) has read the q, k history: write the advanced one.
-            for j in cutlass.range_constexpr(CONV - 1):
-                mCs[b, gq, j] = hq[j].to(BFloat16)
-                mCs[b, gk, j] = hk[j].to(BFloat16)
-            wn = mOn[tid].to(Float32)
-            for t in range(T):
-                row = b * T + t
-                o_r = mOb[row, h * d + tid]
-                so = cute.arch.warp_reduction_sum(o_r * o_r)
-                if lane == 0:
-                    s_red[t % 2, warp] = so             # alternating slots: the barrier of
-                cute.arch.sync_threads()                # token t+1 separates reuse at t+2
-                on = Float32(0.0)
-                for w in cutlass.range_constexpr(WARPS):
-                    on += s_red[t % 2, w]
-                rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
-                gate = sigmoid(mZ[row, 3 * P + h * d + tid].to(Float32))
-                mOut[row, h * d + tid] = (o_r * rs * wn * gate).to(BFloat16)
-            if tid == 0:
-                mC[b * self.H + h] = Int32(0)
+
+    @cute.jit
+    def row_rsqrt(self, mOb: cute.Tensor, s_red: cute.Tensor, slot: Int32, row: Int32, tid: Int32,
+                  h: Int32, lane: Int32, warp: Int32) -> tuple:
+        """The last CTA: (o_r, rsqrt(Σo²/d + eps)) of scratch row `row`, column h·d + tid; the
+        warp sums meet in s_red[slot] (one barrier)."""
+        o_r = mOb[row, h * self.d + tid]
+        so = cute.arch.warp_reduction_sum(o_r * o_r)
+        if lane == 0:
+            s_red[slot, warp] = so
+        cute.arch.sync_threads()
+        on = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            on += s_red[slot, w]
+        return o_r, cute.math.rsqrt(on / self.d + Float32(self.k.norm_eps))
+
+    @cute.jit
+    def write_qk_history(self, mCs: cute.Tensor, hq: cute.Tensor, hk: cute.Tensor, b: Int32,
+                         gq: Int32, gk: Int32):
+        """The last CTA of (b, h): every CTA of (b, h) has read the q, k history (acquire
+        fence), write the advanced one."""
+        cute.arch.fence_acq_rel_gpu()
+        for j in cutlass.range_constexpr(CONV - 1):
+            mCs[b, gq, j] = hq[j].to(BFloat16)
+            mCs[b, gk, j] = hk[j].to(BFloat16)
 
 
 def compile_for(cfg: KDASplitConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
+    return compile_kernel(KDASplit, "kda_split", cfg)
+
+
+def compile_kernel(cls: type, name: str, cfg: KDASplitConfig) -> object:
+    """The compiled `cls` (KDASplit or a subclass with its signature) for `cfg`, cached under
+    (name, cfg)."""
     def build() -> object:
         bf, f32, i32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32), dummy_ptr(torch.int32)
-        return cute.compile(KDASplit(cfg), bf, bf, f32, bf, f32, f32, f32, bf, bf, f32, i32, Int32(1),
+        return cute.compile(cls(cfg), bf, bf, f32, bf, f32, f32, f32, bf, bf, f32, i32, Int32(1),
                             current_stream(), options=compile_options())
-    return compiled(("kda_split", cfg), build)
+    return compiled((name, cfg), build)
 
 
 def kda_decode_split(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
@@ -366,6 +483,20 @@ def kda_decode_split(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
     """Launch on the current stream; conv_state [B, 3P, 3] bf16 and rec_state [B, H, d, d] fp32
     advance in place by T tokens. z [B·T, R] bf16 (in_proj output); scratch from make_scratch
     (for ≥ B sequences). Returns out [B·T, P] bf16."""
+    return launch("kda_decode_split", compile_for,
+                  lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
+                                                kcfg.in_proj_rows, dts, vs),
+                  z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits)
+
+
+def launch(name: str, compile_fn: Callable[[KDASplitConfig], object],
+           implementable: Callable[[tuple[torch.dtype, ...], int], bool], z: torch.Tensor,
+           f_b: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, dt_bias: torch.Tensor,
+           a_log: torch.Tensor, rec_state: torch.Tensor, o_norm: torch.Tensor, kcfg: KDAConfig,
+           scratch: KDAScratch, splits: int | None) -> torch.Tensor:
+    """The wrappers' shared body (kda_decode_split, kda_fast.kda_decode_fast): operand checks
+    (ValueError naming `name`; `implementable(bf16 operand dtypes, V_SPLIT)` is the kernel's
+    can_implement), the output, the launch of compile_fn's kernel on the current stream."""
     batch = conv_state.shape[0]
     p = kcfg.heads * kcfg.head_dim
     vs = splits or splits_for(batch)
@@ -374,14 +505,13 @@ def kda_decode_split(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
             or conv_state.shape != (batch, 3 * p, CONV - 1)
             or scratch.o.shape[0] < z.shape[0] or scratch.o.shape[1] != p
             or scratch.counter.numel() < batch * kcfg.heads):
-        raise ValueError("kda_decode_split: operand shapes do not match the config")
+        raise ValueError(f"{name}: operand shapes do not match the config")
     fp32 = (conv_w, dt_bias, a_log, rec_state, scratch.o)
-    if (not can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1], kcfg.in_proj_rows,
-                          (z.dtype, f_b.dtype, conv_state.dtype, o_norm.dtype), vs)
+    if (not implementable((z.dtype, f_b.dtype, conv_state.dtype, o_norm.dtype), vs)
             or any(t.dtype != torch.float32 for t in fp32) or scratch.counter.dtype != torch.int32):
-        raise ValueError("kda_decode_split cannot run this configuration")
+        raise ValueError(f"{name} cannot run this configuration")
     out = torch.empty(z.shape[0], p, dtype=torch.bfloat16, device=z.device)
-    compile_for(KDASplitConfig(kcfg, vs))(
+    compile_fn(KDASplitConfig(kcfg, vs))(
         ptr(z), ptr(f_b), ptr(conv_w), ptr(conv_state), ptr(dt_bias), ptr(a_log), ptr(rec_state),
         ptr(o_norm), ptr(out), ptr(scratch.o), ptr(scratch.counter), Int32(batch), current_stream())
     return out
@@ -454,6 +584,46 @@ def _timings(mod: torch.nn.Module, kcfg: KDAConfig, scratch: KDAScratch, conv_k:
     return r
 
 
+def check_module(batch: int, spec: int, dev: torch.device) -> tuple:
+    """(cfg, module, kcfg) of the checks: K3 TP16 at `batch` sequences and k = spec, a stock
+    KDAAttention with the seeded check weights, and its KDAConfig."""
+    from kimi_decode.comm import LocalComm, SideStream
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.stock import KDAAttention, Runtime
+    from kimi_decode.weights import Seeder
+    cfg = k3_tp16(batch=batch, spec_tokens=spec)
+    rt = Runtime(LocalComm(), SideStream(dev))
+    mod = KDAAttention(cfg, Seeder(cfg, dev).sub("check.kda"), rt)
+    kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq, cfg.in_proj_rows,
+                     cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
+    return cfg, mod, kcfg
+
+
+@torch.no_grad()
+def check_input(mod: torch.nn.Module, step: int, dev: torch.device) -> torch.Tensor:
+    """z of check step `step`: the stock in_proj of a seeded, RMS-normalised bf16 input."""
+    cfg = mod.cfg
+    gen = torch.Generator(device=dev).manual_seed(step)
+    x = torch.nn.functional.rms_norm(torch.randn(cfg.rows, cfg.hidden, generator=gen, device=dev),
+                                     (cfg.hidden,)).bfloat16()
+    return mod.k.linear(x, mod.in_proj)
+
+
+def check_row(kernel: str, batch: int, spec: int, e: dict, conv_equal: bool, scratch: KDAScratch,
+              **extra: object) -> dict:
+    """A check's row: the errors `e` (out vs stock and vs float64, stock vs float64, rec_state
+    vs stock), conv_state equality, the counters back at zero, `extra`, and `ok`, the
+    acceptance: out within 1e-2 of stock and within 1.5× stock's own error vs float64,
+    rec_state within 1e-3 of stock, conv_state equal, counters zero."""
+    counter_zero = int(scratch.counter.abs().sum().item()) == 0
+    return {"kernel": kernel, "B": batch, "k": spec, "splits": splits_for(batch), "rel_out": e["out"],
+            "rel_out_vs_f64": e["out_f64"], "stock_rel_vs_f64": e["stock_f64"],
+            "rel_rec_state": e["rec"], "conv_state_equal": conv_equal, "counter_zero": counter_zero,
+            **extra,
+            "ok": (e["out"] <= 1e-2 and e["out_f64"] <= 1.5 * e["stock_f64"] + 1e-3
+                   and e["rec"] <= 1e-3 and conv_equal and counter_zero)}
+
+
 def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64),
           spec: tuple[int, ...] = (0, 7), alt_splits: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
     """Kernel vs the stock KDAAttention ops on the module's own tensors (z = the stock in_proj
@@ -461,30 +631,19 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64),
     pre-step state; timing vs the stock ops and vs the verified kda_decode kernel. Each V_SPLIT
     in `alt_splits` is checked once more against the reference ("alt_splits_ok"), so a
     re-tuned splits_for table rests on verified configurations."""
-    from kimi_decode.comm import LocalComm, SideStream
-    from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel
-    from kimi_decode.stock import KDAAttention, Runtime
-    from kimi_decode.weights import Seeder
     dev = torch.device(DEVICE)
     out = []
     for b in batches:
         for k in spec:
-            cfg = k3_tp16(batch=b, spec_tokens=k)
-            rt = Runtime(LocalComm(), SideStream(dev))
-            mod = KDAAttention(cfg, Seeder(cfg, dev).sub("check.kda"), rt)
-            kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq, cfg.in_proj_rows,
-                             cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
+            cfg, mod, kcfg = check_module(b, k, dev)
             scratch = make_scratch(kcfg, b, dev)
             conv_k, rec_k = mod.conv_state.clone(), mod.rec_state.clone()
             e = {"out": 0.0, "out_f64": 0.0, "stock_f64": 0.0, "rec": 0.0}
             conv_equal = True
             for step in range(3):
-                gen = torch.Generator(device=dev).manual_seed(step)
-                x = torch.nn.functional.rms_norm(torch.randn(cfg.rows, cfg.hidden, generator=gen, device=dev),
-                                                 (cfg.hidden,)).bfloat16()
+                z = check_input(mod, step, dev)
                 with torch.no_grad():
-                    z = mod.k.linear(x, mod.in_proj)
                     ref, _, _ = reference(z, mod.f_b, mod.conv_w, mod.conv_state, mod.dt_bias, mod.a_log,
                                           mod.rec_state, mod.o_norm, kcfg)
                     o_s = _stock_core(mod, z)
@@ -513,13 +672,8 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64),
                     alt_err = max(alt_err, rel(o_a, ref))
                     alt_ok &= (rel(o_a, ref) <= 1e-2 and rel(rec_a, s_ref) <= 1e-3
                                and torch.equal(cs_a, cs_ref))
-            counter_zero = int(scratch.counter.abs().sum().item()) == 0
-            r = {"kernel": "kda_split", "B": b, "k": k, "splits": splits_for(b), "rel_out": e["out"],
-                 "rel_out_vs_f64": e["out_f64"], "stock_rel_vs_f64": e["stock_f64"],
-                 "rel_rec_state": e["rec"], "conv_state_equal": conv_equal, "counter_zero": counter_zero,
-                 "alt_splits_ok": alt_ok, "alt_splits_rel_out_vs_f64": alt_err,
-                 "ok": (e["out"] <= 1e-2 and e["out_f64"] <= 1.5 * e["stock_f64"] + 1e-3
-                        and e["rec"] <= 1e-3 and conv_equal and counter_zero)}
+            r = check_row("kda_split", b, k, e, conv_equal, scratch,
+                          alt_splits_ok=alt_ok, alt_splits_rel_out_vs_f64=alt_err)
             if timing:
                 r.update(_timings(mod, kcfg, scratch, conv_k, rec_k, b))
             out.append(r)

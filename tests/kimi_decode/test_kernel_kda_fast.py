@@ -20,34 +20,18 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cute = pytest.importorskip("cutlass.cute")
 
-from cutlass import Int32  # noqa: E402
-
-from kimi_decode.kernels import _common  # noqa: E402
-from kimi_decode.kernels.kda_decode import KDAConfig  # noqa: E402
 from kimi_decode.kernels.kda_fast import KDAFast, can_implement, kda_decode_fast  # noqa: E402
 from kimi_decode.kernels.kda_split import KDASplit, KDASplitConfig, make_scratch  # noqa: E402
-from tests.kimi_decode.test_kernel_kda_split import _fake_split, k3_kcfg  # noqa: E402
+from tests.kimi_decode.test_kernel_kda_split import _fake_split, _wrong_split, k3_kcfg, ptx_of  # noqa: E402
 
-bf, f32 = torch.bfloat16, torch.float32
-P_ = _common.dummy_ptr
-
-
-def ptx_of(tmp_path: Path, cls: type, kcfg: KDAConfig, splits: int) -> str:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-    cute.compile(cls(KDASplitConfig(kcfg, splits)), P_(bf), P_(bf), P_(f32), P_(bf), P_(f32),
-                 P_(f32), P_(f32), P_(bf), P_(bf), P_(f32), P_(torch.int32), Int32(1),
-                 _common.current_stream(), options=opts)
-    files = list(tmp_path.glob("*.ptx"))
-    assert len(files) == 1, files
-    return files[0].read_text()
+bf = torch.bfloat16
 
 
 @pytest.mark.parametrize("splits", [16, 8])
 def test_compiles_with_the_short_chain(tmp_path: Path, splits: int) -> None:
     kcfg = k3_kcfg(0)
     assert can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 1, (bf,), splits)
-    ptx = ptx_of(tmp_path, KDAFast, kcfg, splits)
+    ptx = ptx_of(tmp_path, kcfg, splits, KDAFast)
     assert ".target sm_90a" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     first_bar = ptx.index("bar.sync")
@@ -64,7 +48,7 @@ def test_compiles_with_the_short_chain(tmp_path: Path, splits: int) -> None:
 def test_kda_split_has_the_longer_chain(tmp_path: Path) -> None:
     """The baseline the docstring's chain describes: 8 barriers, the f_b row, dt_bias, the o
     re-read, o_norm and the gate's z loads after the first barrier."""
-    ptx = ptx_of(tmp_path, KDASplit, k3_kcfg(0), 16)
+    ptx = ptx_of(tmp_path, k3_kcfg(0), 16, KDASplit)
     tail = ptx[ptx.index("bar.sync"):]
     assert ptx.count("bar.sync") == 8 and tail.count("ld.global.v4") == 16 and tail.count("ld.global") >= 20
 
@@ -76,7 +60,7 @@ def test_ptxas_registers(tmp_path: Path) -> None:
     if not ptxas:
         pytest.skip("ptxas not installed")
     f = tmp_path / "k.ptx"
-    f.write_text(ptx_of(tmp_path, KDAFast, k3_kcfg(0), 16))
+    f.write_text(ptx_of(tmp_path, k3_kcfg(0), 16, KDAFast))
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],
                           capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
@@ -97,8 +81,8 @@ def test_same_fp32_arithmetic_as_kda_split(tmp_path: Path) -> None:
     mul each fma absorbs included) of kda_fast and of kda_split at T = 1 are the same multiset;
     the naive v conv (the fma chain of q and k) differed by one fma vs mul + add, which this
     catches."""
-    fast = f32_ops(ptx_of(tmp_path / "fast", KDAFast, k3_kcfg(0), 16))
-    split = f32_ops(ptx_of(tmp_path / "split", KDASplit, k3_kcfg(0), 16))
+    fast = f32_ops(ptx_of(tmp_path / "fast", k3_kcfg(0), 16, KDAFast))
+    split = f32_ops(ptx_of(tmp_path / "split", k3_kcfg(0), 16, KDASplit))
     assert fast == split and fast["fma.rn.f32 "] >= 128
 
 
@@ -137,13 +121,8 @@ def test_check_harness_can_fail(monkeypatch) -> None:
     from kimi_decode.kernels import checks
     from kimi_decode.kernels import kda_fast as mod
     from kimi_decode.kernels import kda_split as ks
-
-    def wrong(*args, **kw):
-        k = args[8]
-        bad = KDAConfig(k.heads, k.head_dim, k.tokens, k.in_proj_rows, gate_lower_bound=-4.0)
-        return _fake_split(*args[:8], bad, *args[9:], **kw)
     monkeypatch.setattr(checks, "DEVICE", "cpu")
-    monkeypatch.setattr(mod, "kda_decode_fast", wrong)
+    monkeypatch.setattr(mod, "kda_decode_fast", _wrong_split)
     monkeypatch.setattr(ks, "kda_decode_split", _fake_split)
     row = mod.check(timing=False, batches=(1,), steps=1)[0]
     assert not row["ok"] and not row["bit_identical"]

@@ -39,9 +39,11 @@ def k3_kcfg(spec: int) -> KDAConfig:
                      cfg.gate_lower_bound, 1e-6, cfg.rms_eps)
 
 
-def ptx_of(tmp_path: Path, kcfg: KDAConfig, splits: int) -> str:
+def ptx_of(tmp_path: Path, kcfg: KDAConfig, splits: int, cls: type = KDASplit) -> str:
+    """The PTX of `cls` (KDASplit or a subclass with its signature, e.g. kda_fast.KDAFast)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
-    cute.compile(KDASplit(KDASplitConfig(kcfg, splits)), P_(bf), P_(bf), P_(f32), P_(bf), P_(f32),
+    cute.compile(cls(KDASplitConfig(kcfg, splits)), P_(bf), P_(bf), P_(f32), P_(bf), P_(f32),
                  P_(f32), P_(f32), P_(bf), P_(bf), P_(f32), P_(torch.int32), Int32(1),
                  _common.current_stream(), options=opts)
     files = list(tmp_path.glob("*.ptx"))
@@ -298,15 +300,17 @@ def test_check_harness_on_cpu_with_emulated_kernel(monkeypatch) -> None:
     assert rows[0]["rel_out"] <= 5e-3 and rows[0]["conv_state_equal"] and rows[0]["counter_zero"]
 
 
+def _wrong_split(*args, **kw):
+    """_fake_split with a wrong gate lower bound (-4): a kernel the checks must fail."""
+    k = args[8]
+    bad = KDAConfig(k.heads, k.head_dim, k.tokens, k.in_proj_rows, gate_lower_bound=-4.0)
+    return _fake_split(*args[:8], bad, *args[9:], **kw)
+
+
 def test_check_harness_can_fail(monkeypatch) -> None:
     """An emulated kernel with a wrong gate lower bound fails check()."""
     from kimi_decode.kernels import checks
     from kimi_decode.kernels import kda_split as mod
-
-    def wrong(*args, **kw):
-        k = args[8]
-        bad = KDAConfig(k.heads, k.head_dim, k.tokens, k.in_proj_rows, gate_lower_bound=-4.0)
-        return _fake_split(*args[:8], bad, *args[9:], **kw)
     monkeypatch.setattr(checks, "DEVICE", "cpu")
-    monkeypatch.setattr(mod, "kda_decode_split", wrong)
+    monkeypatch.setattr(mod, "kda_decode_split", _wrong_split)
     assert not mod.check(timing=False, batches=(1,), spec=(0,), alt_splits=())[0]["ok"]
