@@ -144,11 +144,10 @@ class AttnResRMSNorm:
     def _rows(self, p: cute.Pointer, m: Int32) -> cute.Tensor:
         return cute.make_tensor(p, cute.make_layout((m, self.nv, VEC), stride=(self.D, VEC, 1)))
 
-    @cute.jit
-    def __call__(self, out: cute.Pointer, blocks: cute.Pointer, prefix: cute.Pointer,
-                 delta: cute.Pointer, prefix_out: cute.Pointer, w_mix: cute.Pointer,
-                 norm_w: cute.Pointer, m: Int32, write_slot: Int32, eps: Float32,
-                 stream: cuda.CUstream):
+    def _views(self, blocks: cute.Pointer, delta: cute.Pointer, w_mix: cute.Pointer,
+               norm_w: cute.Pointer, m: Int32) -> tuple[cute.Tensor, ...]:
+        """The kernel's views of blocks, delta, w_mix and norm_w (mBlk, mDel, mW, mN); plain
+        Python run while __call__ traces (shared with attn_res_mc.AttnResMC.__call__)."""
         slots = self.cfg.slots
         mBlk = cute.make_tensor(blocks, cute.make_layout((m, slots, self.nv, VEC),
                                                          stride=(slots * self.D, self.D, VEC, 1)))
@@ -157,9 +156,9 @@ class AttnResRMSNorm:
         # attn_res_ar: the all-reduce buffer [world, M, D] seen as world·M rows (row r·M + m),
         # so every stride stays static and the 128-bit alignment of each vector is known
         n_del = m
-        if cutlass.const_expr(self.cfg.world > 0):
+        if self.cfg.world > 0:
             n_del = m * self.cfg.world
-        if cutlass.const_expr(self.cfg.gather > 0):
+        if self.cfg.gather > 0:
             # attn_res_ag: the all-gather buffer [D/n, M, n] seen as (D/n)·M rows of n/8
             # vectors (row s·M + m); strides static, every vector 16-byte aligned (n % 8 == 0)
             g = self.cfg.gather
@@ -167,14 +166,25 @@ class AttnResRMSNorm:
                                                             stride=(g, VEC, 1)))
         else:
             mDel = self._rows(delta, n_del)
+        return mBlk, mDel, mW, mN
+
+    @cute.jit
+    def __call__(self, out: cute.Pointer, blocks: cute.Pointer, prefix: cute.Pointer,
+                 delta: cute.Pointer, prefix_out: cute.Pointer, w_mix: cute.Pointer,
+                 norm_w: cute.Pointer, m: Int32, write_slot: Int32, eps: Float32,
+                 stream: cuda.CUstream):
+        mBlk, mDel, mW, mN = self._views(blocks, delta, w_mix, norm_w, m)
         self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), mDel,
                     self._rows(prefix_out, m), mW, mN, write_slot, eps).launch(
             grid=[m, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.jit
     def load_source(self, s: cutlass.Constexpr[int], row: Int32, c: Int32, mBlk: cute.Tensor,
-                    mP: cute.Tensor, mDel: cute.Tensor, buf: cute.Tensor, acc: cute.Tensor):
-        """acc[0:8] = source s at vector c of `row`, in fp32 (prefix' = prefix + delta)."""
+                    mP: cute.Tensor, mDel: cute.Tensor, buf: cute.Tensor, acc: cute.Tensor,
+                    nrows: Int32 | None = None):
+        """acc[0:8] = source s at vector c of `row`, in fp32 (prefix' = prefix + delta). M (the
+        all-gather buffer's row count) is read from gridDim.x unless `nrows` is given (the
+        cluster kernel, attn_res_mc, passes gridDim.y)."""
         if cutlass.const_expr(s < self.cfg.num_blocks):
             cute.autovec_copy(mBlk[row, s, c, None], buf)
             for j in cutlass.range_constexpr(VEC):
@@ -189,7 +199,8 @@ class AttnResRMSNorm:
                     # attn_res_ag: delta[row, 8c .. 8c+7] = ag[s, row, 8jv ..] with
                     # s = 8c // n = c // (n/8), jv = c % (n/8); buffer row s·M + row
                     nvs = self.cfg.gather // VEC
-                    nrows, _, _ = cute.arch.grid_dim()          # M (one CTA per row)
+                    if cutlass.const_expr(nrows is None):
+                        nrows, _, _ = cute.arch.grid_dim()      # M (one CTA per row)
                     cute.autovec_copy(mDel[(c // nvs) * nrows + row, c % nvs, None], buf)
                 else:
                     cute.autovec_copy(mDel[row, c, None], buf)
@@ -225,6 +236,21 @@ class AttnResRMSNorm:
             cute.autovec_copy(buf, mPOut[row, c, None])
             if cutlass.const_expr(self.cfg.has_write):
                 cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
+
+    @cute.jit
+    def softmax(self, part: cute.Tensor, score: cute.Tensor, eps: Float32):
+        """score[s] = softmax over sources of part[2s+1] · rsqrt(part[2s] / D + eps), i.e. of
+        <v_s, w> / rms(v_s), from the reduced pass-1 sums (shared with attn_res_mc)."""
+        best = Float32(-3.0e38)
+        for s in cutlass.range_constexpr(self.nsrc):
+            score[s] = part[2 * s + 1] * cute.math.rsqrt(part[2 * s] / self.D + eps)
+            best = cute.arch.fmax(best, score[s])
+        total = Float32(0.0)
+        for s in cutlass.range_constexpr(self.nsrc):
+            score[s] = cute.math.exp(score[s] - best)
+            total += score[s]
+        for s in cutlass.range_constexpr(self.nsrc):
+            score[s] = score[s] / total
 
     @cute.jit
     def block_sums(self, vals: cute.Tensor, n: cutlass.Constexpr[int], base: cutlass.Constexpr[int],
@@ -317,16 +343,7 @@ class AttnResRMSNorm:
         self.block_sums(part, 2 * self.nsrc, 0, red, tot, warp, lane)
 
         # Softmax over sources of <v, w> / rms(v) (every thread, redundantly: nsrc <= 9).
-        best = Float32(-3.0e38)
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = part[2 * s + 1] * cute.math.rsqrt(part[2 * s] / self.D + eps)
-            best = cute.arch.fmax(best, score[s])
-        total = Float32(0.0)
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = cute.math.exp(score[s] - best)
-            total += score[s]
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = score[s] / total
+        self.softmax(part, score, eps)
 
         # Pass 2: h = sum_s p_s v_s kept in registers (sources re-read from L1/L2), then RMSNorm.
         h = cute.make_rmem_tensor(cute.make_layout((self.vpt, VEC), stride=(VEC, 1)), Float32)
