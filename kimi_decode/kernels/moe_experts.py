@@ -110,6 +110,7 @@ import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -516,6 +517,34 @@ def compile_for(cfg: ExpertsConfig, v2: bool = False) -> tuple[object, object]:
             compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2))
 
 
+def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            out: torch.Tensor | None, inter: int | None, can: Callable[..., bool], name: str
+            ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch arguments of `experts` and moe_experts_one.experts_one: checks the shapes
+    (ValueError naming `name` where `can` says no), converts idx (int32 unless int64/int32)
+    and w (fp32, contiguous), allocates out (or checks it) and the [M·K, Ip] bf16 `a` buffer.
+    Returns ((M, K, L, E, Ip, I), idx, w, out, act)."""
+    m, L = z.shape
+    k = idx.shape[1]
+    E, two_ip, L13 = w13.shape
+    ip = two_ip // 2
+    i = ip if inter is None else inter
+    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
+            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
+            or not can(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
+        raise ValueError(f"{name} cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.to(torch.int32)
+    idx = idx.contiguous()
+    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
+    if out is None:
+        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
+    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
+    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    return (m, k, L, E, ip, i), idx, w, out, act
+
+
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
             inter: int | None = None, pdl: bool = False, v2: bool = False) -> torch.Tensor:
@@ -527,24 +556,9 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
     waits for FC1 before reading FC1's output; results are identical). `v2`: FC2 is
     ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2). Returns out [M, L]."""
-    m, L = z.shape
-    k = idx.shape[1]
-    E, two_ip, L13 = w13.shape
-    ip = two_ip // 2
-    i = ip if inter is None else inter
-    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
-            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
-            or not (can_implement_v2 if v2 else can_implement)(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
-        raise ValueError(f"experts kernel cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        idx = idx.to(torch.int32)
-    idx = idx.contiguous()
-    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
-    if out is None:
-        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
-    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
-    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
+                                                     can_implement_v2 if v2 else can_implement,
+                                                     "experts kernel")
     fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), v2)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)

@@ -77,7 +77,7 @@ from cutlass import Float32, Int32
 
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 from kimi_decode.kernels.moe_experts import (FC1_UNROLL, V2_GROUP_LANES, V2_GROUPS, VEC, ExpertsConfig,
-                                             can_implement_v2, fc1_warp, v2_finish, v2_issue)
+                                             can_implement_v2, fc1_warp, prepare, v2_finish, v2_issue)
 
 ONE_WARPS = 4          # warps per CTA (FC2v2's CTA; an FC1 item is 4 of FC1's warps)
 # counter words: the ticket and exit counters share one 128-byte line, the FC1 completion
@@ -254,26 +254,10 @@ def experts_one(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.
     """moe_experts.experts(..., v2=True) in one launch, equal to it bit for bit; the same
     arguments plus `counters` (make_counters: zeroed int32 [COUNTERS], left zeroed). CUDA-graph safe
     (no host syncs). Returns out [M, L]."""
-    m, L = z.shape
-    k = idx.shape[1]
-    E, two_ip, L13 = w13.shape
-    ip = two_ip // 2
-    i = ip if inter is None else inter
-    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
-            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
-            or not can_implement_one(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
-        raise ValueError(f"experts_one cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
     if counters.dtype != torch.int32 or counters.numel() != COUNTERS or not counters.is_contiguous():
         raise ValueError(f"counters must be a contiguous int32 [{COUNTERS}] buffer")
-    if idx.dtype not in (torch.int32, torch.int64):
-        idx = idx.to(torch.int32)
-    idx = idx.contiguous()
-    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
-    if out is None:
-        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
-    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
-    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter, can_implement_one,
+                                                     "experts_one")
     cfg = ExpertsConfig(L, ip, i, k, E, idx.dtype)
     nctas = ctas_per_sm(cfg) * sm_count(z.device)
     compile_for(cfg)(ptr(z), ptr(idx), ptr(w), ptr(w13), ptr(w2), ptr(act), ptr(out), ptr(counters),
