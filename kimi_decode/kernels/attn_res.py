@@ -238,6 +238,32 @@ class AttnResRMSNorm:
                 cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
 
     @cute.jit
+    def col(self, q: Int32, tidx: Int32, i: cutlass.Constexpr[int]) -> Int32:
+        """The vector index of this thread's i-th vector (one CTA per row: q, the CTA's column
+        block, is 0 and unused; attn_res_mc overrides this for its column split)."""
+        return tidx + i * self.threads
+
+    @cute.jit
+    def sum_squares(self, h: cute.Tensor, a_h: cute.Tensor):
+        """a_h[0] = this thread's Σ h² (shared with attn_res_mc)."""
+        a_h[0] = Float32(0.0)
+        for i in cutlass.range_constexpr(self.vpt):
+            for j in cutlass.range_constexpr(VEC):
+                a_h[0] += h[i, j] * h[i, j]
+
+    @cute.jit
+    def store_out(self, h: cute.Tensor, nv: cute.Tensor, r: Float32, mOut: cute.Tensor, row: Int32,
+                  q: Int32, tidx: Int32):
+        """out[row, col(q, tidx, i)] = h[i] · r · norm_w (rounded to the out dtype) for this
+        thread's vectors (shared with attn_res_mc)."""
+        obuf = cute.make_rmem_tensor(cute.make_layout(VEC), self.out_t)
+        for i in cutlass.range_constexpr(self.vpt):
+            c = self.col(q, tidx, i)
+            for j in cutlass.range_constexpr(VEC):
+                obuf[j] = (h[i, j] * r * nv[i, j].to(Float32)).to(self.out_t)
+            cute.autovec_copy(obuf, mOut[row, c, None])
+
+    @cute.jit
     def softmax(self, part: cute.Tensor, score: cute.Tensor, eps: Float32):
         """score[s] = softmax over sources of part[2s+1] · rsqrt(part[2s] / D + eps), i.e. of
         <v_s, w> / rms(v_s), from the reduced pass-1 sums (shared with attn_res_mc)."""
@@ -360,18 +386,10 @@ class AttnResRMSNorm:
                     for j in cutlass.range_constexpr(VEC):
                         h[i, j] = h[i, j] + score[s] * acc[j]
         a_h = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-        a_h[0] = Float32(0.0)
-        for i in cutlass.range_constexpr(self.vpt):
-            for j in cutlass.range_constexpr(VEC):
-                a_h[0] += h[i, j] * h[i, j]
+        self.sum_squares(h, a_h)
         self.block_sums(a_h, 1, 2 * self.nsrc, red, tot, warp, lane)
         r = cute.math.rsqrt(a_h[0] / self.D + eps)
-        obuf = cute.make_rmem_tensor(cute.make_layout(VEC), self.out_t)
-        for i in cutlass.range_constexpr(self.vpt):
-            c = tidx + i * self.threads
-            for j in cutlass.range_constexpr(VEC):
-                obuf[j] = (h[i, j] * r * nv[i, j].to(Float32)).to(self.out_t)
-            cute.autovec_copy(obuf, mOut[row, c, None])
+        self.store_out(h, nv, r, mOut, row, Int32(0), tidx)
 
 
 def compile_for(cfg: AttnResConfig, norm_dtype: torch.dtype) -> object:

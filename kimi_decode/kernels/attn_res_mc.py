@@ -120,7 +120,8 @@ def can_implement(hidden: int, num_blocks: int, slots: int, dtypes: tuple[torch.
 class AttnResMC(AttnResRMSNorm):
     """out = RMSNorm(AttnRes mix), one row per cluster of C CTAs; see the module docstring.
     Reuses the one-CTA class's views (`_views`), `load_source` (with M = gridDim.y passed in),
-    `softmax` and `block_sums`; sum_slots and the column index are re-written for the split."""
+    `softmax`, `block_sums`, `sum_squares` and `store_out` (through its own `col`);
+    sum_slots and the column index are re-written for the split."""
 
     def __init__(self, cfg: AttnResMCConfig) -> None:
         super().__init__(cfg)
@@ -273,19 +274,11 @@ class AttnResMC(AttnResRMSNorm):
                 for j in cutlass.range_constexpr(VEC):
                     h[i, j] = h[i, j] + score[s] * vr[s, i, j]
         a_h = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-        a_h[0] = Float32(0.0)
-        for i in cutlass.range_constexpr(self.vpt):
-            for j in cutlass.range_constexpr(VEC):
-                a_h[0] += h[i, j] * h[i, j]
+        self.sum_squares(h, a_h)
         self.block_sums(a_h, 1, 2 * self.nsrc, red, tot, warp, lane)
         self.cluster_sums(a_h, 1, 2 * self.nsrc, tot, xred, rank)
         r = cute.math.rsqrt(a_h[0] / self.D + eps)
-        obuf = cute.make_rmem_tensor(cute.make_layout(VEC), self.out_t)
-        for i in cutlass.range_constexpr(self.vpt):
-            c = self.col(q, tidx, i)
-            for j in cutlass.range_constexpr(VEC):
-                obuf[j] = (h[i, j] * r * nv[i, j].to(Float32)).to(self.out_t)
-            cute.autovec_copy(obuf, mOut[row, c, None])
+        self.store_out(h, nv, r, mOut, row, q, tidx)
 
 
 def compile_for(cfg: AttnResMCConfig, norm_dtype: torch.dtype) -> object:
