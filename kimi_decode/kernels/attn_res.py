@@ -392,14 +392,16 @@ class AttnResRMSNorm:
         self.store_out(h, nv, r, mOut, row, Int32(0), tidx)
 
 
-def compile_for(cfg: AttnResConfig, norm_dtype: torch.dtype) -> object:
-    """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
+def compile_for(cfg: AttnResConfig, norm_dtype: torch.dtype, kernel: type = AttnResRMSNorm,
+                name: str = "attn_res") -> object:
+    """The compiled kernel for `cfg` (cached under `name`; compiles to sm_90a PTX even without
+    a GPU). attn_res_mc passes its AttnResMC class and name."""
     def build() -> object:
         src = dummy_ptr(cfg.source_dtype)
-        return cute.compile(AttnResRMSNorm(cfg), dummy_ptr(cfg.out_dtype), src, src, src, src,
+        return cute.compile(kernel(cfg), dummy_ptr(cfg.out_dtype), src, src, src, src,
                             dummy_ptr(torch.float32), dummy_ptr(norm_dtype), Int32(1), Int32(0),
                             Float32(1e-5), current_stream(), options=compile_options())
-    return compiled(("attn_res", cfg, norm_dtype), build)
+    return compiled((name, cfg, norm_dtype), build)
 
 
 def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,

@@ -78,7 +78,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels import attn_res
+from kimi_decode.kernels._common import current_stream, ptr
 from kimi_decode.kernels.attn_res import VEC, AttnResConfig, AttnResRMSNorm
 from kimi_decode.kernels.attn_res import can_implement as one_cta_can_implement
 
@@ -283,12 +284,7 @@ class AttnResMC(AttnResRMSNorm):
 
 def compile_for(cfg: AttnResMCConfig, norm_dtype: torch.dtype) -> object:
     """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
-    def build() -> object:
-        src = dummy_ptr(cfg.source_dtype)
-        return cute.compile(AttnResMC(cfg), dummy_ptr(cfg.out_dtype), src, src, src, src,
-                            dummy_ptr(torch.float32), dummy_ptr(norm_dtype), Int32(1), Int32(0),
-                            Float32(1e-5), current_stream(), options=compile_options())
-    return compiled(("attn_res_mc", cfg, norm_dtype), build)
+    return attn_res.compile_for(cfg, norm_dtype, AttnResMC, "attn_res_mc")
 
 
 def attn_res_mc(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,
