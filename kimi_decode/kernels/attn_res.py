@@ -144,11 +144,10 @@ class AttnResRMSNorm:
     def _rows(self, p: cute.Pointer, m: Int32) -> cute.Tensor:
         return cute.make_tensor(p, cute.make_layout((m, self.nv, VEC), stride=(self.D, VEC, 1)))
 
-    @cute.jit
-    def __call__(self, out: cute.Pointer, blocks: cute.Pointer, prefix: cute.Pointer,
-                 delta: cute.Pointer, prefix_out: cute.Pointer, w_mix: cute.Pointer,
-                 norm_w: cute.Pointer, m: Int32, write_slot: Int32, eps: Float32,
-                 stream: cuda.CUstream):
+    def _views(self, blocks: cute.Pointer, delta: cute.Pointer, w_mix: cute.Pointer,
+               norm_w: cute.Pointer, m: Int32) -> tuple[cute.Tensor, ...]:
+        """The kernel's views of blocks, delta, w_mix and norm_w (mBlk, mDel, mW, mN); plain
+        Python run while __call__ traces (shared with attn_res_mc.AttnResMC.__call__)."""
         slots = self.cfg.slots
         mBlk = cute.make_tensor(blocks, cute.make_layout((m, slots, self.nv, VEC),
                                                          stride=(slots * self.D, self.D, VEC, 1)))
@@ -157,9 +156,9 @@ class AttnResRMSNorm:
         # attn_res_ar: the all-reduce buffer [world, M, D] seen as world·M rows (row r·M + m),
         # so every stride stays static and the 128-bit alignment of each vector is known
         n_del = m
-        if cutlass.const_expr(self.cfg.world > 0):
+        if self.cfg.world > 0:
             n_del = m * self.cfg.world
-        if cutlass.const_expr(self.cfg.gather > 0):
+        if self.cfg.gather > 0:
             # attn_res_ag: the all-gather buffer [D/n, M, n] seen as (D/n)·M rows of n/8
             # vectors (row s·M + m); strides static, every vector 16-byte aligned (n % 8 == 0)
             g = self.cfg.gather
@@ -167,14 +166,25 @@ class AttnResRMSNorm:
                                                             stride=(g, VEC, 1)))
         else:
             mDel = self._rows(delta, n_del)
+        return mBlk, mDel, mW, mN
+
+    @cute.jit
+    def __call__(self, out: cute.Pointer, blocks: cute.Pointer, prefix: cute.Pointer,
+                 delta: cute.Pointer, prefix_out: cute.Pointer, w_mix: cute.Pointer,
+                 norm_w: cute.Pointer, m: Int32, write_slot: Int32, eps: Float32,
+                 stream: cuda.CUstream):
+        mBlk, mDel, mW, mN = self._views(blocks, delta, w_mix, norm_w, m)
         self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), mDel,
                     self._rows(prefix_out, m), mW, mN, write_slot, eps).launch(
             grid=[m, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.jit
     def load_source(self, s: cutlass.Constexpr[int], row: Int32, c: Int32, mBlk: cute.Tensor,
-                    mP: cute.Tensor, mDel: cute.Tensor, buf: cute.Tensor, acc: cute.Tensor):
-        """acc[0:8] = source s at vector c of `row`, in fp32 (prefix' = prefix + delta)."""
+                    mP: cute.Tensor, mDel: cute.Tensor, buf: cute.Tensor, acc: cute.Tensor,
+                    nrows: Int32 | None = None):
+        """acc[0:8] = source s at vector c of `row`, in fp32 (prefix' = prefix + delta). M (the
+        all-gather buffer's row count) is read from gridDim.x unless `nrows` is given (the
+        cluster kernel, attn_res_mc, passes gridDim.y)."""
         if cutlass.const_expr(s < self.cfg.num_blocks):
             cute.autovec_copy(mBlk[row, s, c, None], buf)
             for j in cutlass.range_constexpr(VEC):
@@ -189,7 +199,8 @@ class AttnResRMSNorm:
                     # attn_res_ag: delta[row, 8c .. 8c+7] = ag[s, row, 8jv ..] with
                     # s = 8c // n = c // (n/8), jv = c % (n/8); buffer row s·M + row
                     nvs = self.cfg.gather // VEC
-                    nrows, _, _ = cute.arch.grid_dim()          # M (one CTA per row)
+                    if cutlass.const_expr(nrows is None):
+                        nrows, _, _ = cute.arch.grid_dim()      # M (one CTA per row)
                     cute.autovec_copy(mDel[(c // nvs) * nrows + row, c % nvs, None], buf)
                 else:
                     cute.autovec_copy(mDel[row, c, None], buf)
@@ -225,6 +236,47 @@ class AttnResRMSNorm:
             cute.autovec_copy(buf, mPOut[row, c, None])
             if cutlass.const_expr(self.cfg.has_write):
                 cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
+
+    @cute.jit
+    def col(self, q: Int32, tidx: Int32, i: cutlass.Constexpr[int]) -> Int32:
+        """The vector index of this thread's i-th vector (one CTA per row: q, the CTA's column
+        block, is 0 and unused; attn_res_mc overrides this for its column split)."""
+        return tidx + i * self.threads
+
+    @cute.jit
+    def sum_squares(self, h: cute.Tensor, a_h: cute.Tensor):
+        """a_h[0] = this thread's Σ h² (shared with attn_res_mc)."""
+        a_h[0] = Float32(0.0)
+        for i in cutlass.range_constexpr(self.vpt):
+            for j in cutlass.range_constexpr(VEC):
+                a_h[0] += h[i, j] * h[i, j]
+
+    @cute.jit
+    def store_out(self, h: cute.Tensor, nv: cute.Tensor, r: Float32, mOut: cute.Tensor, row: Int32,
+                  q: Int32, tidx: Int32):
+        """out[row, col(q, tidx, i)] = h[i] · r · norm_w (rounded to the out dtype) for this
+        thread's vectors (shared with attn_res_mc)."""
+        obuf = cute.make_rmem_tensor(cute.make_layout(VEC), self.out_t)
+        for i in cutlass.range_constexpr(self.vpt):
+            c = self.col(q, tidx, i)
+            for j in cutlass.range_constexpr(VEC):
+                obuf[j] = (h[i, j] * r * nv[i, j].to(Float32)).to(self.out_t)
+            cute.autovec_copy(obuf, mOut[row, c, None])
+
+    @cute.jit
+    def softmax(self, part: cute.Tensor, score: cute.Tensor, eps: Float32):
+        """score[s] = softmax over sources of part[2s+1] · rsqrt(part[2s] / D + eps), i.e. of
+        <v_s, w> / rms(v_s), from the reduced pass-1 sums (shared with attn_res_mc)."""
+        best = Float32(-3.0e38)
+        for s in cutlass.range_constexpr(self.nsrc):
+            score[s] = part[2 * s + 1] * cute.math.rsqrt(part[2 * s] / self.D + eps)
+            best = cute.arch.fmax(best, score[s])
+        total = Float32(0.0)
+        for s in cutlass.range_constexpr(self.nsrc):
+            score[s] = cute.math.exp(score[s] - best)
+            total += score[s]
+        for s in cutlass.range_constexpr(self.nsrc):
+            score[s] = score[s] / total
 
     @cute.jit
     def block_sums(self, vals: cute.Tensor, n: cutlass.Constexpr[int], base: cutlass.Constexpr[int],
@@ -317,16 +369,7 @@ class AttnResRMSNorm:
         self.block_sums(part, 2 * self.nsrc, 0, red, tot, warp, lane)
 
         # Softmax over sources of <v, w> / rms(v) (every thread, redundantly: nsrc <= 9).
-        best = Float32(-3.0e38)
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = part[2 * s + 1] * cute.math.rsqrt(part[2 * s] / self.D + eps)
-            best = cute.arch.fmax(best, score[s])
-        total = Float32(0.0)
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = cute.math.exp(score[s] - best)
-            total += score[s]
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = score[s] / total
+        self.softmax(part, score, eps)
 
         # Pass 2: h = sum_s p_s v_s kept in registers (sources re-read from L1/L2), then RMSNorm.
         h = cute.make_rmem_tensor(cute.make_layout((self.vpt, VEC), stride=(VEC, 1)), Float32)
@@ -343,28 +386,22 @@ class AttnResRMSNorm:
                     for j in cutlass.range_constexpr(VEC):
                         h[i, j] = h[i, j] + score[s] * acc[j]
         a_h = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-        a_h[0] = Float32(0.0)
-        for i in cutlass.range_constexpr(self.vpt):
-            for j in cutlass.range_constexpr(VEC):
-                a_h[0] += h[i, j] * h[i, j]
+        self.sum_squares(h, a_h)
         self.block_sums(a_h, 1, 2 * self.nsrc, red, tot, warp, lane)
         r = cute.math.rsqrt(a_h[0] / self.D + eps)
-        obuf = cute.make_rmem_tensor(cute.make_layout(VEC), self.out_t)
-        for i in cutlass.range_constexpr(self.vpt):
-            c = tidx + i * self.threads
-            for j in cutlass.range_constexpr(VEC):
-                obuf[j] = (h[i, j] * r * nv[i, j].to(Float32)).to(self.out_t)
-            cute.autovec_copy(obuf, mOut[row, c, None])
+        self.store_out(h, nv, r, mOut, row, Int32(0), tidx)
 
 
-def compile_for(cfg: AttnResConfig, norm_dtype: torch.dtype) -> object:
-    """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
+def compile_for(cfg: AttnResConfig, norm_dtype: torch.dtype, kernel: type = AttnResRMSNorm,
+                name: str = "attn_res") -> object:
+    """The compiled kernel for `cfg` (cached under `name`; compiles to sm_90a PTX even without
+    a GPU). attn_res_mc passes its AttnResMC class and name."""
     def build() -> object:
         src = dummy_ptr(cfg.source_dtype)
-        return cute.compile(AttnResRMSNorm(cfg), dummy_ptr(cfg.out_dtype), src, src, src, src,
+        return cute.compile(kernel(cfg), dummy_ptr(cfg.out_dtype), src, src, src, src,
                             dummy_ptr(torch.float32), dummy_ptr(norm_dtype), Int32(1), Int32(0),
                             Float32(1e-5), current_stream(), options=compile_options())
-    return compiled(("attn_res", cfg, norm_dtype), build)
+    return compiled((name, cfg, norm_dtype), build)
 
 
 def attn_res_rmsnorm(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,

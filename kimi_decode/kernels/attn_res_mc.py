@@ -78,7 +78,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels import attn_res
+from kimi_decode.kernels._common import current_stream, ptr
 from kimi_decode.kernels.attn_res import VEC, AttnResConfig, AttnResRMSNorm
 from kimi_decode.kernels.attn_res import can_implement as one_cta_can_implement
 
@@ -119,7 +120,9 @@ def can_implement(hidden: int, num_blocks: int, slots: int, dtypes: tuple[torch.
 
 class AttnResMC(AttnResRMSNorm):
     """out = RMSNorm(AttnRes mix), one row per cluster of C CTAs; see the module docstring.
-    Reuses the one-CTA class's `block_sums`; loads are re-written for the column split."""
+    Reuses the one-CTA class's views (`_views`), `load_source` (with M = gridDim.y passed in),
+    `softmax`, `block_sums`, `sum_squares` and `store_out` (through its own `col`);
+    sum_slots and the column index are re-written for the split."""
 
     def __init__(self, cfg: AttnResMCConfig) -> None:
         super().__init__(cfg)
@@ -133,20 +136,7 @@ class AttnResMC(AttnResRMSNorm):
                  delta: cute.Pointer, prefix_out: cute.Pointer, w_mix: cute.Pointer,
                  norm_w: cute.Pointer, m: Int32, write_slot: Int32, eps: Float32,
                  stream: cuda.CUstream):
-        slots = self.cfg.slots
-        mBlk = cute.make_tensor(blocks, cute.make_layout((m, slots, self.nv, VEC),
-                                                         stride=(slots * self.D, self.D, VEC, 1)))
-        mW = cute.make_tensor(w_mix, cute.make_layout((self.nv, VEC), stride=(VEC, 1)))
-        mN = cute.make_tensor(norm_w, cute.make_layout((self.nv, VEC), stride=(VEC, 1)))
-        n_del = m
-        if cutlass.const_expr(self.cfg.world > 0):
-            n_del = m * self.cfg.world                   # slot rows r·M + m, as the one-CTA kernel
-        if cutlass.const_expr(self.cfg.gather > 0):
-            g = self.cfg.gather
-            mDel = cute.make_tensor(delta, cute.make_layout((m * (self.D // g), g // VEC, VEC),
-                                                            stride=(g, VEC, 1)))
-        else:
-            mDel = self._rows(delta, n_del)
+        mBlk, mDel, mW, mN = self._views(blocks, delta, w_mix, norm_w, m)   # as the one-CTA kernel
         self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), mDel,
                     self._rows(prefix_out, m), mW, mN, write_slot, eps).launch(
             grid=[self.ctas, m, 1], block=[self.threads, 1, 1], cluster=[self.ctas, 1, 1],
@@ -156,29 +146,6 @@ class AttnResMC(AttnResRMSNorm):
     def col(self, q: Int32, tidx: Int32, i: cutlass.Constexpr[int]) -> Int32:
         """The vector index of this thread's i-th vector: CTA q owns cta_vecs consecutive ones."""
         return q * self.cta_vecs + tidx + i * self.threads
-
-    @cute.jit
-    def load_source(self, s: cutlass.Constexpr[int], row: Int32, c: Int32, nrows: Int32,
-                    mBlk: cute.Tensor, mP: cute.Tensor, mDel: cute.Tensor, buf: cute.Tensor,
-                    acc: cute.Tensor):
-        """acc[0:8] = source s at vector c of `row` in fp32 (the one-CTA kernel's load_source,
-        with M = nrows passed in: here M is gridDim.y)."""
-        if cutlass.const_expr(s < self.cfg.num_blocks):
-            cute.autovec_copy(mBlk[row, s, c, None], buf)
-            for j in cutlass.range_constexpr(VEC):
-                acc[j] = buf[j].to(Float32)
-        else:
-            cute.autovec_copy(mP[row, c, None], buf)
-            for j in cutlass.range_constexpr(VEC):
-                acc[j] = buf[j].to(Float32)
-            if cutlass.const_expr(self.cfg.has_delta):
-                if cutlass.const_expr(self.cfg.gather > 0):
-                    nvs = self.cfg.gather // VEC        # delta[row, 8c..] = ag[c // nvs, row, 8(c % nvs)..]
-                    cute.autovec_copy(mDel[(c // nvs) * nrows + row, c % nvs, None], buf)
-                else:
-                    cute.autovec_copy(mDel[row, c, None], buf)
-                for j in cutlass.range_constexpr(VEC):
-                    acc[j] = (acc[j] + buf[j].to(Float32)).to(self.src_t).to(Float32)
 
     @cute.jit
     def sum_slots(self, row: Int32, q: Int32, nrows: Int32, write_slot: Int32, mBlk: cute.Tensor,
@@ -278,7 +245,7 @@ class AttnResMC(AttnResRMSNorm):
             else:
                 for i in cutlass.range_constexpr(self.vpt):
                     c = self.col(q, tidx, i)
-                    self.load_source(s, row, c, nrows, mBlk, mP, mDel, buf, acc)
+                    self.load_source(s, row, c, mBlk, mP, mDel, buf, acc, nrows)
                     for j in cutlass.range_constexpr(VEC):
                         vr[s, i, j] = acc[j]
                     if cutlass.const_expr(s == self.nsrc - 1 and self.cfg.has_delta):
@@ -298,16 +265,7 @@ class AttnResMC(AttnResRMSNorm):
         self.cluster_sums(part, 2 * self.nsrc, 0, tot, xred, rank)
 
         # Softmax over sources (every thread of every CTA, from bit-identical sums)
-        best = Float32(-3.0e38)
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = part[2 * s + 1] * cute.math.rsqrt(part[2 * s] / self.D + eps)
-            best = cute.arch.fmax(best, score[s])
-        total = Float32(0.0)
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = cute.math.exp(score[s] - best)
-            total += score[s]
-        for s in cutlass.range_constexpr(self.nsrc):
-            score[s] = score[s] / total
+        self.softmax(part, score, eps)
 
         # Pass 2: h on this CTA's columns (from registers), Σh² over the cluster, RMSNorm
         h = cute.make_rmem_tensor(cute.make_layout((self.vpt, VEC), stride=(VEC, 1)), Float32)
@@ -317,29 +275,16 @@ class AttnResMC(AttnResRMSNorm):
                 for j in cutlass.range_constexpr(VEC):
                     h[i, j] = h[i, j] + score[s] * vr[s, i, j]
         a_h = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-        a_h[0] = Float32(0.0)
-        for i in cutlass.range_constexpr(self.vpt):
-            for j in cutlass.range_constexpr(VEC):
-                a_h[0] += h[i, j] * h[i, j]
+        self.sum_squares(h, a_h)
         self.block_sums(a_h, 1, 2 * self.nsrc, red, tot, warp, lane)
         self.cluster_sums(a_h, 1, 2 * self.nsrc, tot, xred, rank)
         r = cute.math.rsqrt(a_h[0] / self.D + eps)
-        obuf = cute.make_rmem_tensor(cute.make_layout(VEC), self.out_t)
-        for i in cutlass.range_constexpr(self.vpt):
-            c = self.col(q, tidx, i)
-            for j in cutlass.range_constexpr(VEC):
-                obuf[j] = (h[i, j] * r * nv[i, j].to(Float32)).to(self.out_t)
-            cute.autovec_copy(obuf, mOut[row, c, None])
+        self.store_out(h, nv, r, mOut, row, q, tidx)
 
 
 def compile_for(cfg: AttnResMCConfig, norm_dtype: torch.dtype) -> object:
     """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
-    def build() -> object:
-        src = dummy_ptr(cfg.source_dtype)
-        return cute.compile(AttnResMC(cfg), dummy_ptr(cfg.out_dtype), src, src, src, src,
-                            dummy_ptr(torch.float32), dummy_ptr(norm_dtype), Int32(1), Int32(0),
-                            Float32(1e-5), current_stream(), options=compile_options())
-    return compiled(("attn_res_mc", cfg, norm_dtype), build)
+    return attn_res.compile_for(cfg, norm_dtype, AttnResMC, "attn_res_mc")
 
 
 def attn_res_mc(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,

@@ -110,6 +110,7 @@ import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -157,6 +158,63 @@ def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[
             and all(d == torch.bfloat16 for d in dtypes))
 
 
+@cute.jit
+def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor, m: Int32,
+             beta: Float32, lin_beta: Float32, g: Int32, lane: Int32, Ip: cutlass.Constexpr[int],
+             I: cutlass.Constexpr[int], K: cutlass.Constexpr[int], E: cutlass.Constexpr[int],
+             slices: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+    """FC1's warp g: a[p, c] for pair p = g // I, column c = g % I (gate row c and up row
+    Ip + c of the pair's expert, `slices` 128-bit slices per lane, a 32-lane butterfly each,
+    bf16 h, then the gate/up activation). Shared by ExpertsFC1.kernel and
+    moe_experts_one.ExpertsOne.fc1_item."""
+    p = g // I                           # pair
+    c = g - p * I                        # output column (gate row c, up row Ip + c)
+    # Every lane reaches the shuffles below: out-of-range warps (none: the grid is exact)
+    # clamp their indices, load nothing and store nothing.
+    pairs = m * K
+    pc = p
+    if p >= pairs:
+        pc = pairs - 1
+    row = pc // K
+    e = mIdx[row, pc - row * K].to(Int32)
+    acc = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+    acc.fill(0.0)
+    wg = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
+    wu = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
+    zv = cute.make_rmem_tensor(cute.make_layout(VEC), mZ.element_type)
+    if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
+        for i in cutlass.range(slices, unroll=unroll):
+            q = lane + i * 32
+            cute.autovec_copy(mW[e, c, q, None], wg)
+            cute.autovec_copy(mW[e, Ip + c, q, None], wu)
+            cute.autovec_copy(mZ[row, q, None], zv)
+            for t in cutlass.range_constexpr(VEC):
+                zf = zv[t].to(Float32)
+                acc[0] = acc[0] + wg[t].to(Float32) * zf
+                acc[1] = acc[1] + wu[t].to(Float32) * zf
+    hg = cute.arch.warp_reduction_sum(acc[0]).to(mA.element_type).to(Float32)   # bf16 h
+    hu = cute.arch.warp_reduction_sum(acc[1]).to(mA.element_type).to(Float32)
+    gate = beta * cute.math.tanh(hg / beta) * sigmoid(hg)
+    up = lin_beta * cute.math.tanh(hu / lin_beta)
+    a = gate * up
+    if lane == 0 and p < pairs:
+        mA[p, c] = a.to(mA.element_type)
+
+
+def fc2_views(cfg: ExpertsConfig, act: cute.Pointer, idx: cute.Pointer, w: cute.Pointer,
+              w2: cute.Pointer, out: cute.Pointer, m: Int32) -> tuple[cute.Tensor, ...]:
+    """FC2's tensors (mA, mIdx, mWt, mW2, mO) for ExpertsFC2 and ExpertsFC2v2 (plain Python,
+    run while their __call__ traces)."""
+    L, Ip, K, E = cfg.latent, cfg.inter_padded, cfg.top_k, cfg.experts
+    ni = Ip // VEC
+    mA = cute.make_tensor(act, cute.make_layout((m * K, ni, VEC), stride=(Ip, VEC, 1)))
+    mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
+    mWt = cute.make_tensor(w, cute.make_layout((m, K), stride=(K, 1)))
+    mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
+    mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
+    return mA, mIdx, mWt, mW2, mO
+
+
 class ExpertsFC1:
     """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
 
@@ -189,38 +247,7 @@ class ExpertsFC1:
         # on results; without use_pdl on FC2 it is a no-op.
         cute.arch.griddepcontrol_launch_dependents()
         g = bidx * WARPS + warp
-        p = g // I                           # pair
-        c = g - p * I                        # output column (gate row c, up row Ip + c)
-        # Every lane reaches the shuffles below: out-of-range warps (none: the grid is exact)
-        # clamp their indices, load nothing and store nothing.
-        pairs = m * K
-        pc = p
-        if p >= pairs:
-            pc = pairs - 1
-        row = pc // K
-        e = mIdx[row, pc - row * K].to(Int32)
-        acc = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        acc.fill(0.0)
-        wg = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
-        wu = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
-        zv = cute.make_rmem_tensor(cute.make_layout(VEC), mZ.element_type)
-        if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
-            for i in cutlass.range(self.slices, unroll=self.unroll):
-                q = lane + i * 32
-                cute.autovec_copy(mW[e, c, q, None], wg)
-                cute.autovec_copy(mW[e, Ip + c, q, None], wu)
-                cute.autovec_copy(mZ[row, q, None], zv)
-                for t in cutlass.range_constexpr(VEC):
-                    zf = zv[t].to(Float32)
-                    acc[0] = acc[0] + wg[t].to(Float32) * zf
-                    acc[1] = acc[1] + wu[t].to(Float32) * zf
-        hg = cute.arch.warp_reduction_sum(acc[0]).to(mA.element_type).to(Float32)   # bf16 h
-        hu = cute.arch.warp_reduction_sum(acc[1]).to(mA.element_type).to(Float32)
-        gate = beta * cute.math.tanh(hg / beta) * sigmoid(hg)
-        up = lin_beta * cute.math.tanh(hu / lin_beta)
-        a = gate * up
-        if lane == 0 and p < pairs:
-            mA[p, c] = a.to(mA.element_type)
+        fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll)
 
 
 class ExpertsFC2:
@@ -233,13 +260,8 @@ class ExpertsFC2:
     @cute.jit
     def __call__(self, act: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, w2: cute.Pointer,
                  out: cute.Pointer, m: Int32, stream: cuda.CUstream):
-        L, Ip, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.top_k, self.cfg.experts
-        ni = Ip // VEC
-        mA = cute.make_tensor(act, cute.make_layout((m * K, ni, VEC), stride=(Ip, VEC, 1)))
-        mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
-        mWt = cute.make_tensor(w, cute.make_layout((m, K), stride=(K, 1)))
-        mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
-        mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
+        L = self.cfg.latent
+        mA, mIdx, mWt, mW2, mO = fc2_views(self.cfg, act, idx, w, w2, out, m)
         self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
             grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=self.cfg.pdl,
             # ptxas: at most 128 registers, so 2 CTAs share an SM (~120 used without the cap);
@@ -342,6 +364,73 @@ class ExpertsFC2:
             cute.arch.sync_threads()                 # sA is rewritten by the next row
 
 
+@cute.jit
+def v2_issue(mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor, sW: cute.Tensor, ev: cute.Tensor,
+             wv: cute.Tensor, row: Int32, cc: Int32, r: Int32, grp: Int32, tidx: Int32,
+             K: cutlass.Constexpr[int], E: cutlass.Constexpr[int], kpg: cutlass.Constexpr[int],
+             nsl: cutlass.Constexpr[int]):
+    """FC2 v2, before the wait: the lane's group's K/4 expert ids (ev), all its w2 slices of
+    column cc in flight (wv) and the row's K routing weights in shared memory (sW). Shared by
+    ExpertsFC2v2.kernel and moe_experts_one.ExpertsOne.fc2_item."""
+    # the group's K/4 ids; an id outside [0, E) reads expert 0 and weighs 0
+    for t in cutlass.range_constexpr(kpg):
+        e = mIdx[row, grp + t * V2_GROUPS].to(Int32)
+        if e < 0 or e >= E:
+            e = Int32(0)
+        ev[t] = e
+    # K/4 experts x I/64 slices: 12 loads of 16 B per lane at K3, every lane busy; one
+    # warp instruction reads 4 experts' 128 contiguous bytes (a whole line each)
+    for t in cutlass.range_constexpr(kpg):
+        for i in cutlass.range_constexpr(nsl):
+            cute.autovec_copy(mW2[ev[t], cc, r + i * V2_GROUP_LANES, None], wv[None, i, t])
+    if tidx < K:                             # the row's weights, 0 for an invalid id
+        e = mIdx[row, tidx].to(Int32)
+        wj = mWt[row, tidx]
+        if e < 0 or e >= E:
+            wj = Float32(0.0)
+        sW[tidx] = wj
+
+
+@cute.jit
+def v2_finish(mA: cute.Tensor, mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor, av: cute.Tensor,
+              wv: cute.Tensor, ex: cute.Tensor, row: Int32, col: Int32, r: Int32, grp: Int32,
+              tidx: Int32, lane: Int32, K: cutlass.Constexpr[int], L: cutlass.Constexpr[int],
+              kpg: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """FC2 v2, after the wait: stage the row's `a` in shared memory, each group's K/4 dot
+    products and 8-lane butterflies, the j-ordered weighted sum, out[row, col] (bf16). Shared
+    by ExpertsFC2v2.kernel and moe_experts_one.ExpertsOne.fc2_item."""
+    # `a` (columns < I) staged in shared memory after the wait, with or without PDL:
+    # 8 threads per activation row, as the groups read it (thread t: row t // 8 (+ 16·n),
+    # slices t % 8 + 8·i), one 128-bit slice at a time (a rolled loop: 4 registers beside
+    # the 48 of w2 in flight)
+    jr = tidx // V2_GROUP_LANES
+    for jj in cutlass.range_constexpr((K * V2_GROUP_LANES + threads - 1) // threads):
+        j = jr + jj * (threads // V2_GROUP_LANES)
+        if j < K:
+            for i in cutlass.range(nsl, unroll=1):
+                cute.autovec_copy(mA[row * K + j, r + i * V2_GROUP_LANES, None], av)
+                cute.autovec_copy(av, sA[j, r + i * V2_GROUP_LANES, None])
+    cute.arch.sync_threads()
+    # each group's K/4 dot products (a lane: its slices in order, then an 8-lane
+    # butterfly, after which every lane of the group holds the same sum), rounded to bf16
+    for t in cutlass.range_constexpr(kpg):
+        s = Float32(0.0)
+        for i in cutlass.range_constexpr(nsl):
+            cute.autovec_copy(sA[grp + t * V2_GROUPS, r + i * V2_GROUP_LANES, None], av)
+            for u in cutlass.range_constexpr(VEC):
+                s = s + wv[u, i, t].to(Float32) * av[u].to(Float32)
+        ex[t] = cute.arch.warp_reduction_sum(s, threads_in_group=V2_GROUP_LANES).to(
+            mO.element_type).to(Float32)
+    # weighted in j order, as ExpertsFC2: e_j comes from group j % 4 (a uniform source
+    # lane; every lane shuffles)
+    acc = Float32(0.0)
+    for j in cutlass.range_constexpr(K):
+        ej = cute.arch.shuffle_sync(ex[j // V2_GROUPS], offset=(j % V2_GROUPS) * V2_GROUP_LANES)
+        acc = acc + sW[j] * ej
+    if lane == 0 and col < L:
+        mO[row, col] = acc.to(mO.element_type)
+
+
 class ExpertsFC2v2:
     """Kernel 2, version 2 (kernel name `experts_v2`): the same out[m, l], one (row, 4
     columns) per CTA, every lane loading (module docstring, "FC2 v2")."""
@@ -357,13 +446,8 @@ class ExpertsFC2v2:
     @cute.jit
     def __call__(self, act: cute.Pointer, idx: cute.Pointer, w: cute.Pointer, w2: cute.Pointer,
                  out: cute.Pointer, m: Int32, stream: cuda.CUstream):
-        L, Ip, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.top_k, self.cfg.experts
-        ni = Ip // VEC
-        mA = cute.make_tensor(act, cute.make_layout((m * K, ni, VEC), stride=(Ip, VEC, 1)))
-        mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
-        mWt = cute.make_tensor(w, cute.make_layout((m, K), stride=(K, 1)))
-        mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
-        mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
+        L = self.cfg.latent
+        mA, mIdx, mWt, mW2, mO = fc2_views(self.cfg, act, idx, w, w2, out, m)
         self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
             grid=[m * ((L + V2_WARPS - 1) // V2_WARPS), 1, 1], block=[V2_WARPS * 32, 1, 1], stream=stream,
             use_pdl=self.cfg.pdl, min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=-1)
@@ -399,56 +483,11 @@ class ExpertsFC2v2:
         av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
         ev = cute.make_rmem_tensor(cute.make_layout(kpg), Int32)
         ex = cute.make_rmem_tensor(cute.make_layout(kpg), Float32)
-        # the group's K/4 ids; an id outside [0, E) reads expert 0 and weighs 0
-        for t in cutlass.range_constexpr(kpg):
-            e = mIdx[row, grp + t * V2_GROUPS].to(Int32)
-            if e < 0 or e >= E:
-                e = Int32(0)
-            ev[t] = e
-        # K/4 experts x I/64 slices: 12 loads of 16 B per lane at K3, every lane busy; one
-        # warp instruction reads 4 experts' 128 contiguous bytes (a whole line each)
-        for t in cutlass.range_constexpr(kpg):
-            for i in cutlass.range_constexpr(nsl):
-                cute.autovec_copy(mW2[ev[t], cc, r + i * V2_GROUP_LANES, None], wv[None, i, t])
-        if tidx < K:                             # the row's weights, 0 for an invalid id
-            e = mIdx[row, tidx].to(Int32)
-            wj = mWt[row, tidx]
-            if e < 0 or e >= E:
-                wj = Float32(0.0)
-            sW[tidx] = wj
+        v2_issue(mIdx, mWt, mW2, sW, ev, wv, row, cc, r, grp, tidx, K, E, kpg, nsl)
         # all w2 loads are issued before this: the scheduling fence of ExpertsFC2 and, with
         # PDL, the point past which FC1's `a` is complete and visible
         cute.arch.griddepcontrol_wait()
-        # `a` (columns < I) staged in shared memory after the wait, with or without PDL:
-        # 8 threads per activation row, as the groups read it (thread t: row t // 8 (+ 16·n),
-        # slices t % 8 + 8·i), one 128-bit slice at a time (a rolled loop: 4 registers beside
-        # the 48 of w2 in flight)
-        jr = tidx // V2_GROUP_LANES
-        for jj in cutlass.range_constexpr((K * V2_GROUP_LANES + threads - 1) // threads):
-            j = jr + jj * (threads // V2_GROUP_LANES)
-            if j < K:
-                for i in cutlass.range(nsl, unroll=1):
-                    cute.autovec_copy(mA[row * K + j, r + i * V2_GROUP_LANES, None], av)
-                    cute.autovec_copy(av, sA[j, r + i * V2_GROUP_LANES, None])
-        cute.arch.sync_threads()
-        # each group's K/4 dot products (a lane: its slices in order, then an 8-lane
-        # butterfly, after which every lane of the group holds the same sum), rounded to bf16
-        for t in cutlass.range_constexpr(kpg):
-            s = Float32(0.0)
-            for i in cutlass.range_constexpr(nsl):
-                cute.autovec_copy(sA[grp + t * V2_GROUPS, r + i * V2_GROUP_LANES, None], av)
-                for u in cutlass.range_constexpr(VEC):
-                    s = s + wv[u, i, t].to(Float32) * av[u].to(Float32)
-            ex[t] = cute.arch.warp_reduction_sum(s, threads_in_group=V2_GROUP_LANES).to(
-                mO.element_type).to(Float32)
-        # weighted in j order, as ExpertsFC2: e_j comes from group j % 4 (a uniform source
-        # lane; every lane shuffles)
-        acc = Float32(0.0)
-        for j in cutlass.range_constexpr(K):
-            ej = cute.arch.shuffle_sync(ex[j // V2_GROUPS], offset=(j % V2_GROUPS) * V2_GROUP_LANES)
-            acc = acc + sW[j] * ej
-        if lane == 0 and col < L:
-            mO[row, col] = acc.to(mO.element_type)
+        v2_finish(mA, mO, sA, sW, av, wv, ex, row, col, r, grp, tidx, lane, K, L, kpg, nsl, threads)
 
 
 def can_implement_v2(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
@@ -478,6 +517,34 @@ def compile_for(cfg: ExpertsConfig, v2: bool = False) -> tuple[object, object]:
             compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2))
 
 
+def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+            out: torch.Tensor | None, inter: int | None, can: Callable[..., bool], name: str
+            ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch arguments of `experts` and moe_experts_one.experts_one: checks the shapes
+    (ValueError naming `name` where `can` says no), converts idx (int32 unless int64/int32)
+    and w (fp32, contiguous), allocates out (or checks it) and the [M·K, Ip] bf16 `a` buffer.
+    Returns ((M, K, L, E, Ip, I), idx, w, out, act)."""
+    m, L = z.shape
+    k = idx.shape[1]
+    E, two_ip, L13 = w13.shape
+    ip = two_ip // 2
+    i = ip if inter is None else inter
+    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
+            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
+            or not can(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
+        raise ValueError(f"{name} cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.to(torch.int32)
+    idx = idx.contiguous()
+    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
+    if out is None:
+        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
+    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
+    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    return (m, k, L, E, ip, i), idx, w, out, act
+
+
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
             inter: int | None = None, pdl: bool = False, v2: bool = False) -> torch.Tensor:
@@ -489,24 +556,9 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
     waits for FC1 before reading FC1's output; results are identical). `v2`: FC2 is
     ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2). Returns out [M, L]."""
-    m, L = z.shape
-    k = idx.shape[1]
-    E, two_ip, L13 = w13.shape
-    ip = two_ip // 2
-    i = ip if inter is None else inter
-    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
-            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
-            or not (can_implement_v2 if v2 else can_implement)(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
-        raise ValueError(f"experts kernel cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        idx = idx.to(torch.int32)
-    idx = idx.contiguous()
-    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
-    if out is None:
-        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
-    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
-    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
+                                                     can_implement_v2 if v2 else can_implement,
+                                                     "experts kernel")
     fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), v2)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)

@@ -75,9 +75,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 from kimi_decode.kernels.moe_experts import (FC1_UNROLL, V2_GROUP_LANES, V2_GROUPS, VEC, ExpertsConfig,
-                                             can_implement_v2)
+                                             can_implement_v2, fc1_warp, prepare, v2_finish, v2_issue)
 
 ONE_WARPS = 4          # warps per CTA (FC2v2's CTA; an FC1 item is 4 of FC1's warps)
 # counter words: the ticket and exit counters share one 128-byte line, the FC1 completion
@@ -178,36 +178,7 @@ class ExpertsOne:
         the item's `a` values: fence, barrier, thread 0 fence + release increment."""
         Ip, I, K, E = self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
         g = item * ONE_WARPS + warp
-        p = g // I                           # pair
-        c = g - p * I                        # output column (gate row c, up row Ip + c)
-        pairs = m * K
-        pc = p
-        if p >= pairs:
-            pc = pairs - 1
-        row = pc // K
-        e = mIdx[row, pc - row * K].to(Int32)
-        acc = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        acc.fill(0.0)
-        wg = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
-        wu = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
-        zv = cute.make_rmem_tensor(cute.make_layout(VEC), mZ.element_type)
-        if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
-            for i in cutlass.range(self.fc1_slices, unroll=self.fc1_unroll):
-                q = lane + i * 32
-                cute.autovec_copy(mW[e, c, q, None], wg)
-                cute.autovec_copy(mW[e, Ip + c, q, None], wu)
-                cute.autovec_copy(mZ[row, q, None], zv)
-                for t in cutlass.range_constexpr(VEC):
-                    zf = zv[t].to(Float32)
-                    acc[0] = acc[0] + wg[t].to(Float32) * zf
-                    acc[1] = acc[1] + wu[t].to(Float32) * zf
-        hg = cute.arch.warp_reduction_sum(acc[0]).to(mA.element_type).to(Float32)   # bf16 h
-        hu = cute.arch.warp_reduction_sum(acc[1]).to(mA.element_type).to(Float32)
-        gate = beta * cute.math.tanh(hg / beta) * sigmoid(hg)
-        up = lin_beta * cute.math.tanh(hu / lin_beta)
-        a = gate * up
-        if lane == 0 and p < pairs:
-            mA[p, c] = a.to(mA.element_type)
+        fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.fc1_slices, self.fc1_unroll)
         cute.arch.fence_acq_rel_gpu()        # this thread's `a` before the counter bump
         cute.arch.sync_threads()
         if tidx == 0:
@@ -235,20 +206,7 @@ class ExpertsOne:
         av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
         ev = cute.make_rmem_tensor(cute.make_layout(kpg), Int32)
         ex = cute.make_rmem_tensor(cute.make_layout(kpg), Float32)
-        for t in cutlass.range_constexpr(kpg):
-            e = mIdx[row, grp + t * V2_GROUPS].to(Int32)
-            if e < 0 or e >= E:
-                e = Int32(0)
-            ev[t] = e
-        for t in cutlass.range_constexpr(kpg):
-            for i in cutlass.range_constexpr(nsl):
-                cute.autovec_copy(mW2[ev[t], cc, r + i * V2_GROUP_LANES, None], wv[None, i, t])
-        if tidx < K:                             # the row's weights, 0 for an invalid id
-            e = mIdx[row, tidx].to(Int32)
-            wj = mWt[row, tidx]
-            if e < 0 or e >= E:
-                wj = Float32(0.0)
-            sW[tidx] = wj
+        v2_issue(mIdx, mWt, mW2, sW, ev, wv, row, cc, r, grp, tidx, K, E, kpg, nsl)
         # FC2v2's scheduling fence after the w2 loads (a no-op: this kernel is not a PDL launch)
         cute.arch.griddepcontrol_wait()
         # every FC1 item has published its `a`: thread 0 polls, the CTA waits at the barrier
@@ -258,28 +216,7 @@ class ExpertsOne:
                 seen = cute.arch.load((mCnt.iterator + DONE).llvm_ptr, Int32, sem="acquire", scope="gpu")
         cute.arch.sync_threads()
         cute.arch.fence_acq_rel_gpu()
-        jr = tidx // V2_GROUP_LANES
-        for jj in cutlass.range_constexpr((K * V2_GROUP_LANES + threads - 1) // threads):
-            j = jr + jj * (threads // V2_GROUP_LANES)
-            if j < K:
-                for i in cutlass.range(nsl, unroll=1):
-                    cute.autovec_copy(mA[row * K + j, r + i * V2_GROUP_LANES, None], av)
-                    cute.autovec_copy(av, sA[j, r + i * V2_GROUP_LANES, None])
-        cute.arch.sync_threads()
-        for t in cutlass.range_constexpr(kpg):
-            s = Float32(0.0)
-            for i in cutlass.range_constexpr(nsl):
-                cute.autovec_copy(sA[grp + t * V2_GROUPS, r + i * V2_GROUP_LANES, None], av)
-                for u in cutlass.range_constexpr(VEC):
-                    s = s + wv[u, i, t].to(Float32) * av[u].to(Float32)
-            ex[t] = cute.arch.warp_reduction_sum(s, threads_in_group=V2_GROUP_LANES).to(
-                mO.element_type).to(Float32)
-        acc = Float32(0.0)
-        for j in cutlass.range_constexpr(K):
-            ej = cute.arch.shuffle_sync(ex[j // V2_GROUPS], offset=(j % V2_GROUPS) * V2_GROUP_LANES)
-            acc = acc + sW[j] * ej
-        if lane == 0 and col < L:
-            mO[row, col] = acc.to(mO.element_type)
+        v2_finish(mA, mO, sA, sW, av, wv, ex, row, col, r, grp, tidx, lane, K, L, kpg, nsl, threads)
 
 
 def can_implement_one(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
@@ -317,26 +254,10 @@ def experts_one(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.
     """moe_experts.experts(..., v2=True) in one launch, equal to it bit for bit; the same
     arguments plus `counters` (make_counters: zeroed int32 [COUNTERS], left zeroed). CUDA-graph safe
     (no host syncs). Returns out [M, L]."""
-    m, L = z.shape
-    k = idx.shape[1]
-    E, two_ip, L13 = w13.shape
-    ip = two_ip // 2
-    i = ip if inter is None else inter
-    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
-            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
-            or not can_implement_one(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
-        raise ValueError(f"experts_one cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
     if counters.dtype != torch.int32 or counters.numel() != COUNTERS or not counters.is_contiguous():
         raise ValueError(f"counters must be a contiguous int32 [{COUNTERS}] buffer")
-    if idx.dtype not in (torch.int32, torch.int64):
-        idx = idx.to(torch.int32)
-    idx = idx.contiguous()
-    w = w.contiguous() if w.dtype == torch.float32 else w.float().contiguous()
-    if out is None:
-        out = torch.empty(m, L, dtype=torch.bfloat16, device=z.device)
-    elif out.shape != (m, L) or out.dtype != torch.bfloat16:
-        raise ValueError(f"out must be [{m}, {L}] bf16, got {tuple(out.shape)} {out.dtype}")
-    act = torch.empty(m * k, ip, dtype=torch.bfloat16, device=z.device)
+    (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter, can_implement_one,
+                                                     "experts_one")
     cfg = ExpertsConfig(L, ip, i, k, E, idx.dtype)
     nctas = ctas_per_sm(cfg) * sm_count(z.device)
     compile_for(cfg)(ptr(z), ptr(idx), ptr(w), ptr(w13), ptr(w2), ptr(act), ptr(out), ptr(counters),

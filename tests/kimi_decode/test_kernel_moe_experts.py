@@ -18,6 +18,9 @@ Oracles:
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,19 @@ def ptx_of(tmp_path: Path, kernel: object, *args: object) -> str:
     files = list(tmp_path.glob("*.ptx"))
     assert len(files) == 1, files
     return files[0].read_text()
+
+
+def ptxas_usage(tmp_path: Path) -> tuple[int, int, int]:
+    """(registers, spill bytes stored, spill bytes loaded) per thread that `ptxas -v` reports
+    for the one .ptx in tmp_path (sm_90a); the caller skips when ptxas is not installed.
+    Shared with test_kernel_moe_experts_one."""
+    src = next(tmp_path.glob("*.ptx"))
+    res = subprocess.run(["ptxas", "-v", "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert spill is not None
+    return regs, int(spill.group(1)), int(spill.group(2))
 
 
 def divergent_shuffles(ptx: str) -> list[str]:
@@ -152,20 +168,13 @@ def test_fc2_v2_registers_with_ptxas(tmp_path: Path) -> None:
     the 896 CTAs of M = 1 in one wave); the old FC2 needs ~126 (2 CTAs of 8 warps per SM).
     ptxas spills a few words under that cap (20 B stored, 32 B loaded per thread with
     CUDA 13.0's ptxas): bounded here so that growth shows."""
-    import re
-    import shutil
-    import subprocess
     if shutil.which("ptxas") is None:
         pytest.skip("ptxas not installed")
     cfg = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, K3_CFG.inter, K3_CFG.top_k, K3_CFG.experts, i64, pdl=True)
     ptx_of(tmp_path, ExpertsFC2v2(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
-    src = next(tmp_path.glob("*.ptx"))
-    res = subprocess.run(["ptxas", "-v", "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True, check=True)
-    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    regs, spill_st, spill_ld = ptxas_usage(tmp_path)
     assert regs <= 72
-    assert spill is not None and int(spill.group(1)) <= 32 and int(spill.group(2)) <= 48
+    assert spill_st <= 32 and spill_ld <= 48
 
 
 def test_fc1_int32_idx_compiles(tmp_path: Path) -> None:
