@@ -43,10 +43,11 @@ and the kernel is in `VERIFIED`):
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
-  launch (MAX_ROWS["experts_pdl"]), so its weight loads start while FC1 finishes.
-  `experts_one` (kernels/moe_experts_one.py): FC1 + FC2 v2 as work items of one persistent
-  launch (FC2 items wait on a grid-wide completion counter), bit-equal to the two kernels,
-  at M ≤ MAX_ROWS["experts_one"]; one kernel fewer per layer.
+  launch (MAX_ROWS["experts_pdl"]), so its weight loads start while FC1 finishes. With
+  `experts_v2` FC2 is ExpertsFC2v2 (one wave, every lane loading: 23.5 vs 26.0 us at M = 1).
+  `experts_one` (kernels/moe_experts_one.py, opt-in: OPT_IN): FC1 + FC2 v2 as work items of
+  one persistent launch (FC2 items wait on a grid-wide completion counter), bit-equal to the
+  two kernels, at M ≤ MAX_ROWS["experts_one"]; one kernel fewer per layer, but slower.
 - MoE tail (`moe_up`, kernels/moe_up.py): the all-reduce of the routed latent and the shared
   expert's reduce-scatter are summed from their slots, then latent RMSNorm, this rank's
   up-projection rows and the shared add, written into the all-gather slot: one launch for
@@ -55,6 +56,8 @@ and the kernel is in `VERIFIED`):
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
   stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the first GEMV measured 33 us vs 13.8 us).
+  With `gemv_tuned` each weight shape at M = 1 takes the configuration its device sweep found
+  fastest (gemv.TUNED / TUNED_MULTI: split-K for in_proj, cache hints, unroll 7).
 - MLA: at M = 1 qkv_a and g_proj are one `gemv_multi` grid (op `qkv_a_g`; 41 MB), above it
   g_proj stays on the side stream until the gate needs it; the query positions pos + t_off
   are computed once per step by FusedDecoder, not in every MLA layer; `mla_glue` fuses W_UK
