@@ -100,17 +100,18 @@ from kimi_decode.stock import Runtime, StockDecoder
 VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "prefetch",
                                     "kda_split", "experts", "router_fast", "attn_res_ar", "attn_res_ag",
                                     "gemv_variants", "moe_up", "mla_attend", "mla_glue", "gemv_multi",
-                                    # fourth round, checked on the H200 at e859ebe (2026-12-02 21:47 UTC)
+                                    # fourth and fifth rounds: every check passed at 801b1da
+                                    # (2026-12-02 22:24-22:28 UTC, bench/fused_correctness.md)
                                     "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv",
-                                    # fifth round, checked at c3b2f59 / c70b123 (22:19-22:24 UTC)
                                     "kda_fast", "experts_one", "gemv_tuned"})
 # Verified but opt-in (kernels={..., name}), both slower where they would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
-# - experts_one (FC1 + FC2 in one persistent launch, one kernel fewer per layer): 29.2 us vs
-#   23.5 us for FC1 + FC2 v2 with PDL at M = 1 (cold weights; 163 vs 141 us at M = 8); the
-#   B = 1 step with it (and kda_fast, itself 0.3 us faster than kda_split in its check) took
-#   105.3 / 124.3 us (KDA / MLA) against 97.1 / 114.5 us without both (runs c3b2f59, e859ebe).
+# - experts_one (FC1 + FC2 in one persistent launch, one kernel fewer per layer): 29.0 us vs
+#   23.6 us for FC1 + FC2 v2 with PDL at M = 1 (cold weights; 163 vs 143 us at M = 8;
+#   bench/fused_correctness.md); the B = 1 step with it (and kda_fast, itself 0.4 us faster
+#   than kda_split in its check) took 105.3 / 124.3 us (KDA / MLA) against 97.1 / 114.5 us
+#   without both (bench/fused_runs.md).
 OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
@@ -134,24 +135,25 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - gemv_multi: M = 1, as the plain GEMV it is made of (kernels/gemv.py GEMV_MAX_ROWS).
 # - mla_norm_fold: M = 1, as the GEMV whose prologue takes qkv_norm's q half (the kernel
 #   itself is correct to M = 8, see kernels/mla_norm_fold.py; from M = 2 q_b is stock's GEMM).
-#   H200: 6.4 vs 7.5 us for qkv_norm + q_b + uk_insert at M = 1; at M = 8 17.1 vs 10.4 us.
+#   H200 (bench/fused_correctness.md, 801b1da): 6.35 vs 7.49 us for qkv_norm + q_b + uk_insert
+#   at M = 1; at M = 8 17.2 vs 10.4 us.
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.
 # - attn_res_mc (one row over a cluster of 7 CTAs, kernels/attn_res_mc.py): M = 1 (its check on
-#   the H200, CUDA-graph replays at M = 1: ar mode nb = 1 3.54 vs 5.18 us for the one-CTA
-#   kernel, nb = 8 4.84 vs 8.96; plain nb = 1 2.97 vs 3.80; ag nb = 1 3.02 vs 3.99); at larger
+#   the H200, CUDA-graph replays at M = 1: ar mode nb = 1 3.54 vs 5.19 us for the one-CTA
+#   kernel, nb = 8 4.85 vs 8.97; plain nb = 1 3.00 vs 3.81; ag nb = 1 3.02 vs 3.90); at larger
 #   M the one-CTA kernel already has M CTAs on M SMs.
 # - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
-#   23.5 vs 26.0 us at M = 1, 142.1 vs 155.5 us at M = 8).
+#   23.7 vs 26.2 us at M = 1, 141.9 vs 155.4 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
-#   22.0 us vs 19.4 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
+#   22.0 us vs 19.7 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
 #   final merge); kept for the kernel count: in the B = 1 bench at 801b1da the MLA layer took
-#   113.8 us in 13 kernels with it and 111.2 us in 14 without it (a second run at that commit).
+#   113.8 us in 13 kernels with it and 111.2 us in 14 without it (bench/fused_runs.md).
 # - experts_one (FC1 + FC2 v2 in one persistent launch, kernels/moe_experts_one.py): M = 1 when
 #   opted in (OPT_IN: slower, see there); the kernel is correct to M = 8.
-# - kda_fast: B = 1, T = 1 (6.17 vs 6.45 us for kda_split in its check, bit-identical; at B = 8
-#   12.9 vs 9.6 us, so not there).
+# - kda_fast: B = 1, T = 1 (6.20 vs 6.57 us for kda_split in its check, bit-identical; at B = 8
+#   13.1 vs 9.6 us, so not there).
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1}
 

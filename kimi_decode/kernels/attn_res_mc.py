@@ -56,9 +56,9 @@ Expected at M = 1 (not measured: the device check times it; arithmetic):
   cut each thread's loads from 4·(nb+3) to (nb+3) vectors (one round trip's worth), expected
   ~2.5-3.5 us. Together ~4-5 us of the two ops' 10.7 us per layer, if the cluster barriers
   cost what a CTA barrier round through shared memory does (~0.1-0.3 us each; unmeasured).
-Measured (H200, check at e859ebe, 2026-12-02, CUDA-graph replays, M = 1, no block write):
-ar nb = 1 3.54 us vs 5.18 for the one-CTA kernel (nb = 8: 4.84 vs 8.96); plain nb = 1 2.97 vs
-3.80 (nb = 8: 4.38 vs 6.98); ag nb = 1 3.02 vs 3.99; stock's op chain 25-32 us. Every mode
+Measured (H200, check at 801b1da, bench/fused_correctness.md; CUDA-graph replays, M = 1, no
+block write): ar nb = 1 3.54 us vs 5.19 for the one-CTA kernel (nb = 8: 4.85 vs 8.97); plain
+nb = 1 3.00 vs 3.81 (nb = 8: 4.40 vs 7.21); ag nb = 1 3.02 vs 3.90; stock's op chain 25-32 us. Every mode
 passed (prefix' and blocks equal to the one-CTA kernel and stock).
 
 Check on the GPU (vs the one-CTA kernel and stock, every mode, timing both):

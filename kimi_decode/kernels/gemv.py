@@ -577,7 +577,8 @@ def _out_for(m: int, n: int, like: torch.Tensor, out: torch.Tensor | None) -> to
 # kernel "gemv_tuned": per-shape configurations used at M = 1 while the kernel is enabled
 # (fused.enable() calls set_tuned), each the fastest of the device sweep (check_sweep on the
 # H200 at c70b123, 2026-12-02 22:24 UTC, cold weights, one pass; every config there checked
-# equal to the default, split-K within bf16 tolerance). gemv(): key (N, K) of the weight;
+# equal to the default, split-K within bf16 tolerance; its table is in bench/fused_runs.md, the
+# same check at 801b1da in bench/fused_correctness.md). gemv(): key (N, K) of the weight;
 # gemv_multi: key (K, segment N's, with router). Shapes not listed keep the default layout
 # (q_b runs gemv_rmsnorm at M = 1 under mla_norm_fold, which these tables do not touch).
 TUNED: dict[tuple[int, int], dict[str, object]] = {

@@ -55,9 +55,9 @@ of 8, and 1 global load after the first barrier (the o row re-read) instead of 4
 Expected saving ≈ one L2/HBM round trip (f_b, 700-1000 cycles) + one L2 round trip (gate,
 ~700) + 2 barriers (~60-100) ≈ 1500-1800 cycles ≈ 0.75-0.9 µs of the 8.2-8.4 µs: ≈ 7.3-7.6 µs
 expected in the step, an expectation until the device check times it.
-Measured (H200, check at c3b2f59, CUDA-graph replays, warm weights): B = 1 6.17 µs vs 6.45
-for kda_split (stock's ops 72.3), out, rec_state and conv_state bit-identical to kda_split;
-B = 8: 12.9 vs 9.6 µs (not used there). So the chain above is not where most of the step's
+Measured (H200, check at 801b1da, bench/fused_correctness.md; CUDA-graph replays, warm
+weights): B = 1 6.20 µs vs 6.57 for kda_split (stock's ops 72.5), out, rec_state and
+conv_state bit-identical to kda_split; B = 8: 13.1 vs 9.6 µs (not used there). So the chain above is not where most of the step's
 8.2 µs goes; the remaining latency is not yet located.
 
 Why not "every CTA spins on the head counter and normalises its own columns": the row's

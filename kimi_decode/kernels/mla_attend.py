@@ -78,10 +78,11 @@ shuffles and one barrier per thread (~0.3 µs): ~1.5-2 µs added to mla_attend, 
 uv_gate's 2.4 µs (graph replays, bench/fused_correctness.md) + the launch gap between the
 two kernels in the step (~1 µs): ~1-2 µs saved per MLA layer and one launch fewer. An
 expectation until the device check (check_uv) times both.
-Measured (H200, check_uv at e859ebe, cold): 21.95 µs vs 19.44 µs for mla_attend + uv_gate
-(stock 19.8), i.e. the expectation above was wrong: the uv part costs ~5.7 µs after the
-attention instead of ~1.5-2 (o and o_lat bit-equal to the two launches, counters zero after
-replays). Merge groups 9 / 15 instead of 11: 22.3 / 22.1 µs. It stays in use at B = 1 for
+Measured (H200, check_uv at 801b1da, bench/fused_correctness.md; cold): 22.0 µs vs 19.7 µs
+for mla_attend + uv_gate (stock 19.9), i.e. the expectation above was wrong: the uv part
+costs ~5.8 µs after the attention instead of ~1.5-2 (o and o_lat bit-equal to the two
+launches, counters zero after replays). Other merge group sizes (group 9, 16): 22.0 / 22.4 µs.
+In the B = 1 step the MLA layer takes 113.8 µs with it, 111.2 µs without (bench/fused_runs.md). It stays in use at B = 1 for
 the kernel count (fused.MAX_ROWS notes); where the extra time goes is not yet known.
 
 Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd; times both):

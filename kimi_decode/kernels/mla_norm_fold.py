@@ -47,9 +47,10 @@ Expected at M = 1 (trace figures, not measured for the new kernels): old = 1.8 (
 (q_b) + 2.5 (uk_insert) = 7.7 µs plus one more launch gap; new ≈ (3.4 + ~0.3 for the x row's
 L2 round trip and 5 shuffles before the first FMA) + (2.5 + ~0.1) ≈ 6.3 µs, i.e. ~1.4 µs
 and one launch gap (~1 µs in the step) less per MLA layer; the check times both.
-Measured (H200, check at e859ebe, CUDA-graph replays, cold weights): M = 1 6.41 µs vs 7.47
-for qkv_norm + q_b + uk_insert (stock's four ops 17.3); q equal to gemv(stock qa) bit for bit
-and the cache equal to stock's; at M = 8 17.1 vs 10.4 µs, so the per-M table keeps M = 1.
+Measured (H200, check at 801b1da, bench/fused_correctness.md; CUDA-graph replays, cold
+weights): M = 1 6.35 µs vs 7.49 for qkv_norm + q_b + uk_insert (stock's four ops 17.4); q equal
+to gemv(stock qa) bit for bit and the cache equal to stock's; at M = 8 17.2 vs 10.4 µs, so the
+per-M table keeps M = 1.
 
 Check on the GPU (against stock's mla_norms (the Triton op of the compiled stock step, and
 the eager torch op) + the q_b GEMV + the verified uk_insert; float64 reference; times old

@@ -76,9 +76,10 @@ measured): latency + 22 MB / 3.8 TB/s ≈ 1 + 5.8 ≈ 7 us cold, against 13.6 us
 the step FC2 CTAs become resident beside FC1's (~3 per SM at 40 registers ≈ 30 K registers)
 only as far as registers allow (~4 of the 7), the rest as FC1 drains. At M = 8: 7,168 CTAs,
 ~7.8 waves of the same per-CTA burst (24 KB).
-Measured (H200, check_v2 at e859ebe, cold weights cycling 4 routings, FC1 included): M = 1
-with PDL 23.5 us vs 26.0 for FC1 + ExpertsFC2 (without PDL 25.5 vs 27.6); M = 8 with PDL
-142.1 vs 155.5 us. Equal to ExpertsFC2 bit for bit at M = 1 in that run, within 1e-2 at M = 8.
+Measured (H200, check_v2 at 801b1da, bench/fused_correctness.md; cold weights cycling 4
+routings, FC1 included): M = 1 with PDL 23.7 us vs 26.2 for FC1 + ExpertsFC2 (without PDL
+25.6 vs 27.6); M = 8 with PDL 141.9 vs 155.4 us. Equal to ExpertsFC2 bit for bit at M = 1 in
+that run, within 1e-2 at M = 8.
 
 PDL (`pdl=True`): FC2 is launched with programmatic stream serialization; FC1 executes
 `griddepcontrol.launch_dependents` at its start, so FC2's CTAs may start (and issue their w2

@@ -52,8 +52,9 @@ early stream w2 while other CTAs still run FC1): ~1-3 us, i.e. ~20.5-22.5 us exp
 the cost of ~2.6 K same-address atomics (tickets + completions, spread over the run) and a
 flag round trip (~1 us) that FC2 items hide behind their w2 loads. KDA 10 -> 9 and MLA
 13 -> 12 kernels per layer.
-Measured (H200, check at c3b2f59, cold weights): M = 1 29.2 µs vs 23.5 for FC1 + FC2v2 with
-PDL (M = 8: 163.3 vs 140.8), bit-equal to them, counters zero after replays. Slower, so the
+Measured (H200, check at 801b1da, bench/fused_correctness.md; cold weights): M = 1 29.0 µs
+vs 23.6 for FC1 + FC2v2 with PDL (M = 8: 163.0 vs 142.9), bit-equal to them, counters zero
+after replays; the B = 1 step was slower with it (bench/fused_runs.md). Slower, so the
 expectation above was wrong (likely suspects, unverified: the ~900 pollers above, the spill
 under the 72-register cap); fused.OPT_IN keeps it out of the default kernel set.
 

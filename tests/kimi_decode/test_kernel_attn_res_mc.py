@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -34,6 +33,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Float32, Int32  # noqa: E402
 
+from tests.kimi_decode.ptxas_tool import ptxas_path
 import kimi_decode.kernels.attn_res as k_ar  # noqa: E402
 import kimi_decode.kernels.attn_res_mc as k_mc  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
@@ -89,7 +89,7 @@ def test_attn_res_mc_compiles(tmp_path: Path, nb: int, has_delta: bool, write: b
     if gather:
         assert re.search(r"mad\.lo\.s32\s+%r\d+, %r\d+, 448,", ptx)      # buffer row stride n
     assert not shuffles_in_branches(ptx)
-    ptxas = shutil.which("ptxas")
+    ptxas = ptxas_path()
     if ptxas:
         f = tmp_path / "k.ptx"
         f.write_text(ptx)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cute = pytest.importorskip("cutlass.cute")
 
+from tests.kimi_decode.ptxas_tool import ptxas_path
 from kimi_decode.config import k3_tp16, tiny  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
 from kimi_decode.kernels import gemv as kg  # noqa: E402
@@ -42,7 +42,7 @@ def _ptx(tmp_path: Path, kernel: object, *args: object, max_spill: int = 0) -> t
     files = list(tmp_path.glob("*.ptx"))
     assert len(files) == 1, files
     regs = None
-    ptxas = shutil.which("ptxas")
+    ptxas = ptxas_path()
     if ptxas:
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(files[0]), "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr

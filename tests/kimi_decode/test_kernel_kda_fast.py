@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cute = pytest.importorskip("cutlass.cute")
 
+from tests.kimi_decode.ptxas_tool import require_ptxas
 from kimi_decode.kernels.kda_fast import KDAFast, can_implement, kda_decode_fast  # noqa: E402
 from kimi_decode.kernels.kda_split import KDASplit, KDASplitConfig, make_scratch  # noqa: E402
 from tests.kimi_decode.test_kernel_kda_split import _fake_split, _wrong_split, k3_kcfg, ptx_of  # noqa: E402
@@ -56,9 +56,7 @@ def test_kda_split_has_the_longer_chain(tmp_path: Path) -> None:
 def test_ptxas_registers(tmp_path: Path) -> None:
     """ptxas (where installed): the 128 registers of f_b + f_a fit; measured on the CPU at
     2026-12-02: 168 registers and a 4-byte spill (one value through L1), vs kda_split's 56."""
-    ptxas = shutil.which("ptxas")
-    if not ptxas:
-        pytest.skip("ptxas not installed")
+    ptxas = require_ptxas()
     f = tmp_path / "k.ptx"
     f.write_text(ptx_of(tmp_path, k3_kcfg(0), 16, KDAFast))
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -35,6 +34,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Int32  # noqa: E402
 
+from tests.kimi_decode.ptxas_tool import ptxas_path, require_ptxas
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
@@ -93,7 +93,7 @@ def ptxas_usage(tmp_path: Path, ptx: str) -> tuple[int, int]:
     """(registers, spill bytes) from ptxas -v, as the device will load the kernel."""
     src = tmp_path / "k.ptx"
     src.write_text(ptx)
-    res = subprocess.run([shutil.which("ptxas"), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+    res = subprocess.run([require_ptxas(), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True, check=True)
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", res.stderr))
@@ -123,7 +123,7 @@ def test_compiles_k3_uv_mode(tmp_path: Path) -> None:
     assert sum(fences[0] < i < atoms[0] for i in v4) == 4
     assert sum(i > poll for i in v4) == 1
     assert base.count("ld.global.v4") + 4 + 1 == ptx.count("ld.global.v4")
-    if shutil.which("ptxas"):
+    if ptxas_path():
         regs, spills = ptxas_usage(tmp_path, ptx)
         regs0, _ = ptxas_usage(tmp_path, base)
         assert spills == 0 and regs <= regs0 <= 168, (regs, regs0)   # 158 at commit time

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,15 +31,15 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cute = pytest.importorskip("cutlass.cute")
 
-from cutlass import Int32  # noqa: E402
 
+from tests.kimi_decode.ptxas_tool import require_ptxas
 import kimi_decode.kernels.gemv as k_gemv  # noqa: E402
 import kimi_decode.kernels.mla_glue as k_glue  # noqa: E402
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import CHECK_MODULES, KERNELS, _common  # noqa: E402
 from kimi_decode.kernels.gemv import GemvConfig, GemvRMSNorm, can_implement_norm, emulate_rmsnorm  # noqa: E402
-from kimi_decode.kernels.mla_glue import MLAGlue, can_implement_uk_norm, config_uk, config_uk_norm  # noqa: E402
+from kimi_decode.kernels.mla_glue import can_implement_uk_norm, config_uk, config_uk_norm  # noqa: E402
 from tests.kimi_decode.test_kernel_mla_glue import (common_checks, idx_shuffles_after_first_branch,  # noqa: E402
                                                     shuffles_in_branches)
 from tests.kimi_decode.test_kernel_mla_glue import ptx_of as glue_ptx  # noqa: E402
@@ -103,10 +102,10 @@ def test_gemv_rmsnorm_ptx(tmp_path: Path, m: int) -> None:
     assert ptx.count("st.global") == m                             # the one predicated store per row
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on this machine")
 def test_gemv_rmsnorm_registers(tmp_path: Path) -> None:
     """M = 1: ≤ 128 registers (2 CTAs of 256 threads per SM, all 144 CTAs resident) and no
     spills (uncapped, ptxas took 145; with the 6 norm-weight slices held up front it spilled)."""
+    require_ptxas()
     gemv_ptx(tmp_path, 1)
     f = next(tmp_path.glob("*.ptx"))
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-O3", str(f), "-o", str(tmp_path / "k.cubin")],
@@ -138,8 +137,8 @@ def test_uk_insert_norm_ptx(tmp_path: Path, m: int, t: int) -> None:
     assert len([i for i in vec if i < shf[0]]) == 4 + 2
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on this machine")
 def test_uk_insert_norm_registers(tmp_path: Path) -> None:
+    require_ptxas()
     glue_ptx(tmp_path, config_uk_norm(8, 1, H, NOPE, ROPE, C, A, QL + C, QL, EPS))
     f = next(tmp_path.glob("*.ptx"))
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", "-O3", str(f), "-o", str(tmp_path / "k.cubin")],

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -31,6 +30,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Float32, Int32  # noqa: E402
 
+from tests.kimi_decode.ptxas_tool import require_ptxas
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.comm import LocalComm, SideStream  # noqa: E402
 from kimi_decode.config import k3_tp16, tiny  # noqa: E402
@@ -168,8 +168,7 @@ def test_fc2_v2_registers_with_ptxas(tmp_path: Path) -> None:
     the 896 CTAs of M = 1 in one wave); the old FC2 needs ~126 (2 CTAs of 8 warps per SM).
     ptxas spills a few words under that cap (20 B stored, 32 B loaded per thread with
     CUDA 13.0's ptxas): bounded here so that growth shows."""
-    if shutil.which("ptxas") is None:
-        pytest.skip("ptxas not installed")
+    require_ptxas()
     cfg = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, K3_CFG.inter, K3_CFG.top_k, K3_CFG.experts, i64, pdl=True)
     ptx_of(tmp_path, ExpertsFC2v2(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
     regs, spill_st, spill_ld = ptxas_usage(tmp_path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Float32, Int32  # noqa: E402
 
+from tests.kimi_decode.ptxas_tool import require_ptxas
 from kimi_decode.config import k3_tp16, tiny  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
 from kimi_decode.kernels.moe_experts import ExpertsConfig  # noqa: E402
@@ -97,8 +97,7 @@ def test_registers_with_ptxas(tmp_path: Path) -> None:
     """ptxas fits the kernel in 72 registers (7 CTAs x 128 threads x 72 = 64,512 ≤ 65,536);
     its spill (94 B stored / 120 B loaded per thread with CUDA 13.0's ptxas, none in the
     weight loops: checked in the SASS by hand) is bounded here so that growth shows."""
-    if shutil.which("ptxas") is None:
-        pytest.skip("ptxas not installed")
+    require_ptxas()
     ptx_of(tmp_path, K3_CFG)
     regs, spill_st, spill_ld = ptxas_usage(tmp_path)
     assert regs <= 72

@@ -7,7 +7,6 @@ tie-heavy rows.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import re
 from pathlib import Path
@@ -20,6 +19,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Int32  # noqa: E402
 
+from tests.kimi_decode.ptxas_tool import require_ptxas
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
@@ -141,10 +141,10 @@ def test_select_algorithm_ties(k: int) -> None:
     assert max(ns) == e                                       # the all-equal row: every expert a candidate
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on this machine")
 def test_registers_allow_all_ctas_resident(tmp_path: Path) -> None:
     """≤ 64 registers (.minnctapersm 4): 4 CTAs of 256 threads per SM, so all E/2 = 448 CTAs
     of the K3 grid fit in one wave on 132 SMs; no spills at M = 1."""
+    require_ptxas()
     cfg = RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling)
     ptx_of(tmp_path, cfg)
     f = next(tmp_path.glob("*.ptx"))
