@@ -34,7 +34,9 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Int32  # noqa: E402
 
-from tests.kimi_decode.ptxas_tool import ptxas_path, require_ptxas
+from tests.kimi_decode.ptxas_tool import ptxas_path, require_ptxas  # noqa: E402
+# uv_gate's contract, bf16(bf16(o_lat @ w_uv) · bf16(σ(g))), as the mla_glue tests state it
+from tests.kimi_decode.test_kernel_mla_glue import _emulate_uv as _emulate_uv_gate  # noqa: E402
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
@@ -286,14 +288,6 @@ def _emulate_attend(q_full, cache, last, heads, c, scale, scratch=None):
     """mla_attend's contract (float64 statement, o_lat rounded to bf16; positions past `last`
     are never read, here by zeroing the NaNs the check puts there)."""
     return reference(q_full, cache.nan_to_num(0.0), last, heads, c, scale).to(bf)
-
-
-def _emulate_uv_gate(o_lat, w_uv, g):
-    """uv_gate's contract: bf16(bf16(o_lat @ w_uv) · bf16(σ(g)))."""
-    H, c, vd = w_uv.shape
-    M = g.shape[0]
-    y = torch.einsum("mhk,hkj->mhj", o_lat.reshape(M, H, c).double(), w_uv.double()).reshape(M, -1)
-    return (y.to(bf).float() * torch.sigmoid(g.float()).to(bf).float()).to(bf)
 
 
 @pytest.fixture

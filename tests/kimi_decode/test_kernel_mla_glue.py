@@ -265,6 +265,7 @@ def _emulate_uk(q, a, ckv, w_uk_t, cache, pos, T, rope_off):
 
 
 def _emulate_uv(o_lat, w_uv, g):
+    """uv_gate's contract: bf16(bf16(o_lat @ w_uv) · bf16(σ(g))) (test_kernel_mla_attend uses it too)."""
     H, c, vd = w_uv.shape
     M = g.shape[0]
     y = torch.einsum("mhk,hkj->mhj", o_lat.reshape(M, H, c).double(), w_uv.double()).reshape(M, -1)
