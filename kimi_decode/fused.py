@@ -691,6 +691,7 @@ class FusedDecoder(StockDecoder):
         """StockDecoder.forward, plus: a `Gathered` output of the last layer (its all-gather
         left for a next layer that is not there) is concatenated here, inside the step."""
         cfg = self.cfg
+        self._apply_modes()
         with step_range():
             for layer in self.layers:
                 m, prefix = layer(m, prefix, blocks, self.pos)
@@ -717,6 +718,17 @@ class FusedDecoder(StockDecoder):
         for attn in mla:
             attn.last_buf = self.mla_last
 
+    def _apply_modes(self) -> None:
+        """Set the process-wide kernel modes of this model's kernel set (gemv.TUNED tables,
+        the PDL chain): at enable() and at every forward, so two fused models with different
+        sets in one process (the chain's device check) each run as enabled."""
+        if self._tuned or "kimi_decode.kernels.gemv" in sys.modules:
+            from kimi_decode.kernels import gemv as k_gemv
+            k_gemv.set_tuned(self._tuned)
+        if self._chain or "kimi_decode.kernels.chain" in sys.modules:
+            from kimi_decode.kernels import chain as k_chain
+            k_chain.set_chain(self._chain)
+
     def enable(self, kernels: frozenset[str]) -> frozenset[str]:
         """Switch the named kernels on where they can run (GPU, supported shapes), the rest
         off; returns the set actually enabled."""
@@ -727,10 +739,11 @@ class FusedDecoder(StockDecoder):
         # per-shape GEMV configurations at M = 1 (kernels/gemv.py TUNED, TUNED_MULTI): a flag of
         # the gemv module, read by gemv() and gemv_multi at each call (so it applies to every
         # model in the process; the tables hold only shapes the device sweep measured)
-        tuned = {"gemv", "gemv_tuned"} <= on
-        if tuned or "kimi_decode.kernels.gemv" in sys.modules:
-            from kimi_decode.kernels import gemv as k_gemv
-            k_gemv.set_tuned(tuned)
+        self._tuned = {"gemv", "gemv_tuned"} <= on
+        # the PDL chain (kernels/chain.py): likewise a process-wide flag, read when a kernel is
+        # traced (and part of its compile key)
+        self._chain = "pdl_chain" in on
+        self._apply_modes()
         # collectives finished inside kernels: only for the one-GPU simulation, whose slot
         # buffers the kernels can address (real NCCL keeps its own collectives)
         sim = bool(getattr(self.rt.comm, "simulated", False))

@@ -25,7 +25,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # fifth round: kda_split at T = 1 with every global load issued up front (shorter
            # chain); the routed experts' FC1 + FC2 v2 in one persistent launch; per-shape GEMV
            # configurations at M = 1 (gemv.TUNED / TUNED_MULTI; check_sweep times them)
-           "kda_fast", "experts_one", "gemv_tuned")
+           "kda_fast", "experts_one", "gemv_tuned",
+           # sixth round: the layer's kernels launched with programmatic dependent launch, each
+           # prefetching its weights before its wait (kernels/chain.py)
+           "pdl_chain")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -33,7 +36,7 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "mla_attend": "mla_attend", "mla_glue": "mla_glue", "gemv_multi": "gemv_multi",
                  "experts_v2": "moe_experts", "attn_res_mc": "attn_res_mc", "mla_norm_fold": "mla_norm_fold",
                  "mla_attend_uv": "mla_attend", "kda_fast": "kda_fast", "experts_one": "moe_experts_one",
-                 "gemv_tuned": "gemv"}
+                 "gemv_tuned": "gemv", "pdl_chain": "chain_check"}
 
 
 def applicable(name: str, cfg: object) -> bool:

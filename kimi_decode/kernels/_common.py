@@ -64,7 +64,10 @@ _CACHE: dict[Any, Any] = {}
 
 
 def compiled(key: Any, build: Callable[[], Any]) -> Any:
-    """Compile once per key (a kernel class plus its compile-time configuration)."""
+    """Compile once per key (a kernel class plus its compile-time configuration) and PDL chain
+    mode (kernels/chain.py: a kernel traced with the chain is never launched without it)."""
+    from kimi_decode.kernels import chain
+    key = (key, chain.key())
     fn = _CACHE.get(key)
     if fn is None:
         fn = _CACHE[key] = build()

@@ -78,7 +78,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 
-from kimi_decode.kernels import attn_res
+from kimi_decode.kernels import attn_res, chain
 from kimi_decode.kernels._common import current_stream, ptr
 from kimi_decode.kernels.attn_res import VEC, AttnResConfig, AttnResRMSNorm
 from kimi_decode.kernels.attn_res import can_implement as one_cta_can_implement
@@ -140,7 +140,7 @@ class AttnResMC(AttnResRMSNorm):
         self.kernel(self._rows(out, m), mBlk, self._rows(prefix, m), mDel,
                     self._rows(prefix_out, m), mW, mN, write_slot, eps).launch(
             grid=[self.ctas, m, 1], block=[self.threads, 1, 1], cluster=[self.ctas, 1, 1],
-            stream=stream)
+            stream=stream, use_pdl=chain.chain_on())
 
     @cute.jit
     def col(self, q: Int32, tidx: Int32, i: cutlass.Constexpr[int]) -> Int32:
@@ -231,6 +231,9 @@ class AttnResMC(AttnResRMSNorm):
             c = self.col(q, tidx, i)
             cute.autovec_copy(mW[c, None], wv[i, None])
             cute.autovec_copy(mN[c, None], nv[i, None])
+        # PDL chain: the weights above are constants; every source below was written by
+        # earlier kernels of the step
+        chain.enter()
         # every source of this thread's vectors, fp32, kept in registers for pass 2 (no re-read:
         # each source byte is read from global memory once in the whole grid)
         vr = cute.make_rmem_tensor(cute.make_layout((self.nsrc, self.vpt, VEC),

@@ -138,6 +138,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32  # noqa: F401
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import (compile_options, compiled, current_stream, dummy_ptr, ptr,
                                          sigmoid)
 
@@ -250,6 +251,9 @@ class Gemv:
         assert cfg.unroll >= 1, cfg
         self.cpc = cfg.warps * cfg.per_warp             # plain layout: output columns per CTA
         self.ctas = (cfg.n + self.cpc - 1) // self.cpc if cfg.cols == 0 else (cfg.n + cfg.cols - 1) // cfg.cols
+        # PDL chain (kernels/chain.py): bytes of each weight row prefetched into L2 before the
+        # wait (0 without the chain; gemv_multi re-sets it for its total rows)
+        self.pf = chain.row_prefetch_bytes(cfg.k * 2, cfg.n)
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
@@ -260,13 +264,16 @@ class Gemv:
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
         if cutlass.const_expr(self.cfg.situ):
             self.kernel_situ(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
-                                                block=[WARPS * 32, 1, 1], stream=stream)
+                                                block=[WARPS * 32, 1, 1], stream=stream,
+                                                use_pdl=chain.chain_on())
         elif cutlass.const_expr(self.cfg.cols > 0):
             self.kernel_splitk(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
-                                                  block=[self.kw * 32, 1, 1], stream=stream)
+                                                  block=[self.kw * 32, 1, 1], stream=stream,
+                                                  use_pdl=chain.chain_on())
         else:
             self.kernel(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
-                                           block=[self.cfg.warps * 32, 1, 1], stream=stream)
+                                           block=[self.cfg.warps * 32, 1, 1], stream=stream,
+                                           use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
@@ -278,11 +285,26 @@ class Gemv:
     @cute.jit
     def warp_columns(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, wid: Int32, lane: Int32):
         """Warp `wid` of the plain layout: column wid (per_warp = 1, the original kernel's
-        code) or columns wid·P .. wid·P + P - 1 (per_warp = P); also gemv_multi's segments."""
+        code) or columns wid·P .. wid·P + P - 1 (per_warp = P); also gemv_multi's segments.
+        With the PDL chain, lane 0 first prefetches the first `pf` bytes of each of the warp's
+        rows into L2, then the chain's wait (kernels/chain.py)."""
+        if cutlass.const_expr(chain.chain_on()):
+            self.chain_prefetch_rows(mW, wid * self.cfg.per_warp, self.cfg.per_warp, lane == 0)
+            chain.enter()
         if cutlass.const_expr(self.cfg.per_warp == 1):
             self.column(mX, mW, mO, wid, lane)
         else:
             self.columns(mX, mW, mO, wid * self.cfg.per_warp, lane)
+
+    @cute.jit
+    def chain_prefetch_rows(self, mW: cute.Tensor, row0: Int32, nrows: cutlass.Constexpr[int], pred):
+        """PDL chain: where `pred`, one L2 prefetch of the first `pf` bytes of each weight row
+        row0 .. row0 + nrows - 1 (clamped to N - 1: in bounds)."""
+        if cutlass.const_expr(self.pf > 0):
+            if pred:
+                for q in cutlass.range_constexpr(nrows):
+                    r = cutlass.min(row0 + q, Int32(self.cfg.n - 1))
+                    chain.prefetch(mW.iterator + r * self.cfg.k, self.pf)
 
     @cute.jit
     def load_w(self, src: cute.Tensor, dst: cute.Tensor):
@@ -381,6 +403,11 @@ class Gemv:
             colc = cutlass.min(col, Int32(self.cfg.n - 1))
             for i in cutlass.range_constexpr(self.slices):
                 cute.autovec_copy(mW[colc, lane + i * 32, None], wall[i, None])
+        # PDL chain: h is the previous kernel's output (the row above is a weight: before it)
+        if cutlass.const_expr(chain.chain_on()):
+            if cutlass.const_expr(not self.preload):
+                self.chain_prefetch_rows(mW, col, 1, lane == 0)
+            chain.enter()
         # Prologue (every thread of the CTA, also warps past N): x = bf16(SiTU(gate, up)).
         gv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
         uv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
@@ -450,6 +477,10 @@ class Gemv:
         acc.fill(0.0)
         wv = cute.make_rmem_tensor(cute.make_layout((C, vec), stride=(vec, 1)), mW.element_type)
         xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+        # PDL chain: thread q < C prefetches the first bytes of the CTA's weight row q
+        if cutlass.const_expr(chain.chain_on()):
+            self.chain_prefetch_rows(mW, bidx * C + tidx, 1, tidx < C)
+            chain.enter()
         # Round i: warp w takes slice w + kw·i, so the CTA streams each of its C weight rows
         # front to back in kw·512-byte steps (vec = 8).
         for i in cutlass.range(self.full, unroll=2):
@@ -500,7 +531,8 @@ class GemvRMSNorm(Gemv):
         # device at compile time (no GPU in CI), as moe_experts does.
         self.kernel_norm(mX, mN, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
                                                 block=[WARPS * 32, 1, 1], stream=stream,
-                                                min_blocks_per_mp=2, preferred_smem_carveout=-1)
+                                                min_blocks_per_mp=2, preferred_smem_carveout=-1,
+                                                use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel_norm(self, mX: cute.Tensor, mN: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
@@ -515,6 +547,7 @@ class GemvRMSNorm(Gemv):
         wall = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mW.element_type)
         for i in cutlass.range_constexpr(S):
             cute.autovec_copy(mW[colc, lane + i * 32, None], wall[i, None])
+        chain.enter()      # PDL chain: x (qkv_a's output) is read below, the weights above
         nv = cute.make_rmem_tensor(cute.make_layout(vec), mN.element_type)
         xv = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mX.element_type)
         xn = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)

@@ -55,6 +55,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels import gemv as kg
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
@@ -101,6 +102,9 @@ class GemvMulti:
         self.gemvs = [Gemv(GemvConfig(n, cfg.k, cfg.rows, unroll=cfg.unroll, per_warp=cfg.per_warp,
                                       warps=cfg.warps, hint=cfg.hint)) for n in cfg.segs]
         self.ctas = [g.ctas for g in self.gemvs]
+        pf = chain.row_prefetch_bytes(cfg.k * 2, sum(cfg.segs))   # PDL chain: one budget for all
+        for g in self.gemvs:
+            g.pf = pf
         assert cfg.router is None or cfg.warps == WARPS, cfg
         self.router = None
         self.rctas = 0
@@ -135,10 +139,12 @@ class GemvMulti:
         if cutlass.const_expr(self.router is not None):
             self.kernel(mX, mW0, mO0, mW1, mO1, mW2, mO2, mG, mB, mL, mC, mI, mR).launch(
                 grid=[grid, 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
-                min_blocks_per_mp=rf.MIN_CTAS, preferred_smem_carveout=rf.SMEM_CARVEOUT)
+                min_blocks_per_mp=rf.MIN_CTAS, preferred_smem_carveout=rf.SMEM_CARVEOUT,
+                use_pdl=chain.chain_on())
         else:
             self.kernel(mX, mW0, mO0, mW1, mO1, mW2, mO2, mG, mB, mL, mC, mI, mR).launch(
-                grid=[grid, 1, 1], block=[self.cfg.warps * 32, 1, 1], stream=stream)
+                grid=[grid, 1, 1], block=[self.cfg.warps * 32, 1, 1], stream=stream,
+                use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW0: cute.Tensor, mO0: cute.Tensor, mW1: cute.Tensor,
@@ -151,6 +157,7 @@ class GemvMulti:
         if cutlass.const_expr(self.router is not None):
             red, flag, cK, cI, selI, selS, sL, sB = self.router.smem_tensors()
             if bidx < self.rctas:                                   # CTA-uniform
+                chain.enter()      # PDL chain (the segments' CTAs enter in warp_columns)
                 self.router.gemv_cta(mX, mG, mL, red, bidx, tidx, warp, lane)
                 self.router.complete(mL, mB, mC, mI, mR, flag, cK, cI, selI, selS, sL, sB,
                                      Int32(self.rctas), Int32(self.cfg.rows), tidx, warp, lane)

@@ -89,6 +89,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import sigmoid
 from kimi_decode.kernels.kda_decode import CONV, KDAConfig
 from kimi_decode.kernels.kda_split import (THREADS, VEC, KDAScratch, KDASplit, KDASplitConfig,
@@ -122,7 +123,8 @@ class KDAFast(KDASplit):
                                o_buf, counter, batch)            # T = 1: row m = b
         mZv = cute.make_tensor(z, cute.make_layout((batch, self.R // VEC, VEC), stride=(self.R, VEC, 1)))
         self.kernel_fast(mZ, mZv, *rest).launch(
-            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream)
+            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream,
+            use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel_fast(self, mZ: cute.Tensor, mZv: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor,
@@ -140,10 +142,21 @@ class KDAFast(KDASplit):
         S, gq, gk, gv = self.load_slice(mS, tid, h, b, c, kr, c0)
         fb = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
         fa = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
-        for vi in cutlass.range_constexpr(d // VEC):
-            cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
-            cute.autovec_copy(mZv[row, 4 * P // VEC + vi, None], fa[vi, None])
-        hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
+        if cutlass.const_expr(chain.chain_on()):
+            # PDL chain: the state slice, f_b's row and the conv history / weights are this
+            # layer's state of the previous step and constants; z (in_proj's output) is read
+            # after the wait
+            for vi in cutlass.range_constexpr(d // VEC):
+                cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
+            hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
+            chain.enter()
+            for vi in cutlass.range_constexpr(d // VEC):
+                cute.autovec_copy(mZv[row, 4 * P // VEC + vi, None], fa[vi, None])
+        else:
+            for vi in cutlass.range_constexpr(d // VEC):
+                cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
+                cute.autovec_copy(mZv[row, 4 * P // VEC + vi, None], fa[vi, None])
+            hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
         xq = mZ[row, gq].to(Float32)
         xk = mZ[row, gk].to(Float32)
         xv = Float32(0.0)

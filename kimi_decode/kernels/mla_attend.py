@@ -103,6 +103,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, can_implement_uv as glue_can_uv, config_uv, gated
 
@@ -270,6 +271,9 @@ class MLAAttend:
         s, b, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # full-warp shuffle: here, outside every branch
         lane = cute.arch.lane_idx()
+        # PDL chain: not chained itself (launched after uk_insert completes), but o_proj may
+        # start now and prefetch its weights during this latency-bound kernel (kernels/chain.py)
+        chain.release()
 
         smem = cutlass.memory.SmemAllocator()
         s_k = smem.allocate_tensor(BFloat16, cute.make_layout((TILE, NV, VEC), stride=(D, VEC, 1)),

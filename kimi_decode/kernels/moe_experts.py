@@ -121,6 +121,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
 
 VEC = 8          # bf16 per 128-bit load
@@ -234,7 +235,8 @@ class ExpertsFC1:
         mW = cute.make_tensor(w13, cute.make_layout((E, 2 * Ip, nv, VEC), stride=(2 * Ip * L, L, VEC, 1)))
         mA = cute.make_tensor(act, cute.make_layout((m * K, Ip), stride=(Ip, 1)))
         self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
-            grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+            grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
+            use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor,
@@ -245,8 +247,13 @@ class ExpertsFC1:
         lane = cute.arch.lane_idx()
         # PDL hint: FC2 (when launched with use_pdl) may start once every FC1 CTA is running;
         # it waits (griddepcontrol.wait) for this grid's end before reading `a`. No effect
-        # on results; without use_pdl on FC2 it is a no-op.
-        cute.arch.griddepcontrol_launch_dependents()
+        # on results; without use_pdl on FC2 it is a no-op. In the PDL chain FC1 itself
+        # starts early: it waits for the router's ids first and releases FC2 only then (FC2
+        # reads the ids before its own wait; kernels/chain.py).
+        if cutlass.const_expr(chain.chain_on()):
+            chain.enter()
+        else:
+            cute.arch.griddepcontrol_launch_dependents()
         g = bidx * WARPS + warp
         fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll)
 
@@ -256,6 +263,8 @@ class ExpertsFC2:
 
     def __init__(self, cfg: ExpertsConfig) -> None:
         self.cfg = cfg
+        # launched with PDL: FC2's own flag, or always in the PDL chain (kernels/chain.py)
+        self.pdl = cfg.pdl or chain.chain_on()
         self.chunks = cfg.inter_padded // (VEC * 32)   # 128-bit slices per lane per w2 row
 
     @cute.jit
@@ -264,7 +273,7 @@ class ExpertsFC2:
         L = self.cfg.latent
         mA, mIdx, mWt, mW2, mO = fc2_views(self.cfg, act, idx, w, w2, out, m)
         self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
-            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=self.cfg.pdl,
+            grid=[L // WARPS, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl,
             # ptxas: at most 128 registers, so 2 CTAs share an SM (~120 used without the cap);
             # an explicit carveout (-1: the driver's default) keeps the DSL from querying the
             # device for its shared-memory size at compile time (no GPU in CI)
@@ -319,7 +328,7 @@ class ExpertsFC2:
             # each thread loads its slices (thread t: slices t, t + 256, ...) into registers,
             # before the wait when FC1 is known complete (no PDL: stream order), after it with
             # PDL, then stores them to shared memory.
-            if cutlass.const_expr(not self.cfg.pdl):
+            if cutlass.const_expr(not self.pdl):
                 for s0 in cutlass.range_constexpr(nst):
                     sl = tidx + s0 * threads
                     j = sl // ni
@@ -333,7 +342,8 @@ class ExpertsFC2:
                     wj = Float32(0.0)
                 sW[tidx] = wj
             cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.cfg.pdl):
+            chain.release()
+            if cutlass.const_expr(self.pdl):
                 for s0 in cutlass.range_constexpr(nst):
                     sl = tidx + s0 * threads
                     j = sl // ni
@@ -438,6 +448,8 @@ class ExpertsFC2v2:
 
     def __init__(self, cfg: ExpertsConfig) -> None:
         self.cfg = cfg
+        # launched with PDL: FC2's own flag, or always in the PDL chain (kernels/chain.py)
+        self.pdl = cfg.pdl or chain.chain_on()
         self.per_group = cfg.top_k // V2_GROUPS              # experts per 8-lane group (K/4)
         self.slices = cfg.inter // (VEC * V2_GROUP_LANES)     # 128-bit slices per lane per row (I/64)
         # 48 weight registers (K·I/256 ≤ 12 slices) fit under 72 registers: 7 CTAs of 4 warps
@@ -451,7 +463,7 @@ class ExpertsFC2v2:
         mA, mIdx, mWt, mW2, mO = fc2_views(self.cfg, act, idx, w, w2, out, m)
         self.kernel(mA, mIdx, mWt, mW2, mO, m).launch(
             grid=[m * ((L + V2_WARPS - 1) // V2_WARPS), 1, 1], block=[V2_WARPS * 32, 1, 1], stream=stream,
-            use_pdl=self.cfg.pdl, min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=-1)
+            use_pdl=self.pdl, min_blocks_per_mp=self.min_blocks, preferred_smem_carveout=-1)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor,
@@ -488,6 +500,7 @@ class ExpertsFC2v2:
         # all w2 loads are issued before this: the scheduling fence of ExpertsFC2 and, with
         # PDL, the point past which FC1's `a` is complete and visible
         cute.arch.griddepcontrol_wait()
+        chain.release()
         v2_finish(mA, mO, sA, sW, av, wv, ex, row, col, r, grp, tidx, lane, K, L, kpg, nsl, threads)
 
 

@@ -57,6 +57,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import block_sum, compile_options, compiled, current_stream, dummy_ptr, ptr
 
 VEC = 8          # bf16 elements per 128-bit vector
@@ -113,7 +114,8 @@ class MoeUp:
         mW = cute.make_tensor(up_rows, cute.make_layout((n, nv, VEC), stride=(L, VEC, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
         self.kernel(mR, mS, mF, mN, mW, mO, rank, eps).launch(
-            grid=[n // self.warps, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[n // self.warps, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mR: cute.Tensor, mS: cute.Tensor, mF: cute.Tensor, mN: cute.Tensor,
@@ -137,6 +139,7 @@ class MoeUp:
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
         for i in cutlass.range_constexpr(self.nv_lane):
             cute.autovec_copy(mW[col, lane + i * 32, None], wv[i, None])
+        chain.enter()      # PDL chain: the weights above; the slots below are this step's
 
         # 2. lane s < world holds slot s's shared partial for every row (own slot: sh_full)
         shp = cute.make_rmem_tensor(cute.make_layout(M), Float32)

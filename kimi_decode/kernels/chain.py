@@ -1,0 +1,98 @@
+"""The PDL chain (kernel "pdl_chain"): the fused layer's kernels launched with programmatic
+dependent launch, each starting on the weights it owns while its predecessor still runs.
+
+Why: at B = 1 the layer is a chain of ~10 kernels; a third of its time is kernels that move
+almost no bytes (AttnRes, the KDA recurrence, moe_up: bench/ncu_fused_b1.md) during which HBM
+idles, and every kernel boundary costs a drain, a launch and a ramp to the first bytes. With
+PDL the next kernel's CTAs become resident while the current one runs and, before
+`griddepcontrol.wait`, touch only what no kernel of the step writes (their weights): an L2
+prefetch of the first bytes of each weight row (`cp.async.bulk.prefetch.L2`), or the weight
+row itself into registers where a kernel holds its whole row (gemv_situ, gemv_rmsnorm,
+moe_up); kda_fast loads its state and conv history there (written by the previous step).
+
+The protocol every chained kernel follows (enter() / release()):
+1. pre-wait: only weights, state of earlier steps, or prefetches (a prefetch is a hint: it
+   changes no result whatever it touches);
+2. `griddepcontrol.wait`: returns once the previous kernel of the stream has completed and
+   its writes are visible (a no-op for a kernel launched without PDL);
+3. `griddepcontrol.launch_dependents`, only after the wait: so when kernel N+1 starts, every
+   CTA of N has passed its wait, i.e. N-1 and everything before it are complete. That keeps
+   at most one kernel ahead prefetching (not two weights racing for the L2), and makes the
+   pre-wait reads of the experts' FC2 (the router's ids, written two kernels earlier) safe.
+A kernel launched with PDL must call the wait before reading anything an earlier kernel of
+the step wrote; a kernel not in the chain is launched as before and starts after its
+predecessor completes (it never triggers early, so its successor, chained or not, waits for
+its end). Results are bit-identical with and without the chain (only scheduling changes).
+
+The mode is a process-wide flag (set by fused.enable(), as gemv.set_tuned), read when a kernel
+is traced; `_common.compiled` puts it in every compile key, so a kernel compiled with the
+chain is never launched without it or the other way round.
+
+L2 budget: a chained GEMV prefetches at most `budget` bytes in all (the first
+`row_prefetch_bytes(row, rows)` bytes of each weight row), so its prefetch does not evict
+itself from the H200's 50 MB L2 while the previous kernel runs.
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
+
+DEFAULT_BUDGET = 16 << 20     # bytes a chained kernel prefetches before its wait, in all
+
+_state: dict[str, object] = {"on": False, "budget": DEFAULT_BUDGET}
+
+
+def set_chain(on: bool, budget: int | None = None) -> None:
+    """Trace kernels with the PDL chain (on) or as before (off); `budget` caps each chained
+    kernel's pre-wait L2 prefetch (bytes)."""
+    _state["on"] = bool(on)
+    if budget is not None:
+        if budget < 0:
+            raise ValueError(f"PDL chain prefetch budget must be >= 0 bytes, got {budget}")
+        _state["budget"] = int(budget)
+
+
+def chain_on() -> bool:
+    return bool(_state["on"])
+
+
+def key() -> tuple[bool, int]:
+    """What a compile cache key must hold of the mode: (on, budget), or (False, 0) when off."""
+    return (True, int(_state["budget"])) if chain_on() else (False, 0)
+
+
+def row_prefetch_bytes(row_bytes: int, rows: int) -> int:
+    """Bytes of each of `rows` weight rows of `row_bytes` to prefetch before the wait: the
+    budget shared equally, at most the row, a multiple of 16 (the bulk prefetch's unit); 0
+    when the chain is off."""
+    if not chain_on() or rows <= 0:
+        return 0
+    return min(row_bytes, int(_state["budget"]) // rows) // 16 * 16
+
+
+@cute.jit
+def prefetch(src: cute.Pointer, nbytes: cutlass.Constexpr[int]):
+    """One bulk L2 prefetch of `nbytes` (a multiple of 16, > 0) from 16-byte aligned `src`
+    (call it from one thread per row)."""
+    if cutlass.const_expr(nbytes > 0):
+        cp_async_bulk_prefetch(src, nbytes)
+
+
+@cute.jit
+def enter():
+    """Step 2 and 3 of the protocol (wait, then release the next kernel); nothing when the
+    chain is off, so the kernels' code is unchanged there."""
+    if cutlass.const_expr(chain_on()):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def release():
+    """Release the next kernel only (a kernel outside the chain whose successor may start
+    prefetching now: it never reads before its own wait); nothing when the chain is off."""
+    if cutlass.const_expr(chain_on()):
+        cute.arch.griddepcontrol_launch_dependents()

@@ -1,0 +1,176 @@
+"""The PDL chain (kernels/chain.py) on the CPU: every chained kernel compiles to sm_90a PTX with
+the chain on, follows the protocol there (pre-wait only weights / prefetches, the wait before
+the release), and compiles to PTX without any of it when the chain is off (the verified
+kernels unchanged). The B = 1 K3 TP16 configurations the fused step runs.
+
+The device check (kernels/checks.py `check_chain`) runs the step with and without the chain
+and demands bit-identical outputs and state.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+from cutlass import Float32, Int32  # noqa: E402
+
+import kimi_decode.kernels.gemv as k_gemv  # noqa: E402
+import kimi_decode.kernels.moe_up as k_up  # noqa: E402
+import kimi_decode.kernels.router_fast as rf  # noqa: E402
+from kimi_decode.config import k3_tp16  # noqa: E402
+from kimi_decode.kernels import _common, chain  # noqa: E402
+from kimi_decode.kernels.attn_res_mc import AttnResMC, AttnResMCConfig, pick_ctas  # noqa: E402
+from kimi_decode.kernels.gemv import Gemv, GemvConfig, GemvRMSNorm  # noqa: E402
+from kimi_decode.kernels.gemv_multi import GemvMulti, MultiConfig  # noqa: E402
+from kimi_decode.kernels.kda_fast import KDAFast  # noqa: E402
+from kimi_decode.kernels.moe_experts import ExpertsConfig, ExpertsFC1, ExpertsFC2v2  # noqa: E402
+from tests.kimi_decode.test_kernel_kda_split import k3_kcfg  # noqa: E402
+from tests.kimi_decode.test_kernel_kda_split import ptx_of as kda_ptx  # noqa: E402
+from tests.kimi_decode.test_kernel_mla_attend import k3_config as mla_config  # noqa: E402
+from tests.kimi_decode.test_kernel_mla_attend import ptx_of as mla_ptx  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import ptx_of  # noqa: E402
+
+bf, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
+P = _common.dummy_ptr
+K3 = k3_tp16()
+WAIT, RELEASE, PREFETCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2"
+
+
+@pytest.fixture
+def chain_mode() -> Iterator[Callable[[bool], None]]:
+    """Set the chain mode for one test; always off afterwards (it is process-wide)."""
+    yield lambda on: chain.set_chain(on)
+    chain.set_chain(False)
+
+
+def gemv_ptx(d: Path, cfg: GemvConfig) -> str:
+    return ptx_of(d, Gemv(cfg), P(bf), P(bf), P(bf))
+
+
+def norm_ptx(d: Path) -> str:
+    cfg = GemvConfig(K3.mla_local_heads * (K3.qk_nope_dim + K3.qk_rope_dim), K3.q_lora_rank, 1,
+                     eps=K3.rms_eps, x_stride=K3.qkv_a_rows)
+    return ptx_of(d, GemvRMSNorm(cfg), P(bf), P(bf), P(bf), P(bf))
+
+
+def multi_ptx(d: Path, router: bool) -> str:
+    if router:
+        rcfg = rf.RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling)
+        cfg = MultiConfig(K3.hidden, 1, (K3.latent_dim, 2 * K3.shared_local_inter), rcfg, hint="evict_first")
+    else:
+        cfg = MultiConfig(K3.hidden, 1, (K3.qkv_a_rows, K3.mla_local_heads * K3.v_head_dim), None, unroll=7)
+    return ptx_of(d, GemvMulti(cfg), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(f32), P(f32),
+                  P(i32), P(i64), P(f32))
+
+
+def experts_cfg() -> ExpertsConfig:
+    return ExpertsConfig(K3.latent_dim, K3.expert_local_inter_padded, K3.expert_local_inter, K3.top_k,
+                         K3.num_experts, i64, pdl=True)
+
+
+# name -> PTX of the kernel as the B = 1 step runs it
+KERNELS: dict[str, Callable[[Path], str]] = {
+    "o_proj": lambda d: gemv_ptx(d, GemvConfig(K3.hidden, 768, 1, hint="no_allocate")),
+    "in_proj_splitk": lambda d: gemv_ptx(d, GemvConfig(K3.in_proj_rows, K3.hidden, 1, cols=4, kwarps=4)),
+    "shared_down_situ": lambda d: gemv_ptx(d, GemvConfig(K3.hidden, K3.shared_local_inter, 1, vec=4, situ=True,
+                                                         beta=K3.situ_beta, lin_beta=K3.situ_linear_beta)),
+    "q_b_norm": norm_ptx,
+    "moe_front": lambda d: multi_ptx(d, True),
+    "mla_front": lambda d: multi_ptx(d, False),
+    "attn_res_mc": lambda d: ptx_of(d, AttnResMC(AttnResMCConfig(K3.hidden, 1, 8, True, True, vec_per_thread=1,
+                                                                 world=K3.tp, ctas=pick_ctas(K3.hidden))),
+                                    P(bf), P(bf), P(bf), P(bf), P(bf), P(f32), P(f32), Int32(1), Int32(0),
+                                    Float32(1e-5)),
+    "kda_fast": lambda d: kda_ptx(d, k3_kcfg(0), 16, KDAFast),
+    "moe_up": lambda d: ptx_of(d, k_up.MoeUp(k_up.MoeUpConfig(1, K3.latent_dim, K3.hidden // K3.tp, K3.tp, 8)),
+                               P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), Int32(0), Float32(1e-5)),
+    "experts_fc1": lambda d: ptx_of(d, ExpertsFC1(experts_cfg()), P(bf), P(i64), P(bf), P(bf), Int32(1),
+                                    Float32(4.0), Float32(25.0)),
+    "experts_fc2_v2": lambda d: ptx_of(d, ExpertsFC2v2(experts_cfg()), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1)),
+    "mla_attend_uv": lambda d: mla_ptx(d, mla_config(uv_rows=1)),
+}
+# FC1 / FC2 had PDL before the chain (FC2 launched with it after FC1): their unchained PTX
+# keeps the hint and FC2's wait
+UNCHAINED_PDL = {"experts_fc1": (0, 1), "experts_fc2_v2": (1, 0)}
+# whole weight rows loaded into registers before the wait (128-bit loads of one lane):
+# gemv_situ's preload (K = 384, 64-bit loads: 3), q_b's row (K = 1536: 6), moe_up's row (L = 3584: 14)
+REGISTER_ROWS = {"shared_down_situ": ("ld.global.v4.b16", 3), "q_b_norm": ("ld.global.v4.b32", 6),
+                 "moe_up": ("ld.global.v4", K3.latent_dim // 256)}
+PREFETCHING = {"o_proj", "in_proj_splitk", "moe_front", "mla_front"}
+
+
+def _lines(ptx: str) -> list[str]:
+    return [s.strip() for s in ptx.splitlines()]
+
+
+def _first(lines: list[str], prefix: str) -> int:
+    return next(i for i, s in enumerate(lines) if s.startswith(prefix))
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_unchained_ptx_has_no_chain(tmp_path: Path, name: str, chain_mode) -> None:
+    chain_mode(False)
+    ptx = KERNELS[name](tmp_path)
+    waits, releases = UNCHAINED_PDL.get(name, (0, 0))
+    assert ptx.count(WAIT) == waits and ptx.count(RELEASE) == releases
+    assert PREFETCH not in ptx
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_chained_ptx_follows_the_protocol(tmp_path: Path, name: str, chain_mode) -> None:
+    chain_mode(True)
+    ptx = KERNELS[name](tmp_path)
+    assert ".target sm_90a" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    lines = _lines(ptx)
+    assert any(s.startswith(RELEASE) for s in lines)
+    if name == "mla_attend_uv":            # release only: not chained itself
+        assert WAIT not in ptx
+        assert _first(lines, RELEASE) < _first(lines, "ld.global")
+        return
+    wait, release = _first(lines, WAIT), _first(lines, RELEASE)
+    assert wait < release                  # never release before the wait (kernels/chain.py, 3.)
+    head = lines[:wait]
+    assert not any(s.startswith(("st.global", "atom.", "red.")) for s in head)   # nothing written pre-wait
+    if name in PREFETCHING:
+        assert PREFETCH in ptx
+    if name in ("o_proj", "in_proj_splitk"):
+        assert not any(s.startswith("ld.global") for s in head)     # only the prefetch before the wait
+        assert any(s.startswith(PREFETCH) for s in head)
+    if name in REGISTER_ROWS:
+        op, n = REGISTER_ROWS[name]
+        assert sum(s.startswith(op) for s in head) == n             # the weight row, nothing else
+    if name == "experts_fc1":              # the router's ids are read after the wait
+        assert not any(s.startswith("ld.global") for s in head)
+
+
+def test_budget_shares_the_rows() -> None:
+    try:
+        chain.set_chain(True, budget=16 << 20)
+        assert chain.row_prefetch_bytes(1536, 7168) == 1536           # o_proj: whole rows (11 MB)
+        assert chain.row_prefetch_bytes(14336, 3216) == (16 << 20) // 3216 // 16 * 16
+        assert chain.key() == (True, 16 << 20)
+        chain.set_chain(False)
+        assert chain.row_prefetch_bytes(1536, 7168) == 0 and chain.key() == (False, 0)
+        with pytest.raises(ValueError, match="budget"):
+            chain.set_chain(True, budget=-1)
+    finally:
+        chain.set_chain(False, budget=chain.DEFAULT_BUDGET)
+
+
+def test_compile_cache_keys_the_mode(monkeypatch) -> None:
+    """A kernel compiled with the chain is never handed out without it (and back)."""
+    built: list[bool] = []
+    monkeypatch.setattr(_common, "_CACHE", {})
+    try:
+        for on in (False, True, False, True):
+            chain.set_chain(on)
+            _common.compiled(("probe", 1), lambda: built.append(chain.chain_on()) or chain.chain_on())
+    finally:
+        chain.set_chain(False)
+    assert built == [False, True]
