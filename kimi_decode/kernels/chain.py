@@ -30,7 +30,9 @@ chain is never launched without it or the other way round.
 
 L2 budget: a chained GEMV prefetches at most `budget` bytes in all (the first
 `row_prefetch_bytes(row, rows)` bytes of each weight row), so its prefetch does not evict
-itself from the H200's 50 MB L2 while the previous kernel runs.
+itself from the H200's 50 MB L2 while the previous kernel runs. Measured: no budget helped
+(DEFAULT_BUDGET below), so by default nothing is prefetched; the GEMVs' pre-wait part is
+then empty and the register-row kernels keep their early loads.
 """
 from __future__ import annotations
 
@@ -40,7 +42,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 
-DEFAULT_BUDGET = 16 << 20     # bytes a chained kernel prefetches before its wait, in all
+# Bytes a chained kernel prefetches before its wait, in all. 0: PDL alone. The first device
+# check (H200, 2026-12-03, bench/fused_runs.md) timed the B = 1 layers at 0 / 8 / 16 / 32 MB:
+# KDA 85.7-85.9 / 85.4-86.0 / 86.7-86.9 / 88.3-88.6 us (90.2-90.5 without the chain), MLA
+# 110.5 / 110.5 / 111.2 / 113.0 (114.0): the prefetch gains nothing and large ones cost, so
+# the chain's gain is the hidden launch and ramp, and the default prefetches nothing.
+DEFAULT_BUDGET = 0
 
 _state: dict[str, object] = {"on": False, "budget": DEFAULT_BUDGET}
 

@@ -258,7 +258,7 @@ class MLAAttend:
             mX, mW, mG, mU = mO, mO, mO, mO
         self.kernel(mQ, mK, mL, mO, mPo2, mPo4, mPml, mGo4, mGml, mCnt, mX, mW, mG, mU, batch, cache_len,
                     tiles_per_split, splits, group, groups).launch(
-            grid=[splits, batch, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[splits, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mL: cute.Tensor, mO: cute.Tensor,
@@ -271,9 +271,8 @@ class MLAAttend:
         s, b, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # full-warp shuffle: here, outside every branch
         lane = cute.arch.lane_idx()
-        # PDL chain: not chained itself (launched after uk_insert completes), but o_proj may
-        # start now and prefetch its weights during this latency-bound kernel (kernels/chain.py)
-        chain.release()
+        # PDL chain (kernels/chain.py): q and the cache row uk_insert wrote are read below
+        chain.enter()
 
         smem = cutlass.memory.SmemAllocator()
         s_k = smem.allocate_tensor(BFloat16, cute.make_layout((TILE, NV, VEC), stride=(D, VEC, 1)),

@@ -82,6 +82,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import (compile_options, compiled, current_stream, dummy_ptr, ptr,
                                          sigmoid)
 
@@ -208,7 +209,7 @@ class MLAGlue:
             mP = cute.make_tensor(pos, cute.make_layout(1))
             mN = cute.make_tensor(g, cute.make_layout((N // VEC, VEC), stride=(VEC, 1)))
             self.kernel_uk(mQ, mW, mO, mOv, mA, mC, mK, mP, mN, cache_len).launch(
-                grid=grid, block=[THREADS, 1, 1], stream=stream)
+                grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
         else:
             mX = cute.make_tensor(x, cute.make_layout((M, H, K // VEC, VEC), stride=(H * K, K, VEC, 1)))
             mO = cute.make_tensor(out, cute.make_layout((M, H * N), stride=(H * N, 1)))
@@ -281,6 +282,7 @@ class MLAGlue:
 
         wbuf = cute.make_rmem_tensor(cute.make_layout((self.P, VEC), stride=(VEC, 1)), BFloat16)
         self.load_w(mW, wbuf, h, ct, warp, lane)
+        chain.enter()      # PDL chain (kernels/chain.py): W_UK above; q, a, the cache below
 
         # The copies (CTA-uniform branches, no shuffles inside).
         p0 = mP[0].to(Int32)

@@ -34,6 +34,8 @@ from tests.kimi_decode.test_kernel_kda_split import k3_kcfg  # noqa: E402
 from tests.kimi_decode.test_kernel_kda_split import ptx_of as kda_ptx  # noqa: E402
 from tests.kimi_decode.test_kernel_mla_attend import k3_config as mla_config  # noqa: E402
 from tests.kimi_decode.test_kernel_mla_attend import ptx_of as mla_ptx  # noqa: E402
+from kimi_decode.kernels.mla_glue import config_uk_norm  # noqa: E402
+from tests.kimi_decode.test_kernel_mla_glue import ptx_of as glue_ptx  # noqa: E402
 from tests.kimi_decode.test_kernels_compile import ptx_of  # noqa: E402
 
 bf, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
@@ -44,9 +46,10 @@ WAIT, RELEASE, PREFETCH = "griddepcontrol.wait", "griddepcontrol.launch_dependen
 
 @pytest.fixture
 def chain_mode() -> Iterator[Callable[[bool], None]]:
-    """Set the chain mode for one test; always off afterwards (it is process-wide)."""
-    yield lambda on: chain.set_chain(on)
-    chain.set_chain(False)
+    """Set the chain mode (and prefetch budget) for one test; off and the default budget
+    afterwards (it is process-wide)."""
+    yield lambda on, budget=None: chain.set_chain(on, budget)
+    chain.set_chain(False, chain.DEFAULT_BUDGET)
 
 
 def gemv_ptx(d: Path, cfg: GemvConfig) -> str:
@@ -94,6 +97,9 @@ KERNELS: dict[str, Callable[[Path], str]] = {
                                     Float32(4.0), Float32(25.0)),
     "experts_fc2_v2": lambda d: ptx_of(d, ExpertsFC2v2(experts_cfg()), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1)),
     "mla_attend_uv": lambda d: mla_ptx(d, mla_config(uv_rows=1)),
+    "uk_insert_norm": lambda d: glue_ptx(d, config_uk_norm(
+        1, 1, K3.mla_local_heads, K3.qk_nope_dim, K3.qk_rope_dim, K3.kv_lora_rank, K3.qkv_a_rows,
+        K3.q_lora_rank + K3.kv_lora_rank, K3.q_lora_rank, K3.rms_eps)),
 }
 # FC1 / FC2 had PDL before the chain (FC2 launched with it after FC1): their unchained PTX
 # keeps the hint and FC2's wait
@@ -122,30 +128,26 @@ def test_unchained_ptx_has_no_chain(tmp_path: Path, name: str, chain_mode) -> No
     assert PREFETCH not in ptx
 
 
+@pytest.mark.parametrize("budget", [chain.DEFAULT_BUDGET, 8 << 20])
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_chained_ptx_follows_the_protocol(tmp_path: Path, name: str, chain_mode) -> None:
-    chain_mode(True)
+def test_chained_ptx_follows_the_protocol(tmp_path: Path, name: str, budget: int, chain_mode) -> None:
+    chain_mode(True, budget)
     ptx = KERNELS[name](tmp_path)
     assert ".target sm_90a" in ptx and "ld.local" not in ptx and "st.local" not in ptx
     lines = _lines(ptx)
     assert any(s.startswith(RELEASE) for s in lines)
-    if name == "mla_attend_uv":            # release only: not chained itself
-        assert WAIT not in ptx
-        assert _first(lines, RELEASE) < _first(lines, "ld.global")
-        return
     wait, release = _first(lines, WAIT), _first(lines, RELEASE)
     assert wait < release                  # never release before the wait (kernels/chain.py, 3.)
     head = lines[:wait]
     assert not any(s.startswith(("st.global", "atom.", "red.")) for s in head)   # nothing written pre-wait
-    if name in PREFETCHING:
-        assert PREFETCH in ptx
+    assert (PREFETCH in ptx) == (budget > 0 and name in PREFETCHING)
     if name in ("o_proj", "in_proj_splitk"):
-        assert not any(s.startswith("ld.global") for s in head)     # only the prefetch before the wait
-        assert any(s.startswith(PREFETCH) for s in head)
+        assert not any(s.startswith("ld.global") for s in head)     # at most the prefetch before the wait
+        assert any(s.startswith(PREFETCH) for s in head) == (budget > 0)
     if name in REGISTER_ROWS:
         op, n = REGISTER_ROWS[name]
         assert sum(s.startswith(op) for s in head) == n             # the weight row, nothing else
-    if name == "experts_fc1":              # the router's ids are read after the wait
+    if name in ("experts_fc1", "mla_attend_uv"):   # ids / q and the cache: only after the wait
         assert not any(s.startswith("ld.global") for s in head)
 
 
