@@ -23,14 +23,30 @@ def _busy(intervals: list[tuple[int, int]]) -> int:
     return len(covered)
 
 
+def _exposed(kernels: list[tuple[int, int, int, int]]) -> dict[int, tuple[int, int]]:
+    """{kernel id: (exposed start, end)} for (id, stream, start, end) kernels, by brute force:
+    walk each stream's kernels in (start, id) order and start each one no earlier than the
+    latest end seen before it on that stream (capped at its own end): what a PDL-launched
+    kernel adds to the timeline (analyzers/sql/layers/layers.sql)."""
+    out = {}
+    for stream in {k[1] for k in kernels}:
+        latest = None
+        for kid, _, start, end in sorted((k for k in kernels if k[1] == stream), key=lambda k: (k[2], k[0])):
+            out[kid] = (start if latest is None else min(end, max(start, latest)), end)
+            latest = end if latest is None else max(latest, end)
+    return out
+
+
 def _random_run(run_id: int, seed: int, n_steps: int) -> tuple[RunRows, dict]:
     """n_steps steps of 1000 ns on the host; layers L0.mla [100,400) with ops q [100,200),
     o [200,300), and L1.kda [400,800) with op e [400,600). Each launch lands in a known
     (layer, op); its kernel gets a random GPU interval on one of two streams, so kernels
-    overlap and the union differs from the sum. Returns the truth per (step, layer, op)."""
+    overlap (also on one stream: PDL) and the union differs from the sum. Returns the truth
+    per (step, layer, op): exposed intervals (_exposed)."""
     rng = random.Random(seed)
     r = RunRows(run_id, name=f"r{run_id}")
-    truth: dict[tuple[int, str, str | None], list[tuple[int, int]]] = {}
+    raw: dict[tuple[int, str, str | None], list[int]] = {}
+    kernels: list[tuple[int, int, int, int]] = []
     spots = [("L0.mla", "q", 150), ("L0.mla", "o", 250), ("L0.mla", None, 350),
              ("L1.kda", "e", 500), ("L1.kda", None, 700)]
     for s in range(n_steps):
@@ -46,11 +62,14 @@ def _random_run(run_id: int, seed: int, n_steps: int) -> tuple[RunRows, dict]:
             layer, op, t = rng.choice(spots)
             start = gpu0 + rng.randint(0, 300) + (0 if layer == "L0.mla" else 2000)
             end = start + rng.randint(0, 120)
-            r.kernel("k", start, end, r.launch(b + t + rng.randint(0, 40)), stream=rng.choice((7, 8)))
-            truth.setdefault((s, layer, None), []).append((start, end))
+            stream = rng.choice((7, 8))
+            kid = r.kernel("k", start, end, r.launch(b + t + rng.randint(0, 40)), stream=stream)
+            kernels.append((kid, stream, start, end))
+            raw.setdefault((s, layer, None), []).append(kid)
             if op:
-                truth.setdefault((s, layer, op), []).append((start, end))
-    return r, truth
+                raw.setdefault((s, layer, op), []).append(kid)
+    exposed = _exposed(kernels)
+    return r, {key: [exposed[kid] for kid in kids] for key, kids in raw.items()}
 
 
 @pytest.mark.parametrize("seed,n_steps", [(1, 3), (2, 4), (3, 5)])
@@ -119,3 +138,23 @@ def test_not_applicable_without_layers() -> None:
     r.insert(con)
     out = layer_breakdown(con, 1)
     assert out["layers"] == [] and "not_applicable" in out
+
+
+def test_pdl_overlap_on_one_stream_counts_once() -> None:
+    """Hand-made PDL step on one stream: L1's first kernel is resident from 150 while L0's last
+    kernel runs until 200 (it waits in griddepcontrol.wait); it adds time only from 200. A
+    kernel on another stream (a side stream) keeps its own start."""
+    con = open_store(None)
+    r = RunRows(1, name="pdl")
+    r.range("step", 0, 1000)
+    r.range("L0.kda", 0, 400, depth=1)
+    r.range("L1.kda", 400, 800, depth=1)
+    r.kernel("a", 100, 200, r.launch(10))                # L0
+    r.kernel("b", 150, 260, r.launch(500))               # L1, PDL: resident at 150, runs after 200
+    r.kernel("c", 240, 300, r.launch(600))               # L1, PDL behind b: exposed 260-300
+    r.kernel("side", 120, 180, r.launch(700), stream=8)  # L1 on a side stream: its own start
+    r.insert(con)
+    got = {row.layer: (row.kernels, row.span_ns, row.busy_ns, row.bubble_ns)
+           for row in layer_steps(con, 1).itertuples() if row.op is None or row.op != row.op}
+    assert got == {"L0.kda": (1, 100, 100, 0),
+                   "L1.kda": (3, 300 - 120, (180 - 120) + (300 - 200), 180 - 160)}
