@@ -28,7 +28,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from analyzers.views import SQL_ROOT, ordered_sql_files
+from analyzers.views import SQL_ROOT, _requires, ordered_sql_files
 from tracer.errors import BadInput
 
 # Our `L{idx}.{kind}` ranges and HF/vLLM module names (`model.layers.{idx}`, whose children
@@ -200,8 +200,15 @@ def load_sql(con: duckdb.DuckDBPyConnection, *areas: str) -> None:
     Only these files, not every analysis: attribution must not fail because another area's
     SQL does. TEMP objects on a read-only store, as analyzers.views.load_views does.
     """
-    wanted = {SQL_ROOT / a for a in areas}
-    files = [p for p in ordered_sql_files() if p.parent in wanted or p.parent.name == "intervals"]
+    need = {p for p in ordered_sql_files() if p.parent in {SQL_ROOT / a for a in areas}}
+    todo = list(need)
+    while todo:                          # and every file they require, transitively
+        for rel in _requires(todo.pop().read_text()):
+            dep = SQL_ROOT / rel
+            if dep not in need:
+                need.add(dep)
+                todo.append(dep)
+    files = [p for p in ordered_sql_files() if p in need or p.parent.name == "intervals"]
     read_only = bool(con.execute(
         "SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()"
     ).fetchall()[0][0])

@@ -40,13 +40,16 @@ ALL_KERNELS = "all kernels"
 
 # One row per kernel attributed to a step, with its layer and op, for kernel-level detail and
 # the kernel-name fallback. Reads the TEMP table kernel_attribution that attribute() leaves.
+# start_ns is the kernel's exposed start (analyzers/sql/kernels/exposed.sql: under PDL a kernel
+# is resident before its stream predecessor ends), as layers_steps counts it.
 ATTRIBUTED_KERNELS_SQL = """
 SELECT a.rank, a.step_index, a.layer, a.layer_kind, a.layer_index, a.op,
-       k.name, k.start_ns, k.end_ns, k.category
+       k.name, e.exposed_start_ns AS start_ns, k.end_ns, k.category
 FROM kernel_attribution AS a
 JOIN kernels AS k ON k.run_id = a.run_id AND k.kernel_id = a.item_id
-WHERE a.run_id = ? AND a.item_kind = 'kernel'
-ORDER BY a.rank, k.start_ns, k.end_ns
+JOIN kernels_exposed($run) AS e ON e.kernel_id = k.kernel_id
+WHERE a.run_id = $run AND a.item_kind = 'kernel'
+ORDER BY a.rank, start_ns, k.end_ns
 """
 
 
@@ -94,7 +97,7 @@ def collect(con: duckdb.DuckDBPyConnection, run_id: int, name: str | None = None
         from analyzers.attribution import attribute
 
         attribute(con, [run_id], **attribution_kwargs)
-    kernels = con.execute(ATTRIBUTED_KERNELS_SQL, [run_id]).df()
+    kernels = con.execute(ATTRIBUTED_KERNELS_SQL, {"run": run_id}).df()
     sample = RunSample(run_id, name or rows[0][0], ls, kernels)
     sample.exposed_comm, note = _exposed_comm(con, run_id)
     if note:

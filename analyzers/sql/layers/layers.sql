@@ -1,4 +1,4 @@
--- requires: intervals/intervals.sql
+-- requires: intervals/intervals.sql, kernels/exposed.sql
 -- layers: per-layer and per-op kernel time, per step and summarised over steps. Reads the
 -- TEMP table written by analyzers.attribution (passed by name, since it exists only once
 -- attribution has run) joined to kernels. Memops are not counted: these are kernel metrics.
@@ -11,28 +11,16 @@
 --   busy_ns    length of the union of the kernels' intervals, all streams (DURATION, ns);
 --   bubble_ns  span_ns - busy_ns: time inside the span with none of these kernels running;
 --   first_start_ns  start of the first kernel (TIMESTAMP, ns), to order ops within a layer.
--- Kernel intervals start at their EXPOSED start: max(start_ns, the latest end of the earlier
--- kernels of the same (rank, stream)), capped at end_ns. Kernels of one stream overlap only
--- under programmatic dependent launch (PDL): the next kernel is resident early and waits in
--- griddepcontrol.wait until its predecessor ends, so its raw start would count that wait
--- twice (a layer whose first kernel started during the previous layer's last one would own
--- both). Without PDL (no same-stream overlap) the exposed start is the start. Kernels with
--- no stream keep their start.
+-- Kernel intervals start at their exposed start (kernels/exposed.sql: under PDL a kernel is
+-- resident before its stream predecessor ends; that wait is not its time).
 -- Groups are keyed by hash(rank, step_index, layer, op): the interval macros run about 3x
 -- faster on a BIGINT key than on a STRUCT (a 64-bit collision is negligible).
 CREATE OR REPLACE MACRO layers_steps(attr, run) AS TABLE
-WITH _ke AS (
-  SELECT kernel_id, end_ns,
-         CASE WHEN stream IS NULL THEN start_ns
-              ELSE least(end_ns, greatest(start_ns, coalesce(max(end_ns) OVER (
-                     PARTITION BY rank, stream ORDER BY start_ns, kernel_id
-                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), start_ns))) END AS start_ns
-  FROM kernels WHERE run_id = run
-),
-_k AS (
-  SELECT a.rank, a.step_index, a.layer, a.layer_index, a.layer_kind, a.op, k.start_ns, k.end_ns
+WITH _k AS (
+  SELECT a.rank, a.step_index, a.layer, a.layer_index, a.layer_kind, a.op,
+         k.exposed_start_ns AS start_ns, k.end_ns
   FROM query_table(attr) a
-  JOIN _ke k ON k.kernel_id = a.item_id
+  JOIN kernels_exposed(run) k ON k.kernel_id = a.item_id
   WHERE a.run_id = run AND a.item_kind = 'kernel' AND a.layer IS NOT NULL
 ),
 _iv AS (
