@@ -69,6 +69,12 @@ and the kernel is in `VERIFIED`):
   `mla_norm_fold` (M = 1): the q/kv RMSNorms (stock op `qkv_norm`) disappear: q_b's GEMV
   normalises the q part of qkv_a's output in its prologue (kernels/gemv.py gemv_rmsnorm) and
   uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm).
+- `pdl_chain` (kernels/chain.py): the kernels above launched with programmatic dependent
+  launch, each loading what no kernel of the step writes (a weight row, kda's state) before
+  `griddepcontrol.wait` and releasing its successor right after the wait, so every kernel's
+  launch and ramp overlap its predecessor: 4-5 us per B = 1 layer, bit-identical results
+  (bench/fused_runs.md). A process-wide mode like gemv_tuned, set by each model's enable()
+  and forward (FusedDecoder._apply_modes).
 - `prefetch` (opt-in, see DEFAULT_KERNELS): after the routed experts are issued, a
   side-stream kernel pulls the first `PREFETCH_BYTES` of the next layer's first attention
   weight into L2 (kernels/l2_prefetch.py), under its own NVTX op `prefetch`.
@@ -103,7 +109,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # fourth and fifth rounds: every check passed at 801b1da
                                     # (2026-12-02 22:24-22:28 UTC, bench/fused_correctness.md)
                                     "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv",
-                                    "kda_fast", "experts_one", "gemv_tuned"})
+                                    "kda_fast", "experts_one", "gemv_tuned",
+                                    # sixth round: checked at 02226bc (2026-12-03 00:00-00:01 UTC,
+                                    # bench/fused_correctness.md: bit-identical to the unchained step)
+                                    "pdl_chain"})
 # Verified but opt-in (kernels={..., name}), both slower where they would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
