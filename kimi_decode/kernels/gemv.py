@@ -254,6 +254,12 @@ class Gemv:
         # PDL chain (kernels/chain.py): bytes of each weight row prefetched into L2 before the
         # wait (0 without the chain; gemv_multi re-sets it for its total rows)
         self.pf = chain.row_prefetch_bytes(cfg.k * 2, cfg.n)
+        # PDL chain: a short row (o_proj, K = 768: 3 slices per lane) goes into registers before
+        # the wait, the whole of it (column_preloaded); the split-K layout loads its first
+        # CHAIN_PEEL rounds there (kernel_splitk)
+        self.preload_chain = (chain.chain_on() and cfg.per_warp == 1 and cfg.cols == 0 and not cfg.situ
+                              and self.slices <= FULL_MAX_SLICES)
+        self.peel = min(CHAIN_PEEL, self.full) if chain.chain_on() and cfg.cols else 0
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
@@ -288,13 +294,16 @@ class Gemv:
         code) or columns wid·P .. wid·P + P - 1 (per_warp = P); also gemv_multi's segments.
         With the PDL chain, lane 0 first prefetches the first `pf` bytes of each of the warp's
         rows into L2, then the chain's wait (kernels/chain.py)."""
-        if cutlass.const_expr(chain.chain_on()):
-            self.chain_prefetch_rows(mW, wid * self.cfg.per_warp, self.cfg.per_warp, lane == 0)
-            chain.enter()
-        if cutlass.const_expr(self.cfg.per_warp == 1):
-            self.column(mX, mW, mO, wid, lane)
+        if cutlass.const_expr(self.preload_chain):
+            self.column_preloaded(mX, mW, mO, wid, lane)
         else:
-            self.columns(mX, mW, mO, wid * self.cfg.per_warp, lane)
+            if cutlass.const_expr(chain.chain_on()):
+                self.chain_prefetch_rows(mW, wid * self.cfg.per_warp, self.cfg.per_warp, lane == 0)
+                chain.enter()
+            if cutlass.const_expr(self.cfg.per_warp == 1):
+                self.column(mX, mW, mO, wid, lane)
+            else:
+                self.columns(mX, mW, mO, wid * self.cfg.per_warp, lane)
 
     @cute.jit
     def chain_prefetch_rows(self, mW: cute.Tensor, row0: Int32, nrows: cutlass.Constexpr[int], pred):
@@ -368,6 +377,33 @@ class Gemv:
                     cute.autovec_copy(mX[r, c, None], xv)
                     for j in cutlass.range_constexpr(self.cfg.vec):
                         acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
+            for r in cutlass.range_constexpr(self.cfg.rows):
+                tot = cute.arch.warp_reduction_sum(acc[r])
+                if lane == 0:
+                    mO[r, col] = tot.to(mO.element_type)
+
+    @cute.jit
+    def column_preloaded(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32):
+        """column() for the PDL chain with a short row: the warp's whole weight row into
+        registers before the chain's wait (a warp past N loads row N-1, in bounds, and stores
+        nothing), x after it; then column()'s FMA chain in its order (slice, row, element):
+        bit-identical to column()."""
+        S, vec = self.slices, self.cfg.vec
+        colc = cutlass.min(col, Int32(self.cfg.n - 1))
+        wall = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mW.element_type)
+        for i in cutlass.range_constexpr(S):
+            self.load_w(mW[colc, lane + i * 32, None], wall[i, None])
+        chain.enter()
+        if col < self.cfg.n:
+            acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
+            acc.fill(0.0)
+            xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+            for i in cutlass.range_constexpr(S):
+                c = lane + i * 32
+                for r in cutlass.range_constexpr(self.cfg.rows):
+                    cute.autovec_copy(mX[r, c, None], xv)
+                    for j in cutlass.range_constexpr(vec):
+                        acc[r] = acc[r] + wall[i, j].to(Float32) * xv[j].to(Float32)
             for r in cutlass.range_constexpr(self.cfg.rows):
                 tot = cute.arch.warp_reduction_sum(acc[r])
                 if lane == 0:
@@ -453,10 +489,22 @@ class Gemv:
     def splitk_slice(self, mX: cute.Tensor, mW: cute.Tensor, acc: cute.Tensor, wv: cute.Tensor,
                      xv: cute.Tensor, bidx: Int32, s: Int32, lane: Int32):
         """acc[q, r] += W[col_q, slice s] · x[r, slice s] for this lane's vec elements."""
+        self.splitk_load(mW, wv, bidx, s, lane)
+        self.splitk_fma(mX, acc, wv, xv, s, lane)
+
+    @cute.jit
+    def splitk_load(self, mW: cute.Tensor, wv: cute.Tensor, bidx: Int32, s: Int32, lane: Int32):
+        """wv[q, :] = this lane's vec elements of slice s of the CTA's weight row q."""
         c = s * 32 + lane                               # the warp reads 32·vec contiguous elements
         for q in cutlass.range_constexpr(self.cfg.cols):
             colq = cutlass.min(bidx * self.cfg.cols + q, Int32(self.cfg.n - 1))  # in bounds
             cute.autovec_copy(mW[colq, c, None], wv[q, None])
+
+    @cute.jit
+    def splitk_fma(self, mX: cute.Tensor, acc: cute.Tensor, wv: cute.Tensor, xv: cute.Tensor,
+                   s: Int32, lane: Int32):
+        """acc[q, r] += wv[q, :] · x[r, slice s] (splitk_slice's FMA order)."""
+        c = s * 32 + lane
         for r in cutlass.range_constexpr(self.cfg.rows):
             cute.autovec_copy(mX[r, c, None], xv)
             for q in cutlass.range_constexpr(self.cfg.cols):
@@ -477,14 +525,24 @@ class Gemv:
         acc.fill(0.0)
         wv = cute.make_rmem_tensor(cute.make_layout((C, vec), stride=(vec, 1)), mW.element_type)
         xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
-        # PDL chain: thread q < C prefetches the first bytes of the CTA's weight row q
-        if cutlass.const_expr(chain.chain_on()):
-            self.chain_prefetch_rows(mW, bidx * C + tidx, 1, tidx < C)
-            chain.enter()
+        # PDL chain: thread q < C prefetches the first bytes of the CTA's weight row q, and the
+        # warps load their first `peel` rounds of weights into registers, before the wait
         # Round i: warp w takes slice w + kw·i, so the CTA streams each of its C weight rows
         # front to back in kw·512-byte steps (vec = 8).
-        for i in cutlass.range(self.full, unroll=2):
-            self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * self.kw, lane)
+        if cutlass.const_expr(chain.chain_on()):
+            pre = cute.make_rmem_tensor(cute.make_layout((max(self.peel, 1), C, vec), stride=(C * vec, vec, 1)),
+                                        mW.element_type)
+            self.chain_prefetch_rows(mW, bidx * C + tidx, 1, tidx < C)
+            for i in cutlass.range_constexpr(self.peel):
+                self.splitk_load(mW, pre[i, None, None], bidx, warp + i * self.kw, lane)
+            chain.enter()
+            for i in cutlass.range_constexpr(self.peel):
+                self.splitk_fma(mX, acc, pre[i, None, None], xv, warp + i * self.kw, lane)
+            for i in cutlass.range(self.peel, self.full, unroll=2):
+                self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * self.kw, lane)
+        else:
+            for i in cutlass.range(self.full, unroll=2):
+                self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + i * self.kw, lane)
         if cutlass.const_expr(self.tail > 0):
             if warp < self.tail:                        # warp-uniform; no shuffles inside
                 self.splitk_slice(mX, mW, acc, wv, xv, bidx, warp + self.full * self.kw, lane)
@@ -651,6 +709,9 @@ TUNE_CONFIGS: dict[str, dict[str, object]] = {
     "sk2": {"cols": 2},
 }
 FULL_MAX_SLICES = 8
+# PDL chain: rounds of the split-K layout whose weights are loaded before the wait (16
+# registers each at C = 4; in_proj's 804 CTAs of 4 warps stay one wave at ≤ 73 registers)
+CHAIN_PEEL = 1
 # With the router (gemv_multi's MoE front: ≤ 64 registers, 4 CTAs per SM) a lane's unrolled
 # body holds at most this many 128-bit loads (weight + x; 4 registers each).
 ROUTER_MAX_LOADS = 12

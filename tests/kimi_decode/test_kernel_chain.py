@@ -9,6 +9,8 @@ and demands bit-identical outputs and state.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -104,11 +106,14 @@ KERNELS: dict[str, Callable[[Path], str]] = {
 # FC1 / FC2 had PDL before the chain (FC2 launched with it after FC1): their unchained PTX
 # keeps the hint and FC2's wait
 UNCHAINED_PDL = {"experts_fc1": (0, 1), "experts_fc2_v2": (1, 0)}
-# whole weight rows loaded into registers before the wait (128-bit loads of one lane):
-# gemv_situ's preload (K = 384, 64-bit loads: 3), q_b's row (K = 1536: 6), moe_up's row (L = 3584: 14)
+# weights loaded into registers before the wait (128-bit loads of one lane): whole rows for
+# gemv_situ's preload (K = 384, 64-bit loads: 3), o_proj (K = 768: 3, L1::no_allocate), q_b
+# (K = 1536: 6), moe_up (L = 3584: 14); in_proj's split-K: its first round (gemv.CHAIN_PEEL = 1)
+# of its C = 4 rows
 REGISTER_ROWS = {"shared_down_situ": ("ld.global.v4.b16", 3), "q_b_norm": ("ld.global.v4.b32", 6),
-                 "moe_up": ("ld.global.v4", K3.latent_dim // 256)}
-PREFETCHING = {"o_proj", "in_proj_splitk", "moe_front", "mla_front"}
+                 "moe_up": ("ld.global.v4", K3.latent_dim // 256),
+                 "o_proj": ("ld.global.L1::no_allocate.v4", 3), "in_proj_splitk": ("ld.global.v4", 4)}
+PREFETCHING = {"in_proj_splitk", "moe_front", "mla_front"}
 
 
 def _lines(ptx: str) -> list[str]:
@@ -141,12 +146,12 @@ def test_chained_ptx_follows_the_protocol(tmp_path: Path, name: str, budget: int
     head = lines[:wait]
     assert not any(s.startswith(("st.global", "atom.", "red.")) for s in head)   # nothing written pre-wait
     assert (PREFETCH in ptx) == (budget > 0 and name in PREFETCHING)
-    if name in ("o_proj", "in_proj_splitk"):
-        assert not any(s.startswith("ld.global") for s in head)     # at most the prefetch before the wait
+    if name == "in_proj_splitk":
         assert any(s.startswith(PREFETCH) for s in head) == (budget > 0)
     if name in REGISTER_ROWS:
         op, n = REGISTER_ROWS[name]
-        assert sum(s.startswith(op) for s in head) == n             # the weight row, nothing else
+        assert sum(s.startswith(op) for s in head) == n             # the weights
+        assert sum(s.startswith("ld.global") for s in head) == n    # and nothing else
     if name in ("experts_fc1", "mla_attend_uv"):   # ids / q and the cache: only after the wait
         assert not any(s.startswith("ld.global") for s in head)
 
@@ -176,3 +181,19 @@ def test_compile_cache_keys_the_mode(monkeypatch) -> None:
     finally:
         chain.set_chain(False)
     assert built == [False, True]
+
+
+@pytest.mark.parametrize("name,most", [("in_proj_splitk", 73), ("o_proj", 64)])
+def test_chained_gemv_registers(tmp_path: Path, name: str, most: int, chain_mode) -> None:
+    """The register loads before the wait must not cost occupancy: in_proj's 804 CTAs of 128
+    threads stay one wave on 132 SMs (7 per SM: ≤ 73 registers), o_proj's 896 of 256 threads
+    need ≤ 64 (ptxas -v, no spills)."""
+    from tests.kimi_decode.ptxas_tool import require_ptxas
+    ptxas = require_ptxas()
+    chain_mode(True)
+    KERNELS[name](tmp_path)
+    src = next(tmp_path.glob("*.ptx"))
+    res = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    assert regs <= most and "0 bytes spill stores" in res.stderr, res.stderr
