@@ -72,7 +72,7 @@ and the kernel is in `VERIFIED`):
 - `pdl_chain` (kernels/chain.py): the kernels above launched with programmatic dependent
   launch, each loading what no kernel of the step writes (a weight row, kda's state) before
   `griddepcontrol.wait` and releasing its successor right after the wait, so every kernel's
-  launch and ramp overlap its predecessor: 4-5 us per B = 1 layer, bit-identical results
+  launch and ramp overlap its predecessor: 5-6 us per B = 1 layer, bit-identical results
   (bench/fused_runs.md). A process-wide mode like gemv_tuned, set by each model's enable()
   and forward (FusedDecoder._apply_modes).
 - `prefetch` (opt-in, see DEFAULT_KERNELS): after the routed experts are issued, a
@@ -110,7 +110,7 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # (2026-12-02 22:24-22:28 UTC, bench/fused_correctness.md)
                                     "experts_v2", "attn_res_mc", "mla_norm_fold", "mla_attend_uv",
                                     "kda_fast", "experts_one", "gemv_tuned",
-                                    # sixth round: checked at 02226bc (2026-12-03 00:00-00:01 UTC,
+                                    # sixth round: checked at 6ebf33b, 02226bc and 7eb4e95 (2026-12-03,
                                     # bench/fused_correctness.md: bit-identical to the unchained step)
                                     "pdl_chain"})
 # Verified but opt-in (kernels={..., name}), both slower where they would be used:

@@ -6,9 +6,11 @@ almost no bytes (AttnRes, the KDA recurrence, moe_up: bench/ncu_fused_b1.md) dur
 idles, and every kernel boundary costs a drain, a launch and a ramp to the first bytes. With
 PDL the next kernel's CTAs become resident while the current one runs and, before
 `griddepcontrol.wait`, touch only what no kernel of the step writes (their weights): an L2
-prefetch of the first bytes of each weight row (`cp.async.bulk.prefetch.L2`), or the weight
-row itself into registers where a kernel holds its whole row (gemv_situ, gemv_rmsnorm,
-moe_up); kda_fast loads its state and conv history there (written by the previous step).
+prefetch of the first bytes of each weight row (`cp.async.bulk.prefetch.L2`, off by default:
+DEFAULT_BUDGET), or weights into registers: the whole row where a kernel holds it (gemv_situ,
+gemv_rmsnorm, moe_up, uk_insert's W_UK, o_proj's K = 768 row: gemv.column_preloaded), the first
+split-K round of in_proj (gemv.CHAIN_PEEL); kda_fast loads its state and conv history there
+(written by the previous step).
 
 The protocol every chained kernel follows (enter() / release()):
 1. pre-wait: only weights, state of earlier steps, or prefetches (a prefetch is a hint: it
