@@ -7,8 +7,8 @@ idles, and every kernel boundary costs a drain, a launch and a ramp to the first
 PDL the next kernel's CTAs become resident while the current one runs and, before
 `griddepcontrol.wait`, touch only what no kernel of the step writes (their weights): an L2
 prefetch of the first bytes of each weight row (`cp.async.bulk.prefetch.L2`, off by default:
-DEFAULT_BUDGET), or weights into registers: the whole row where a kernel holds it (gemv_situ,
-gemv_rmsnorm, moe_up, uk_insert's W_UK, o_proj's K = 768 row: gemv.column_preloaded), the first
+DEFAULT_BUDGET), or weights into registers: the whole row where a kernel holds it (gemv_rmsnorm,
+moe_up, uk_insert's W_UK, o_proj's K = 768 row: gemv.column_preloaded), the first
 split-K round of in_proj (gemv.CHAIN_PEEL); kda_fast loads its state and conv history there
 (written by the previous step).
 
@@ -24,7 +24,9 @@ The protocol every chained kernel follows (enter() / release()):
 A kernel launched with PDL must call the wait before reading anything an earlier kernel of
 the step wrote; a kernel not in the chain is launched as before and starts after its
 predecessor completes (it never triggers early, so its successor, chained or not, waits for
-its end). Results are bit-identical with and without the chain (only scheduling changes).
+its end). Results are bit-identical with and without the chain (only scheduling changes). Not chained:
+the shared expert's down GEMV (gemv_situ) on the side stream: off the critical path, and a
+kernel made resident by a release on another stream is a wait no trace can tell from work.
 
 The mode is a process-wide flag (set by fused.enable(), as gemv.set_tuned), read when a kernel
 is traced; `_common.compiled` puts it in every compile key, so a kernel compiled with the

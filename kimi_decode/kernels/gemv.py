@@ -269,9 +269,12 @@ class Gemv:
         mW = cute.make_tensor(w, cute.make_layout((n, k // vec, vec), stride=(k, vec, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
         if cutlass.const_expr(self.cfg.situ):
+            # not in the PDL chain: the shared expert's down GEMV runs on the side stream, off the
+            # critical path, and a PDL launch there would start it (resident, waiting) at the
+            # MoE front's release on another stream, where no trace analysis can tell its wait
+            # from its work (analyzers/sql/kernels/exposed.sql clips same-stream overlap only)
             self.kernel_situ(mX, mW, mO).launch(grid=[(n + WARPS - 1) // WARPS, 1, 1],
-                                                block=[WARPS * 32, 1, 1], stream=stream,
-                                                use_pdl=chain.chain_on())
+                                                block=[WARPS * 32, 1, 1], stream=stream)
         elif cutlass.const_expr(self.cfg.cols > 0):
             self.kernel_splitk(mX, mW, mO).launch(grid=[self.ctas, 1, 1],
                                                   block=[self.kw * 32, 1, 1], stream=stream,
@@ -439,11 +442,6 @@ class Gemv:
             colc = cutlass.min(col, Int32(self.cfg.n - 1))
             for i in cutlass.range_constexpr(self.slices):
                 cute.autovec_copy(mW[colc, lane + i * 32, None], wall[i, None])
-        # PDL chain: h is the previous kernel's output (the row above is a weight: before it)
-        if cutlass.const_expr(chain.chain_on()):
-            if cutlass.const_expr(not self.preload):
-                self.chain_prefetch_rows(mW, col, 1, lane == 0)
-            chain.enter()
         # Prologue (every thread of the CTA, also warps past N): x = bf16(SiTU(gate, up)).
         gv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
         uv = cute.make_rmem_tensor(cute.make_layout(vec), mH.element_type)
