@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,20 +37,14 @@ def _graph_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
     for c in calls:
         c()
     torch.cuda.synchronize()
+    from kimi_decode.kernels.checks import replay_us
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for c in calls:
             c()
-    ts = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
+    us = replay_us(g, reps, len(calls), discard=2)
     del g
-    return statistics.median(ts[2:])
+    return us
 
 
 def _read_kernel():

@@ -27,19 +27,13 @@ BUDGETS = (0, 8 << 20)
 
 def _layer_us(run: Callable[[], object], reps: int = 50) -> float:
     """Median µs of CUDA-graph replays of `run` (one layer), cold-ish as in bench/decode.py."""
+    from kimi_decode.kernels.checks import replay_us
     g = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(g):
         run()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
+    us = replay_us(g, reps)
     del g
-    return statistics.median(ts)
+    return us
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:

@@ -51,15 +51,22 @@ def time_us(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
+    return replay_us(g, reps, calls)
+
+
+def replay_us(g: torch.cuda.CUDAGraph, reps: int, calls: int = 1, discard: int = 0) -> float:
+    """Median µs per call over `reps` replays of graph `g` holding `calls` calls, one event
+    pair around each replay (after `discard` replays not counted). Shared by time_us,
+    chain_check and bench/stream_bw.py."""
     times = []
-    for _ in range(reps):
+    for _ in range(reps + discard):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(times[discard:])
 
 
 def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...] = (1, 8),
