@@ -118,6 +118,11 @@ PREFETCH_MAX_ROWS = 24
 NEG = -1.0e30    # "minus infinity" that keeps exp(NEG - NEG) finite
 VALID = -1.0e29  # a score above this is a real (unmasked) score
 SMS = 132
+# Phase probe (MLAConfig.probe): thread 0 of every CTA stamps %globaltimer at these points and
+# writes them to probe[b·splits + s, :] at its end (0 = not reached, e.g. merges it lost).
+# Each stamp after a barrier, so it marks the whole CTA's progress, not thread 0's.
+PROBE_PHASES = ("entry", "waited", "tile_in_smem", "scores", "softmax", "pv", "partial_written",
+                "group_counter", "merge1", "seq_counter", "merge2", "end")
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,7 @@ class MLAConfig:
     scale: float = 192 ** -0.5
     uv_rows: int = 0          # uv mode (mla_attend_uv): M = B·T rows of o; 0 = o_lat only
     v_dim: int = 128          # uv mode: W_UV's columns per head
+    probe: bool = False       # phase probe (bench/mla_phases.py): %globaltimer stamps per CTA
 
     @property
     def uv(self) -> bool:
@@ -232,10 +238,11 @@ class MLAAttend:
     def __call__(self, q: cute.Pointer, cache: cute.Pointer, last: cute.Pointer, out: cute.Pointer,
                  part_o: cute.Pointer, part_ml: cute.Pointer, grp_o: cute.Pointer,
                  grp_ml: cute.Pointer, counters: cute.Pointer, w_uv: cute.Pointer, g: cute.Pointer,
-                 o_uv: cute.Pointer, batch: Int32, cache_len: Int32,
+                 o_uv: cute.Pointer, probe: cute.Pointer, batch: Int32, cache_len: Int32,
                  tiles_per_split: Int32, splits: Int32, group: Int32, groups: Int32,
                  stream: cuda.CUstream):
-        """uv mode: w_uv [H, c, vd], g [M, H·vd], o_uv [M, H·vd] (bf16); otherwise unused."""
+        """uv mode: w_uv [H, c, vd], g [M, H·vd], o_uv [M, H·vd] (bf16); otherwise unused.
+        probe mode: probe [B·splits, len(PROBE_PHASES)] int64; otherwise unused."""
         R, D, C, NV = self.R, self.D, self.C, self.NV
         # Only the outermost modes are dynamic, so every 8-vector keeps its 16-byte alignment.
         mQ = cute.make_tensor(q, cute.make_layout((batch, R, NV, VEC), stride=(R * D, D, VEC, 1)))
@@ -256,7 +263,9 @@ class MLAAttend:
             mU = cute.make_tensor(o_uv, cute.make_layout((M, H * N), stride=(H * N, 1)))
         else:
             mX, mW, mG, mU = mO, mO, mO, mO
-        self.kernel(mQ, mK, mL, mO, mPo2, mPo4, mPml, mGo4, mGml, mCnt, mX, mW, mG, mU, batch, cache_len,
+        mT = cute.make_tensor(probe, cute.make_layout((batch * splits, len(PROBE_PHASES)),
+                                                      stride=(len(PROBE_PHASES), 1)))
+        self.kernel(mQ, mK, mL, mO, mPo2, mPo4, mPml, mGo4, mGml, mCnt, mX, mW, mG, mU, mT, batch, cache_len,
                     tiles_per_split, splits, group, groups).launch(
             grid=[splits, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
 
@@ -264,15 +273,20 @@ class MLAAttend:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mL: cute.Tensor, mO: cute.Tensor,
                mPo2: cute.Tensor, mPo4: cute.Tensor, mPml: cute.Tensor, mGo4: cute.Tensor,
                mGml: cute.Tensor, mCnt: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mG: cute.Tensor,
-               mU: cute.Tensor, batch: Int32, cache_len: Int32, tiles_per_split: Int32,
+               mU: cute.Tensor, mT: cute.Tensor, batch: Int32, cache_len: Int32, tiles_per_split: Int32,
                splits: Int32, group: Int32, groups: Int32):
         R, D, NV, H = self.R, self.D, self.NV, self.H
         tid, _, _ = cute.arch.thread_idx()
         s, b, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # full-warp shuffle: here, outside every branch
         lane = cute.arch.lane_idx()
+        stamps = cute.make_rmem_tensor(cute.make_layout(len(PROBE_PHASES)), cutlass.Int64)
+        if cutlass.const_expr(self.cfg.probe):
+            stamps.fill(0)
+            stamps[0] = cute.arch.globaltimer()
         # PDL chain (kernels/chain.py): q and the cache row uk_insert wrote are read below
         chain.enter()
+        self.stamp(stamps, 1, tid, False)
 
         smem = cutlass.memory.SmemAllocator()
         s_k = smem.allocate_tensor(BFloat16, cute.make_layout((TILE, NV, VEC), stride=(D, VEC, 1)),
@@ -354,6 +368,7 @@ class MLAAttend:
                 v = idx - j * NV
                 cute.autovec_copy(kbuf[i, None], s_k[j, v, None])
             cute.arch.sync_threads()
+            self.stamp(stamps, 2, tid, False)
             if cutlass.const_expr(self.prefetch):
                 if it + 1 < ntile:
                     self.load_tile(mK, kbuf, row0, tstart + TILE, end, tid)
@@ -384,6 +399,7 @@ class MLAAttend:
                 if g == 0:
                     s_p[r, jt] = sc
             cute.arch.sync_threads()
+            self.stamp(stamps, 3, tid, False)
 
             # Online softmax: warp w owns rows w, w + 8, ...; lane = token.
             # Warps past the last row compute on row R - 1 and store nothing, so the shuffles
@@ -409,6 +425,7 @@ class MLAAttend:
                     if lane == 0:
                         s_a[r] = alpha
             cute.arch.sync_threads()
+            self.stamp(stamps, 4, tid, False)
 
             # P·V: latent columns 2·tid, 2·tid + 1 for all rows.
             for r in cutlass.range_constexpr(R):
@@ -430,6 +447,7 @@ class MLAAttend:
                     acc[r, 0] = a0
                     acc[r, 1] = a1
 
+        self.stamp(stamps, 5, tid, True)
         # This split's partial (written even when it saw no valid position: m = NEG, l = 0, o = 0).
         srow = b * splits + s
         for i in cutlass.range_constexpr(self.RW):
@@ -467,15 +485,18 @@ class MLAAttend:
         if count > group:
             count = group
         cute.arch.sync_threads()
+        self.stamp(stamps, 6, tid, False)
         if tid == 0:
             cute.arch.fence_acq_rel_gpu()
             old = cute.arch.atomic_add(mCnt.iterator + (b * groups + grp), Int32(1), sem="acq_rel", scope="gpu")
             s_flag[0] = old
         cute.arch.sync_threads()
+        self.stamp(stamps, 7, tid, False)
         if s_flag[0] == count - 1:          # CTA-uniform: the group's last CTA
             cute.arch.fence_acq_rel_gpu()
             if groups == 1:
                 self.merge(mPml, mPo4, b * splits + gbase, count, mO, mGml, mGo4, b, 0, True, tid)
+                self.stamp(stamps, 8, tid, True)
                 if cutlass.const_expr(self.cfg.uv):
                     self.publish(mCnt, batch * groups + batch, tid)
             else:
@@ -483,6 +504,7 @@ class MLAAttend:
                            False, tid)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.sync_threads()
+                self.stamp(stamps, 8, tid, False)
                 if tid == 0:
                     mCnt[b * groups + grp] = Int32(0)
                     cute.arch.fence_acq_rel_gpu()
@@ -490,9 +512,11 @@ class MLAAttend:
                                                 sem="acq_rel", scope="gpu")
                     s_flag[1] = old2
                 cute.arch.sync_threads()
+                self.stamp(stamps, 9, tid, False)
                 if s_flag[1] == groups - 1:  # the sequence's last group
                     cute.arch.fence_acq_rel_gpu()
                     self.merge(mGml, mGo4, b * groups, groups, mO, mGml, mGo4, b, 0, True, tid)
+                    self.stamp(stamps, 10, tid, True)
                     if tid == 0:
                         mCnt[batch * groups + b] = Int32(0)
                     if cutlass.const_expr(self.cfg.uv):
@@ -504,6 +528,22 @@ class MLAAttend:
             if lin < self.NW:                   # CTA-uniform
                 self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, batch * groups + batch, batch, wh, wct,
                              gate, tid, warp, lane)
+        if cutlass.const_expr(self.cfg.probe):
+            self.stamp(stamps, 11, tid, True)
+            if tid == 0:
+                for i in cutlass.range_constexpr(len(PROBE_PHASES)):
+                    mT[lin, i] = stamps[i]
+
+    @cute.jit
+    def stamp(self, stamps: cute.Tensor, i: cutlass.Constexpr[int], tid: Int32,
+              barrier: cutlass.Constexpr[bool]):
+        """Probe mode: thread 0 records %globaltimer as phase i (after a CTA barrier when
+        `barrier`; the other call sites stand right after one). Nothing otherwise."""
+        if cutlass.const_expr(self.cfg.probe):
+            if cutlass.const_expr(barrier):
+                cute.arch.sync_threads()
+            if tid == 0:
+                stamps[i] = cute.arch.globaltimer()
 
     @cute.jit
     def publish(self, mCnt: cute.Tensor, rdy: Int32, tid: Int32):
@@ -612,18 +652,20 @@ def compile_for(cfg: MLAConfig) -> object:
     def build() -> object:
         bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
         i32, i64 = dummy_ptr(torch.int32), dummy_ptr(torch.int64)
-        return cute.compile(MLAAttend(cfg), bf, bf, i64, bf, f32, f32, f32, f32, i32, bf, bf, bf, Int32(1),
+        return cute.compile(MLAAttend(cfg), bf, bf, i64, bf, f32, f32, f32, f32, i32, bf, bf, bf, i64, Int32(1),
                             Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), current_stream(),
                             options=compile_options())
     return compiled(("mla_attend", cfg), build)
 
 
 def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
-               kv_rank: int, scale: float, scratch: MLAScratch | None = None) -> torch.Tensor:
+               kv_rank: int, scale: float, scratch: MLAScratch | None = None,
+               probe: torch.Tensor | None = None) -> torch.Tensor:
     """Launch on the current stream. q_full [B, T·H, c + rope] bf16, cache [B, C, c + rope]
     bf16, last [T] int64 (on the GPU; read by the kernel), scratch from make_scratch (the
     caller keeps it across calls; its counters stay zeroed between calls). Returns o_lat
-    [B, T·H, c] bf16."""
+    [B, T·H, c] bf16. `probe` (int64 [B·splits, len(PROBE_PHASES)]): run the probe build,
+    which stamps each CTA's phases there (bench/mla_phases.py)."""
     B, R, D = q_full.shape
     C = cache.shape[1]
     T = last.shape[0]
@@ -634,12 +676,13 @@ def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, he
         scratch = make_scratch(B, R, C, kv_rank, q_full.device)
     if (scratch.batch, scratch.rows, scratch.cache_len, scratch.kv_rank) != (B, R, C, kv_rank):
         raise ValueError("mla_attend: scratch was made for other shapes")
-    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale))
+    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), probe=probe is not None)
     out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     sc = scratch
     o = ptr(out)       # w_uv, g, o_uv: unused without the uv mode
+    pr = ptr(probe) if probe is not None else dummy_ptr(torch.int64)
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), o, ptr(sc.part_o), ptr(sc.part_ml),
-                     ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), o, o, o, Int32(B), Int32(C),
+                     ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), o, o, o, pr, Int32(B), Int32(C),
                      Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group), Int32(sc.groups),
                      current_stream())
     return out
@@ -665,7 +708,7 @@ def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: in
 
 def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
                   kv_rank: int, scale: float, w_uv: torch.Tensor, g: torch.Tensor,
-                  scratch: MLAScratch) -> tuple[torch.Tensor, torch.Tensor]:
+                  scratch: MLAScratch, probe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_attend, then mla_glue.uv_gate on its o_lat, in one launch (uv mode, module
     docstring). w_uv [H, c, vd], g [M, H·vd] bf16 (M = B·T). Returns (o [M, H·vd], o_lat
     [B, T·H, c]) bf16; o equals mla_glue.uv_gate(o_lat, w_uv, g) bit for bit by design."""
@@ -681,12 +724,12 @@ def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor,
             or not can_implement_uv(B, heads, T, kv_rank, D - kv_rank, vd, sc.splits,
                                     (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype))):
         raise ValueError(f"mla_attend_uv kernel cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")
-    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), uv_rows=M, v_dim=vd)
+    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), uv_rows=M, v_dim=vd, probe=probe is not None)
     o_lat = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     o = torch.empty(M, H * vd, dtype=torch.bfloat16, device=q_full.device)
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(o_lat), ptr(sc.part_o), ptr(sc.part_ml),
                      ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), ptr(w_uv), ptr(g), ptr(o),
-                     Int32(B), Int32(C), Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group),
+                     ptr(probe) if probe is not None else dummy_ptr(torch.int64), Int32(B), Int32(C), Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group),
                      Int32(sc.groups), current_stream())
     return o, o_lat
 

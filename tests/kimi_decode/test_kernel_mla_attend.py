@@ -50,7 +50,8 @@ P = _common.dummy_ptr
 def ptx_of(tmp_path: Path, cfg: MLAConfig) -> str:
     opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     cute.compile(MLAAttend(cfg), P(bf), P(bf), P(torch.int64), P(bf), P(f32), P(f32), P(f32), P(f32),
-                 P(torch.int32), P(bf), P(bf), P(bf), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                 P(torch.int32), P(bf), P(bf), P(bf), P(torch.int64), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                 Int32(1),
                  _common.current_stream(), options=opts)
     files = list(tmp_path.glob("*.ptx"))
     assert len(files) == 1, files
