@@ -11,8 +11,9 @@ L2, as in the step) and reports, over `--runs` calls, the median of:
     last CTA (spread = how far the CTAs drift apart);
   - the critical path: the CTA that ends last (the final merge), phase by phase;
 and beside it the plain build's time (CUDA graph, same cold cycling) so the probe's own cost
-shows. Variants: the default plan, fewer splits (sms 66 / 33: 2 / 4 tiles per CTA), and the
-uv mode (the step's default at B = 1).
+shows. Variants: the two merges (two-level: groups, then the groups, each by the last CTA to
+finish; grid: every CTA merges its share after a barrier), each with the default plan, fewer
+splits (sms 66: 2 tiles per CTA) and the uv mode (the step's default at B = 1).
 
     python3 -m bench.mla_phases --out $OUT      (writes mla_phases.json; render here:)
     python3 -m bench.mla_phases --render mla_phases.json > bench/mla_phases.md
@@ -32,10 +33,12 @@ COPIES = 12          # 12 × 4.8 MB cache (+ W_UV) cycled: beyond the L2 between
 
 
 def _variants() -> list[dict]:
-    return [{"name": "default (sms 132)", "sms": 132, "uv": False},
-            {"name": "uv mode (step default)", "sms": 132, "uv": True},
-            {"name": "sms 66 (2 tiles per CTA)", "sms": 66, "uv": False},
-            {"name": "sms 33 (4 tiles per CTA)", "sms": 33, "uv": False}]
+    return [{"name": "two-level merge", "sms": 132, "uv": False, "grid": False},
+            {"name": "two-level merge, uv mode", "sms": 132, "uv": True, "grid": False},
+            {"name": "two-level merge, sms 66 (2 tiles per CTA)", "sms": 66, "uv": False, "grid": False},
+            {"name": "grid merge", "sms": 132, "uv": False, "grid": True},
+            {"name": "grid merge, uv mode", "sms": 132, "uv": True, "grid": True},
+            {"name": "grid merge, sms 66 (2 tiles per CTA)", "sms": 66, "uv": False, "grid": True}]
 
 
 def measure(runs: int) -> dict:
@@ -68,8 +71,8 @@ def measure(runs: int) -> dict:
 
         def call(ca, w, pr=None, sc=sc, v=v):
             if v["uv"]:
-                return mla_attend_uv(q, ca, last, H, c, scale, w, g, sc, probe=pr)[1]
-            return mla_attend(q, ca, last, H, c, scale, sc, probe=pr)
+                return mla_attend_uv(q, ca, last, H, c, scale, w, g, sc, probe=pr, grid=v["grid"])[1]
+            return mla_attend(q, ca, last, H, c, scale, sc, probe=pr, grid=v["grid"])
         o_plain = call(*sets[0])
         o_probe = call(*sets[0], pr=probe)
         torch.cuda.synchronize()

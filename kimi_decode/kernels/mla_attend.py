@@ -121,8 +121,12 @@ SMS = 132
 # Phase probe (MLAConfig.probe): thread 0 of every CTA stamps %globaltimer at these points and
 # writes them to probe[b·splits + s, :] at its end (0 = not reached, e.g. merges it lost).
 # Each stamp after a barrier, so it marks the whole CTA's progress, not thread 0's.
+# Grid merge: "counter" is the sequence barrier passed, "merge" the CTA's share of the merge.
 PROBE_PHASES = ("entry", "waited", "tile_in_smem", "scores", "softmax", "pv", "partial_written",
-                "group_counter", "merge1", "seq_counter", "merge2", "end")
+                "counter", "merge", "counter2", "merge2", "end")
+GRID_MAX_ROWS = 8  # grid merge: a thread holds one partial's R rows (R m, l and 4R o values)
+GRID_MIN_SPLITS = 32  # grid merge: each CTA merges ≤ c / 4 / 32 = 4 column quads (a CTA-wide
+                      # reduction each); with few splits the two-level merge is short anyway
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class MLAConfig:
     uv_rows: int = 0          # uv mode (mla_attend_uv): M = B·T rows of o; 0 = o_lat only
     v_dim: int = 128          # uv mode: W_UV's columns per head
     probe: bool = False       # phase probe (bench/mla_phases.py): %globaltimer stamps per CTA
+    grid: bool = False        # one-level merge by all CTAs after a per-sequence barrier (grid_ok)
 
     @property
     def uv(self) -> bool:
@@ -158,6 +163,23 @@ def can_implement(heads: int, tokens: int, kv_rank: int, rope: int,
     d = kv_rank + rope
     return (kv_rank == 2 * THREADS and d % (DG * VEC) == 0 and (d // VEC) * TILE % THREADS == 0
             and 1 <= heads * tokens <= MAX_ROWS and all(dt == torch.bfloat16 for dt in dtypes))
+
+
+def grid_ok(batch: int, rows: int, splits: int, sms: int = SMS) -> bool:
+    """Where the grid merge (MLAConfig.grid) may run: R ≤ GRID_MAX_ROWS (a thread holds a
+    partial's rows), one partial per thread (splits ≤ THREADS), and every CTA resident at
+    once (B·splits ≤ SMs at one CTA per SM: 158 registers × 256 threads), since each waits
+    for its sequence's other CTAs; a CTA waits only after its own partial is written, so
+    the others need nothing from it and, once resident, finish. And splits ≥ GRID_MIN_SPLITS:
+    each CTA reduces c / 4 / splits column quads one after the other."""
+    return (rows <= GRID_MAX_ROWS and GRID_MIN_SPLITS <= splits <= THREADS and batch * splits <= sms)
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs of `device` (SMS without CUDA: the CPU tests)."""
+    if device.type != "cuda":
+        return SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def profitable(batch: int, tokens: int, heads: int) -> bool:
@@ -296,6 +318,10 @@ class MLAAttend:
         s_p = smem.allocate_tensor(Float32, cute.make_layout((R, TILE), stride=(TILE, 1)), byte_alignment=16)
         s_a = smem.allocate_tensor(Float32, cute.make_layout(R), byte_alignment=16)
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)
+        s_red = s_flag
+        if cutlass.const_expr(self.cfg.grid):       # grid merge: per-warp sums of 4 o + l per row
+            s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, R, 5), stride=(R * 5, 5, 1)),
+                                         byte_alignment=16)
         if cutlass.const_expr(self.cfg.uv):        # mla_glue.gemm_tile's staging and warp sums
             s_x = smem.allocate_tensor(Float32, cute.make_layout((self.UM, self.C), stride=(self.C, 1)),
                                        byte_alignment=16)
@@ -461,7 +487,8 @@ class MLAAttend:
             ob[0] = acc[r, 0]
             ob[1] = acc[r, 1]
             cute.autovec_copy(ob, mPo2[srow, r, tid, None])
-        cute.arch.fence_acq_rel_gpu()       # this thread's partial before the counter bump
+        if cutlass.const_expr(not self.cfg.grid):
+            cute.arch.fence_acq_rel_gpu()   # this thread's partial before the counter bump
 
         # uv mode: worker CTA `lin` < NW owns W_UV tile (head wh, column tile wct); its weight
         # loads and its gate value are issued now, in flight during the merges and the wait.
@@ -479,6 +506,114 @@ class MLAAttend:
                     gm = tid // UV_COLS
                     gate = mG[gm, wh * self.VD + wct * UV_COLS + (tid - gm * UV_COLS)].to(Float32)
 
+        if cutlass.const_expr(self.cfg.grid):
+            self.grid_barrier_merge(mPml, mPo4, mO, mCnt, s_red, stamps, b, s, batch, splits, tid, warp, lane)
+            if cutlass.const_expr(self.cfg.uv):
+                self.publish(mCnt, batch * groups + batch, tid)
+        else:
+            self.two_level_merge(mPml, mPo4, mO, mGml, mGo4, mCnt, s_flag, stamps, b, s, batch, splits,
+                                 group, groups, tid)
+        if cutlass.const_expr(self.cfg.uv):
+            if lin < self.NW:                   # CTA-uniform
+                target = batch
+                if cutlass.const_expr(self.cfg.grid):
+                    target = batch * splits     # every CTA publishes its share of o_lat
+                self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, batch * groups + batch, target, wh, wct,
+                             gate, tid, warp, lane)
+        if cutlass.const_expr(self.cfg.probe):
+            self.stamp(stamps, 11, tid, True)
+            if tid == 0:
+                for i in cutlass.range_constexpr(len(PROBE_PHASES)):
+                    mT[lin, i] = stamps[i]
+
+    @cute.jit
+    def grid_barrier_merge(self, mPml: cute.Tensor, mPo4: cute.Tensor, mO: cute.Tensor, mCnt: cute.Tensor,
+                           s_red: cute.Tensor, stamps: cute.Tensor, b: Int32, s: Int32, batch: Int32,
+                           splits: Int32, tid: Int32, warp: Int32, lane: Int32):
+        """Grid merge (MLAConfig.grid; module docstring): wait until all `splits` CTAs of
+        sequence b wrote their partials (cooperative-groups pattern: barrier, thread 0 fences,
+        arrives on mCnt[b] and polls it with acquire loads; the last CTA past it re-zeroes
+        mCnt[b] and mCnt[batch + b]), then merge latent column quads s, s + splits, ... of
+        all R rows: thread t holds partial t (t < splits ≤ THREADS), the CTA reduces over
+        its threads. Every CTA reads its column quads of all partials: 1/splits of the
+        sequence's partial bytes each, all loads of a thread in flight at once."""
+        R = self.R
+        cute.arch.sync_threads()
+        self.stamp(stamps, 6, tid, False)
+        if tid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(mCnt.iterator + b, Int32(1), sem="acq_rel", scope="gpu")
+            seen = Int32(0)
+            while seen < splits:
+                seen = cute.arch.load((mCnt.iterator + b).llvm_ptr, Int32, sem="acquire", scope="gpu")
+            old = cute.arch.atomic_add(mCnt.iterator + (batch + b), Int32(1), sem="acq_rel", scope="gpu")
+            if old == splits - 1:               # every CTA of b has passed the poll
+                mCnt[b] = Int32(0)
+                mCnt[batch + b] = Int32(0)
+        cute.arch.sync_threads()
+        cute.arch.fence_acq_rel_gpu()
+        self.stamp(stamps, 7, tid, False)
+
+        prow = b * splits + tid
+        mv = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+        lv = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+        mv.fill(NEG)
+        lv.fill(0.0)
+        if tid < splits:
+            for r in cutlass.range_constexpr(R):
+                mv[r] = mPml[prow, 0, r]
+                lv[r] = mPml[prow, 1, r]
+        # Row maxima over the splits: warp, then across warps.
+        for r in cutlass.range_constexpr(R):
+            wmax = cute.arch.warp_reduction_max(mv[r])
+            if lane == 0:
+                s_red[warp, r, 0] = wmax
+        cute.arch.sync_threads()
+        wgt = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+        for r in cutlass.range_constexpr(R):
+            big = s_red[0, r, 0]
+            for w in cutlass.range_constexpr(1, WARPS):
+                big = cute.arch.fmax(big, s_red[w, r, 0])
+            wgt[r] = Float32(0.0)
+            if mv[r] > Float32(VALID):
+                wgt[r] = cute.math.exp(mv[r] - big)
+        ov = cute.make_rmem_tensor(cute.make_layout((R, 4), stride=(4, 1)), Float32)
+        for cq in range(s, self.C // 4, splits):
+            cute.arch.sync_threads()            # s_red free (maxima read / last quad written)
+            ov.fill(0.0)
+            if tid < splits:
+                for r in cutlass.range_constexpr(R):
+                    cute.autovec_copy(mPo4[prow, r, cq, None], ov[r, None])
+            for r in cutlass.range_constexpr(R):
+                for e in cutlass.range_constexpr(4):
+                    part = cute.arch.warp_reduction_sum(ov[r, e] * wgt[r])
+                    if lane == 0:
+                        s_red[warp, r, e] = part
+                lsum = cute.arch.warp_reduction_sum(lv[r] * wgt[r])
+                if lane == 0:
+                    s_red[warp, r, 4] = lsum
+            cute.arch.sync_threads()
+            if tid < R * 4:
+                r = tid // 4
+                e = tid - r * 4
+                o = Float32(0.0)
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    o += s_red[w, r, e]
+                    tot += s_red[w, r, 4]
+                inv = Float32(0.0)
+                if tot > Float32(0.0):
+                    inv = Float32(1.0) / tot
+                mO[b, r, cq, e] = (o * inv).to(BFloat16)
+        self.stamp(stamps, 8, tid, True)
+
+    @cute.jit
+    def two_level_merge(self, mPml: cute.Tensor, mPo4: cute.Tensor, mO: cute.Tensor, mGml: cute.Tensor,
+                        mGo4: cute.Tensor, mCnt: cute.Tensor, s_flag: cute.Tensor, stamps: cute.Tensor,
+                        b: Int32, s: Int32, batch: Int32, splits: Int32, group: Int32, groups: Int32,
+                        tid: Int32):
+        """The two-level merge of the module docstring (groups of `group` splits, then the
+        groups); in uv mode the sequence's final merge publishes o_lat."""
         grp = s // group
         gbase = grp * group
         count = splits - gbase
@@ -524,15 +659,6 @@ class MLAAttend:
             if groups == 1:
                 if tid == 0:
                     mCnt[b * groups + grp] = Int32(0)
-        if cutlass.const_expr(self.cfg.uv):
-            if lin < self.NW:                   # CTA-uniform
-                self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, batch * groups + batch, batch, wh, wct,
-                             gate, tid, warp, lane)
-        if cutlass.const_expr(self.cfg.probe):
-            self.stamp(stamps, 11, tid, True)
-            if tid == 0:
-                for i in cutlass.range_constexpr(len(PROBE_PHASES)):
-                    mT[lin, i] = stamps[i]
 
     @cute.jit
     def stamp(self, stamps: cute.Tensor, i: cutlass.Constexpr[int], tid: Int32,
@@ -660,12 +786,13 @@ def compile_for(cfg: MLAConfig) -> object:
 
 def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
                kv_rank: int, scale: float, scratch: MLAScratch | None = None,
-               probe: torch.Tensor | None = None) -> torch.Tensor:
+               probe: torch.Tensor | None = None, grid: bool | None = None) -> torch.Tensor:
     """Launch on the current stream. q_full [B, T·H, c + rope] bf16, cache [B, C, c + rope]
     bf16, last [T] int64 (on the GPU; read by the kernel), scratch from make_scratch (the
     caller keeps it across calls; its counters stay zeroed between calls). Returns o_lat
     [B, T·H, c] bf16. `probe` (int64 [B·splits, len(PROBE_PHASES)]): run the probe build,
-    which stamps each CTA's phases there (bench/mla_phases.py)."""
+    which stamps each CTA's phases there (bench/mla_phases.py). `grid`: the grid merge
+    (None: wherever grid_ok allows it)."""
     B, R, D = q_full.shape
     C = cache.shape[1]
     T = last.shape[0]
@@ -676,7 +803,11 @@ def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, he
         scratch = make_scratch(B, R, C, kv_rank, q_full.device)
     if (scratch.batch, scratch.rows, scratch.cache_len, scratch.kv_rank) != (B, R, C, kv_rank):
         raise ValueError("mla_attend: scratch was made for other shapes")
-    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), probe=probe is not None)
+    if grid is None:
+        grid = grid_ok(B, R, scratch.splits, device_sms(q_full.device))
+    elif grid and not grid_ok(B, R, scratch.splits, device_sms(q_full.device)):
+        raise ValueError(f"mla_attend: grid merge cannot run B={B} R={R} splits={scratch.splits}")
+    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), probe=probe is not None, grid=grid)
     out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     sc = scratch
     o = ptr(out)       # w_uv, g, o_uv: unused without the uv mode
@@ -708,7 +839,8 @@ def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: in
 
 def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
                   kv_rank: int, scale: float, w_uv: torch.Tensor, g: torch.Tensor,
-                  scratch: MLAScratch, probe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scratch: MLAScratch, probe: torch.Tensor | None = None,
+                  grid: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_attend, then mla_glue.uv_gate on its o_lat, in one launch (uv mode, module
     docstring). w_uv [H, c, vd], g [M, H·vd] bf16 (M = B·T). Returns (o [M, H·vd], o_lat
     [B, T·H, c]) bf16; o equals mla_glue.uv_gate(o_lat, w_uv, g) bit for bit by design."""
@@ -724,7 +856,12 @@ def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor,
             or not can_implement_uv(B, heads, T, kv_rank, D - kv_rank, vd, sc.splits,
                                     (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype))):
         raise ValueError(f"mla_attend_uv kernel cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")
-    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), uv_rows=M, v_dim=vd, probe=probe is not None)
+    if grid is None:
+        grid = grid_ok(B, R, sc.splits, device_sms(q_full.device))
+    elif grid and not grid_ok(B, R, sc.splits, device_sms(q_full.device)):
+        raise ValueError(f"mla_attend_uv: grid merge cannot run B={B} R={R} splits={sc.splits}")
+    cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), uv_rows=M, v_dim=vd,
+                    probe=probe is not None, grid=grid)
     o_lat = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     o = torch.empty(M, H * vd, dtype=torch.bfloat16, device=q_full.device)
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(o_lat), ptr(sc.part_o), ptr(sc.part_ml),
@@ -750,7 +887,9 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
     stock.MLAAttention.fx["attend"] is the same cached torch.compile of that function) and the
     float64 reference at the K3 TP16 shapes, `last` inside the cache (mask matters, positions
     past it hold NaN so a read of them would show). With timing, B = 1 is also timed with
-    fewer splits (make_scratch(..., sms=n) for n in sms_sweep) to tune the plan."""
+    fewer splits (make_scratch(..., sms=n) for n in sms_sweep) to tune the plan. Where the
+    grid merge runs (grid_ok: the default there), the two-level merge is checked beside it
+    (`two_level_*` fields: its error, equal repeat, zeroed counters, time)."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
@@ -783,14 +922,29 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
             e_kc = rel(o_k, o_c)
             ok = (e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(o_k, o_k2)
                   and bool(torch.isfinite(o_k).all()) and int(scratch.counters.abs().sum()) == 0)
+            grid = grid_ok(bsz, T * H, scratch.splits, device_sms(dev))
             r = {"kernel": "mla_attend", "B": bsz, "k": k, "C": C, "splits": scratch.splits,
-                 "groups": scratch.groups, "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc,
+                 "groups": scratch.groups, "grid": grid, "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc,
                  "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s, "ok": ok}
+            if grid:
+                with torch.no_grad():
+                    o_t = mla_attend(q_full, cache, last, H, c, scale, scratch, grid=False)
+                    o_t2 = mla_attend(q_full, cache, last, H, c, scale, scratch, grid=False)
+                _sync()
+                e_t = rel(o_t, ref)
+                r.update(two_level_rel_vs_f64=e_t, grid_rel_vs_two_level=rel(o_k, o_t),
+                         two_level_repeat_equal=torch.equal(o_t, o_t2))
+                r["ok"] = bool(ok and e_t <= 1.5 * e_s + 1e-3 and torch.equal(o_t, o_t2)
+                               and int(scratch.counters.abs().sum()) == 0)
             if timing:
                 clean = cache.nan_to_num(0.0)
                 r["stock_us"] = time_us(lambda: compiled_attend(q_full, clean, last, H, c, scale))
                 r["stock_eager_us"] = time_us(lambda: stock_ops.mla_attend(q_full, clean, last, H, c, scale))
                 r["kernel_us"] = time_us(lambda: mla_attend(q_full, cache, last, H, c, scale, scratch))
+                if grid:
+                    r["two_level_us"] = time_us(lambda: mla_attend(q_full, cache, last, H, c, scale, scratch,
+                                                                   grid=False))
+                    r["ok"] = r["ok"] and int(scratch.counters.abs().sum()) == 0
             out.append(r)
             if timing and bsz == 1:
                 for n in sms_sweep:
@@ -821,7 +975,9 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
     per layer) and warm (one copy); and, to tune the host-side plan without recompiling,
     the uv kernel with other merge group sizes (make_scratch(..., group=n), n in
     group_sweep: at 130 splits 9 → 15 groups, 16 → 9 groups vs the default 12 → 11; rows of
-    their own, held to the float64 tolerance since the merge order changes)."""
+    their own, held to the float64 tolerance since the merge order changes; two-level merge, the
+    one the group size applies to). Where the grid merge runs, `two_level_us` times the same
+    launch with the two-level merge."""
     import itertools
 
     from kimi_decode import stock_ops
@@ -868,7 +1024,7 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
              "group": sc_new.group, "groups": sc_new.groups, "workers": uv_workers(H, vd), "o_equal_two_launch": torch.equal(o_k, o_o),
              "o_lat_equal_mla_attend": torch.equal(lat_k, lat_o), "rel_vs_two_launch": rel(o_k, o_o),
              "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
-             "repeat_equal": torch.equal(o_k, o_k2),
+             "repeat_equal": torch.equal(o_k, o_k2), "grid": grid_ok(bsz, T * H, sc_new.splits, device_sms(dev)),
              "counters_zero": int(sc_new.counters.abs().sum()) == 0}
         r["ok"] = bool(r["o_equal_two_launch"] and r["o_lat_equal_mla_attend"] and r["repeat_equal"]
                        and r["counters_zero"] and e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
@@ -887,6 +1043,9 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
             r["stock_us"] = timed(stock, True)
             r["kernel_warm_us"] = timed(new, False)
             r["two_launch_warm_us"] = timed(old, False)
+            if r["grid"]:      # the same launch with the two-level merge (the default before)
+                r["two_level_us"] = timed(lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g,
+                                                                      sc_new, grid=False), True)
             r["counters_zero_after_replays"] = int(sc_new.counters.abs().sum()) == 0
             r["ok"] = r["ok"] and r["counters_zero_after_replays"]
             out.append(r)
@@ -895,13 +1054,13 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
                 if not can_implement_uv(bsz, H, T, c, rope, vd, sc_n.splits, (torch.bfloat16,)):
                     continue
                 with torch.no_grad():
-                    o_n, _ = mla_attend_uv(q_full, cache, last, H, c, scale, w_uv, g, sc_n)
+                    o_n, _ = mla_attend_uv(q_full, cache, last, H, c, scale, w_uv, g, sc_n, grid=False)
                 _sync()
                 e_n = rel(o_n, ref)
                 out.append({"kernel": "mla_attend_uv", "B": bsz, "k": k, "C": C, "group": sc_n.group,
                             "groups": sc_n.groups, "rel_vs_f64": e_n,
                             "kernel_us": timed(lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g,
-                                                                           sc_n)[0], True),
+                                                                           sc_n, grid=False)[0], True),
                             "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc_n.counters.abs().sum()) == 0})
             del sets
         else:

@@ -132,6 +132,43 @@ def test_compiles_k3_uv_mode(tmp_path: Path) -> None:
         assert spills == 0 and regs <= regs0 <= 168, (regs, regs0)   # 158 at commit time
 
 
+def test_compiles_k3_grid_merge(tmp_path: Path) -> None:
+    """The grid merge (the default at B = 1, k = 0), alone and in uv mode: one barrier per
+    sequence (arrive, acquire poll, pass: 2 atomics + 1 poll instead of the two-level's 2
+    atomics), in uv mode each CTA publishes its share (+1 atomic) and the workers poll and
+    count (+1 poll, +1 atomic); no local memory, the registers of the two-level build."""
+    import dataclasses
+    for name, cfg, polls, atoms in (("grid", dataclasses.replace(k3_config(), grid=True), 1, 2),
+                                    ("grid_uv", dataclasses.replace(k3_config(uv_rows=1), grid=True), 2, 4)):
+        (tmp_path / name).mkdir()
+        ptx = ptx_of(tmp_path / name, cfg)
+        assert "ld.local" not in ptx and "st.local" not in ptx, name
+        assert not idx_shuffles_after_first_branch(ptx), name
+        assert ptx.count("ld.acquire.gpu") == polls, name
+        assert ptx.count("atom.global.acq_rel.add") == atoms, name
+        assert "cvt.rn.bf16.f32" in ptx and "shfl.sync.bfly" in ptx
+        if ptxas_path():
+            regs, spills = ptxas_usage(tmp_path / name, ptx)
+            assert spills == 0 and regs <= 168, (name, regs)   # 158 at commit time
+
+
+def test_grid_ok() -> None:
+    """The grid merge runs where every CTA can be resident at once and a thread holds a
+    partial, with enough splits to share the merge: B = 1, k = 0 (6 rows, 130 splits) yes;
+    k = 7 (48 rows) no; B = 8 and 64 (16 / 2 splits: 32 / 64 column quads per CTA) no; B = 2
+    at 130 splits each (260 CTAs) no."""
+    from kimi_decode.kernels.mla_attend import GRID_MAX_ROWS, GRID_MIN_SPLITS, grid_ok
+    assert grid_ok(1, 6, plan(1, 4160)[0])
+    assert grid_ok(1, 6, plan(1, 4160, sms=66)[0])            # bench/mla_phases.py's 65 splits
+    assert not grid_ok(1, 48, plan(1, 4608)[0])               # R > GRID_MAX_ROWS
+    assert not grid_ok(64, 6, plan(64, 4160)[0])              # 2 splits
+    assert not grid_ok(8, 6, plan(8, 4160)[0])                # 16 splits
+    assert not grid_ok(1, 6, GRID_MIN_SPLITS - 1)
+    assert not grid_ok(2, 6, 130)                             # 260 CTAs > 132 SMs
+    assert not grid_ok(1, 6, 130, sms=66)
+    assert not grid_ok(1, GRID_MAX_ROWS + 1, 8)
+
+
 def test_can_implement_uv() -> None:
     cfg = k3_tp16()
     H, c, rope, vd = cfg.mla_local_heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.v_head_dim
@@ -219,9 +256,10 @@ def test_plan_covers_cache() -> None:
 
 
 def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c: int, scale: float,
-            sms: int = 132, group_ask: int | None = None) -> torch.Tensor:
+            sms: int = 132, group_ask: int | None = None, grid: bool = False) -> torch.Tensor:
     """The kernel's algorithm in float64: splits of whole tiles, clamped loads, masked
-    bf16-rounded scores, online softmax per tile, partials (m, l, o), two-level merge."""
+    bf16-rounded scores, online softmax per tile, partials (m, l, o), two-level merge (or,
+    with `grid`, the grid merge: all partials at once, a partial with m = NEG weighs 0)."""
     B, R, D = q.shape
     C = cache.shape[1]
     NEG, VALID = -1.0e30, -1.0e29
@@ -258,8 +296,14 @@ def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c:
             w = [torch.exp(x[0] - big) for x in ps]
             return big, sum(x[1] * wi for x, wi in zip(ps, w)), sum(x[2] * wi[:, None] for x, wi in zip(ps, w))
 
-        grp = [merge(parts[g * group:(g + 1) * group]) for g in range(groups)]
-        _, L, O = merge(grp) if groups > 1 else grp[0]
+        if grid:
+            big = torch.stack([x[0] for x in parts]).max(0).values
+            w = [torch.where(x[0] > VALID, torch.exp(x[0] - big), torch.zeros_like(big)) for x in parts]
+            L = sum(x[1] * wi for x, wi in zip(parts, w))
+            O = sum(x[2] * wi[:, None] for x, wi in zip(parts, w))
+        else:
+            grp = [merge(parts[g * group:(g + 1) * group]) for g in range(groups)]
+            _, L, O = merge(grp) if groups > 1 else grp[0]
         out[b] = O / L[:, None]
     return out
 
@@ -272,20 +316,21 @@ def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, h: int, c:
     (1, 1, 6, 512, 64, 4160, 4101, 132, 16),    # 9 groups
     (3, 2, 2, 16, 8, 700, 650, 16, None),      # several tiles per split
 ])
+@pytest.mark.parametrize("grid", [False, True])
 def test_emulated_kernel_matches_reference(b: int, t: int, h: int, c: int, rope: int, cache_len: int,
-                                           last0: int, sms: int, group: int | None) -> None:
+                                           last0: int, sms: int, group: int | None, grid: bool) -> None:
     q, cache = _inputs(b, t, h, c, rope, cache_len, 7 + b + t)
     scale = 192 ** -0.5
     last = last0 + torch.arange(t)
     cache_nan = cache.clone()
     cache_nan[:, last0 + t:] = float("nan")                 # never read by the kernel's plan
     ref = reference(q, cache, last, h, c, scale)
-    emu = emulate(q, cache_nan, last, h, c, scale, sms, group)
+    emu = emulate(q, cache_nan, last, h, c, scale, sms, group, grid)
     assert torch.isfinite(emu).all()
     assert float((emu - ref).norm() / ref.norm()) < 1e-9
 
 
-def _emulate_attend(q_full, cache, last, heads, c, scale, scratch=None):
+def _emulate_attend(q_full, cache, last, heads, c, scale, scratch=None, grid=None, probe=None):
     """mla_attend's contract (float64 statement, o_lat rounded to bf16; positions past `last`
     are never read, here by zeroing the NaNs the check puts there)."""
     return reference(q_full, cache.nan_to_num(0.0), last, heads, c, scale).to(bf)
@@ -301,7 +346,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(ma, "mla_attend", _emulate_attend)
     monkeypatch.setattr(mg, "uv_gate", _emulate_uv_gate)
 
-    def attend_uv(q_full, cache, last, heads, c, scale, w_uv, g, scratch):
+    def attend_uv(q_full, cache, last, heads, c, scale, w_uv, g, scratch, grid=None, probe=None):
         o_lat = _emulate_attend(q_full, cache, last, heads, c, scale)
         return _emulate_uv_gate(o_lat, w_uv, g), o_lat
     monkeypatch.setattr(ma, "mla_attend_uv", attend_uv)
@@ -324,7 +369,7 @@ def test_check_uv_harness_rejects_wrong_kernel(emulated) -> None:
     """A fused kernel gating with σ(-g) (o_lat right) fails: o differs from the two launches."""
     import kimi_decode.kernels.mla_attend as ma
 
-    def wrong(q_full, cache, last, heads, c, scale, w_uv, g, scratch):
+    def wrong(q_full, cache, last, heads, c, scale, w_uv, g, scratch, grid=None, probe=None):
         o_lat = _emulate_attend(q_full, cache, last, heads, c, scale)
         return _emulate_uv_gate(o_lat, w_uv, -g), o_lat
     emulated.setattr(ma, "mla_attend_uv", wrong)
