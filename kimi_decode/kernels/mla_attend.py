@@ -205,6 +205,8 @@ class MLAScratch:
     grp_o: torch.Tensor       # [B·G, R, c] fp32
     grp_ml: torch.Tensor      # [B·G, 2, R] fp32
     counters: torch.Tensor    # [B·G + B + 2] int32, zero between calls (the last two: uv mode)
+    epochs: torch.Tensor      # [B] int32 right after `counters` (one buffer): the grid merge's
+                              # barrier generations, bumped once per call (never re-zeroed)
 
 
 def plan(batch: int, cache_len: int, sms: int = SMS, group: int | None = None) -> tuple[int, int, int, int]:
@@ -227,13 +229,15 @@ def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int,
                  device: torch.device | str, sms: int = SMS, group: int | None = None) -> MLAScratch:
     splits, group, groups, tps = plan(batch, cache_len, sms, group)
     f32 = dict(dtype=torch.float32, device=device)
+    n_cnt = batch * groups + batch + 2
+    sync = torch.zeros(n_cnt + batch, dtype=torch.int32, device=device)
     return MLAScratch(
         batch, rows, cache_len, kv_rank, splits, group, groups, tps,
         part_o=torch.empty(batch * splits, rows, kv_rank, **f32),
         part_ml=torch.empty(batch * splits, 2, rows, **f32),
         grp_o=torch.empty(batch * groups, rows, kv_rank, **f32),
         grp_ml=torch.empty(batch * groups, 2, rows, **f32),
-        counters=torch.zeros(batch * groups + batch + 2, dtype=torch.int32, device=device))
+        counters=sync[:n_cnt], epochs=sync[n_cnt:])
 
 
 class MLAAttend:
@@ -276,7 +280,7 @@ class MLAAttend:
         mPml = cute.make_tensor(part_ml, cute.make_layout((batch * splits, 2, R), stride=(2 * R, R, 1)))
         mGo4 = cute.make_tensor(grp_o, cute.make_layout((batch * groups, R, C // 4, 4), stride=(R * C, C, 4, 1)))
         mGml = cute.make_tensor(grp_ml, cute.make_layout((batch * groups, 2, R), stride=(2 * R, R, 1)))
-        mCnt = cute.make_tensor(counters, cute.make_layout(batch * groups + batch + 2))
+        mCnt = cute.make_tensor(counters, cute.make_layout(batch * groups + 2 * batch + 2))   # + epochs
         if cutlass.const_expr(self.cfg.uv):
             M, H, N = self.UM, self.H, self.VD
             mX = cute.make_tensor(out, cute.make_layout((M, H, C // VEC, VEC), stride=(H * C, C, VEC, 1)))
@@ -507,7 +511,8 @@ class MLAAttend:
                     gate = mG[gm, wh * self.VD + wct * UV_COLS + (tid - gm * UV_COLS)].to(Float32)
 
         if cutlass.const_expr(self.cfg.grid):
-            self.grid_barrier_merge(mPml, mPo4, mO, mCnt, s_red, stamps, b, s, batch, splits, tid, warp, lane)
+            self.grid_barrier_merge(mPml, mPo4, mO, mCnt, s_red, stamps, b, s, batch, splits, groups, tid,
+                                    warp, lane)
             if cutlass.const_expr(self.cfg.uv):
                 self.publish(mCnt, batch * groups + batch, tid)
         else:
@@ -529,27 +534,34 @@ class MLAAttend:
     @cute.jit
     def grid_barrier_merge(self, mPml: cute.Tensor, mPo4: cute.Tensor, mO: cute.Tensor, mCnt: cute.Tensor,
                            s_red: cute.Tensor, stamps: cute.Tensor, b: Int32, s: Int32, batch: Int32,
-                           splits: Int32, tid: Int32, warp: Int32, lane: Int32):
+                           splits: Int32, groups: Int32, tid: Int32, warp: Int32, lane: Int32):
         """Grid merge (MLAConfig.grid; module docstring): wait until all `splits` CTAs of
-        sequence b wrote their partials (cooperative-groups pattern: barrier, thread 0 fences,
-        arrives on mCnt[b] and polls it with acquire loads; the last CTA past it re-zeroes
-        mCnt[b] and mCnt[batch + b]), then merge latent column quads s, s + splits, ... of
+        sequence b wrote their partials, then merge latent column quads s, s + splits, ... of
         all R rows: thread t holds partial t (t < splits ≤ THREADS), the CTA reduces over
         its threads. Every CTA reads its column quads of all partials: 1/splits of the
-        sequence's partial bytes each, all loads of a thread in flight at once."""
+        sequence's partial bytes each, all loads of a thread (m, l and the first quad's o)
+        in flight at once.
+        The barrier (sense reversal, one atomic per CTA): thread 0 reads the sequence's epoch
+        E = epochs[b] (acquire), fences, arrives on mCnt[b]; the last to arrive re-zeroes
+        mCnt[b] and bumps the epoch (release), the others poll until it is no longer E. E is
+        read before the arrival, and the epoch moves only once all have arrived, so no CTA
+        can read the new epoch as its E; the epoch is never re-zeroed (counters stay zero
+        between calls, CUDA-graph replays included)."""
         R = self.R
         cute.arch.sync_threads()
         self.stamp(stamps, 6, tid, False)
         if tid == 0:
+            ep = mCnt.iterator + (batch * groups + batch + 2 + b)
+            epoch = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.atomic_add(mCnt.iterator + b, Int32(1), sem="acq_rel", scope="gpu")
-            seen = Int32(0)
-            while seen < splits:
-                seen = cute.arch.load((mCnt.iterator + b).llvm_ptr, Int32, sem="acquire", scope="gpu")
-            old = cute.arch.atomic_add(mCnt.iterator + (batch + b), Int32(1), sem="acq_rel", scope="gpu")
-            if old == splits - 1:               # every CTA of b has passed the poll
+            old = cute.arch.atomic_add(mCnt.iterator + b, Int32(1), sem="acq_rel", scope="gpu")
+            if old == splits - 1:               # the last to arrive: all partials are written
                 mCnt[b] = Int32(0)
-                mCnt[batch + b] = Int32(0)
+                cute.arch.atomic_add(ep, Int32(1), sem="release", scope="gpu")
+            else:
+                seen = epoch
+                while seen == epoch:
+                    seen = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
         cute.arch.sync_threads()
         cute.arch.fence_acq_rel_gpu()
         self.stamp(stamps, 7, tid, False)
@@ -557,12 +569,17 @@ class MLAAttend:
         prow = b * splits + tid
         mv = cute.make_rmem_tensor(cute.make_layout(R), Float32)
         lv = cute.make_rmem_tensor(cute.make_layout(R), Float32)
+        ov = cute.make_rmem_tensor(cute.make_layout((R, 4), stride=(4, 1)), Float32)
         mv.fill(NEG)
         lv.fill(0.0)
+        ov.fill(0.0)
         if tid < splits:
             for r in cutlass.range_constexpr(R):
                 mv[r] = mPml[prow, 0, r]
                 lv[r] = mPml[prow, 1, r]
+            if s < self.C // 4:                 # the first column quad's loads fly with m, l
+                for r in cutlass.range_constexpr(R):
+                    cute.autovec_copy(mPo4[prow, r, s, None], ov[r, None])
         # Row maxima over the splits: warp, then across warps.
         for r in cutlass.range_constexpr(R):
             wmax = cute.arch.warp_reduction_max(mv[r])
@@ -577,13 +594,13 @@ class MLAAttend:
             wgt[r] = Float32(0.0)
             if mv[r] > Float32(VALID):
                 wgt[r] = cute.math.exp(mv[r] - big)
-        ov = cute.make_rmem_tensor(cute.make_layout((R, 4), stride=(4, 1)), Float32)
         for cq in range(s, self.C // 4, splits):
             cute.arch.sync_threads()            # s_red free (maxima read / last quad written)
-            ov.fill(0.0)
-            if tid < splits:
-                for r in cutlass.range_constexpr(R):
-                    cute.autovec_copy(mPo4[prow, r, cq, None], ov[r, None])
+            if cq != s:
+                ov.fill(0.0)
+                if tid < splits:
+                    for r in cutlass.range_constexpr(R):
+                        cute.autovec_copy(mPo4[prow, r, cq, None], ov[r, None])
             for r in cutlass.range_constexpr(R):
                 for e in cutlass.range_constexpr(4):
                     part = cute.arch.warp_reduction_sum(ov[r, e] * wgt[r])

@@ -133,19 +133,21 @@ def test_compiles_k3_uv_mode(tmp_path: Path) -> None:
 
 
 def test_compiles_k3_grid_merge(tmp_path: Path) -> None:
-    """The grid merge (the default at B = 1, k = 0), alone and in uv mode: one barrier per
-    sequence (arrive, acquire poll, pass: 2 atomics + 1 poll instead of the two-level's 2
-    atomics), in uv mode each CTA publishes its share (+1 atomic) and the workers poll and
-    count (+1 poll, +1 atomic); no local memory, the registers of the two-level build."""
+    """The grid merge (the default at B = 1, k = 0), alone and in uv mode: one sense-reversal
+    barrier per sequence (the epoch read and poll: 2 acquire loads; the arrival: 1 acq_rel
+    atomic; the last one's epoch bump: 1 release atomic), in uv mode each CTA publishes its
+    share (+1 acq_rel atomic) and the workers poll and count (+1 poll, +1 atomic); no local
+    memory, about the registers of the two-level build."""
     import dataclasses
-    for name, cfg, polls, atoms in (("grid", dataclasses.replace(k3_config(), grid=True), 1, 2),
-                                    ("grid_uv", dataclasses.replace(k3_config(uv_rows=1), grid=True), 2, 4)):
+    for name, cfg, polls, atoms in (("grid", dataclasses.replace(k3_config(), grid=True), 2, 1),
+                                    ("grid_uv", dataclasses.replace(k3_config(uv_rows=1), grid=True), 3, 3)):
         (tmp_path / name).mkdir()
         ptx = ptx_of(tmp_path / name, cfg)
         assert "ld.local" not in ptx and "st.local" not in ptx, name
         assert not idx_shuffles_after_first_branch(ptx), name
         assert ptx.count("ld.acquire.gpu") == polls, name
         assert ptx.count("atom.global.acq_rel.add") == atoms, name
+        assert ptx.count("atom.global.release.add") == 1, name
         assert "cvt.rn.bf16.f32" in ptx and "shfl.sync.bfly" in ptx
         if ptxas_path():
             regs, spills = ptxas_usage(tmp_path / name, ptx)
@@ -388,3 +390,15 @@ def test_check_uv_timing_rows(emulated) -> None:
     assert all(r["ok"] for r in rows), rows
     assert {"kernel_us", "two_launch_us", "stock_us", "kernel_warm_us", "two_launch_warm_us"} <= rows[0].keys()
     assert [(r["group"], r["groups"]) for r in rows] == [(12, 11), (9, 15), (16, 9)]
+
+
+def test_scratch_epochs_follow_counters() -> None:
+    """The grid barrier's epochs sit right after the counters in one buffer (the kernel
+    indexes them from the counters' pointer at B·G + B + 2 + b) and are not part of the
+    counters the checks hold to zero."""
+    from kimi_decode.kernels.mla_attend import make_scratch
+    sc = make_scratch(1, 6, 4160, 512, "cpu")
+    n = sc.batch * sc.groups + sc.batch + 2
+    assert sc.counters.numel() == n and sc.epochs.numel() == sc.batch
+    assert sc.epochs.data_ptr() == sc.counters.data_ptr() + 4 * n
+    assert int(sc.counters.abs().sum()) == 0 and int(sc.epochs.abs().sum()) == 0
