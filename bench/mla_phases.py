@@ -123,11 +123,15 @@ def render(data: dict) -> str:
              f"(4.8 MB bf16), cache cycled over {COPIES} copies (cold, as in the step); {data['runs']} probed calls per variant",
              "- times in µs from the first CTA's entry (%globaltimer, ns); each cell the median over the calls;",
              "  first / median / last: over the CTAs that reached the phase; critical: the CTA that ends last",
-             "- plain µs: the build without the probe, CUDA-graph replays (kernels/checks.time_us), same cold cycling", ""]
+             "- plain µs: the build without the probe, CUDA-graph replays (kernels/checks.time_us), same cold cycling",
+             "- phases: counter = the CTA passed its group counter (two-level) or the sequence barrier (grid); "
+             "merge = its merge done; counter2 / merge2: the group partials' counter and merge (two-level only)",
+             "- what the timelines showed, and what changed because of them: bench/fused_runs.md", ""]
     for v in data["variants"]:
         s = summarise(v, phases)
-        lines += [f"## {v['name']}: {v['splits']} splits × {v['tiles_per_split']} tile(s), "
-                  f"{v['groups']} merge groups of ≤ {v['group']}", "",
+        merge = ("one merge by every CTA" if v.get("grid")
+                 else f"{v['groups']} merge groups of ≤ {v['group']}, then the groups")
+        lines += [f"## {v['name']}: {v['splits']} splits × {v['tiles_per_split']} tile(s), {merge}", "",
                   f"plain {v['plain_us']:.1f} µs; probe build output equal to plain: {v['probe_equal_plain']}; "
                   f"rel vs float64 {v['rel_vs_f64']:.2e}; counters zero: {v['counters_zero']}", "",
                   "| phase | first CTA | median CTA | last CTA | critical path |", "|---|---|---|---|---|"]

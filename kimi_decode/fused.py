@@ -136,9 +136,10 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   (B=1 k=7: 29.4 vs 19.7 us; B=8: 10.3 vs 9.3; B=64: 33.1 vs 21.8).
 # - moe_up: M = 1 (5.5 us vs stock tail 9.8 + up 13.8 us); at M = 8 it re-sums the slots per
 #   row in every CTA: 49 us vs 28.6.
-# - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0 (18.6 us incl. the position add vs
-#   stock 16.3: kept for the launch count, 2 vs 5); at 48 rows (B = 8 or k = 7) 45-140 us vs
-#   17-26 us for stock's bmm chain.
+# - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0, where it runs the grid merge
+#   (9f04320, bench/fused_correctness.md: 11.6 us cold vs 13.7 for stock's compiled op, 16.8
+#   with the two-level merge it had before); at 48 rows (B = 8 or k = 7) 43-330 us vs 15-30 us
+#   for stock's bmm chain.
 # - experts (M ≤ 8: 156 vs 177 us at M = 8), attn_res_ar/ag, mla_glue, GEMV (M = 1, its own
 #   table in kernels/gemv.py): every M their can_implement allows.
 # - gemv_multi: M = 1, as the plain GEMV it is made of (kernels/gemv.py GEMV_MAX_ROWS).
@@ -156,9 +157,10 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
 #   23.7 vs 26.2 us at M = 1, 141.9 vs 155.4 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
-#   22.0 us vs 19.7 us for mla_attend + uv_gate in isolation (its worker CTAs wait for the
-#   final merge); kept for the kernel count: in the B = 1 bench at 801b1da the MLA layer took
-#   113.8 us in 13 kernels with it and 111.2 us in 14 without it (bench/fused_runs.md).
+#   with the grid merge 16.0 us cold vs 15.1 us for mla_attend + uv_gate in isolation (9f04320;
+#   22.3 with the two-level merge); kept for the kernel count: in the B = 1 bench at 801b1da
+#   the MLA layer took 113.8 us in 13 kernels with it and 111.2 us in 14 without it
+#   (bench/fused_runs.md); with the grid merge 101.7 us in 13 (bench/decode.md).
 # - experts_one (FC1 + FC2 v2 in one persistent launch, kernels/moe_experts_one.py): M = 1 when
 #   opted in (OPT_IN: slower, see there); the kernel is correct to M = 8.
 # - kda_fast: B = 1, T = 1 (6.20 vs 6.57 us for kda_split in its check, bit-identical; at B = 8

@@ -85,6 +85,20 @@ launches, counters zero after replays). Other merge group sizes (group 9, 16): 2
 In the B = 1 step the MLA layer takes 113.8 µs with it, 111.2 µs without (bench/fused_runs.md). It stays in use at B = 1 for
 the kernel count (fused.MAX_ROWS notes); where the extra time goes is not yet known.
 
+Grid merge (MLAConfig.grid; the default where grid_ok allows it: B = 1, k = 0). A probe of
+the CTAs' phases (MLAConfig.probe, bench/mla_phases.py; bench/fused_runs.md) showed where the
+16-17 µs went: the two merges took 5.6 + 3.4 µs, each run by one CTA reading ~140 KB of
+partials from L2, after 6.6 µs of attention. In the grid merge every CTA, once its partial is
+written, arrives on a per-sequence barrier (sense reversal: thread 0 reads the sequence's
+epoch, arrives on a counter; the last to arrive re-zeroes it and bumps the epoch, the others
+poll the epoch), then merges latent column quads s, s + splits, ... of all R rows, one partial
+per thread, reduced across the CTA: each SM reads 1/splits of the partial bytes. It needs
+every CTA of the launch resident at once (B·splits ≤ SMs at one CTA per SM; a CTA waits only
+after writing its partial, so the others never need it) and enough splits to share the work
+(≥ GRID_MIN_SPLITS). Measured (H200, 9f04320, cold): 11.6 µs vs 16.8 with the two-level merge
+(stock's compiled op 13.7), uv mode 16.0 vs 22.3; o_lat bit-equal to the two-level merge at
+this shape; the barrier takes 2.2 µs and the merge 2.7 of the remaining 10.8.
+
 Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd; times both):
     python -m kimi_decode.kernels.mla_attend
     python -m kimi_decode.kernels.mla_attend uv     (mla_attend_uv: check_uv)
@@ -883,8 +897,9 @@ def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor,
     o = torch.empty(M, H * vd, dtype=torch.bfloat16, device=q_full.device)
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(o_lat), ptr(sc.part_o), ptr(sc.part_ml),
                      ptr(sc.grp_o), ptr(sc.grp_ml), ptr(sc.counters), ptr(w_uv), ptr(g), ptr(o),
-                     ptr(probe) if probe is not None else dummy_ptr(torch.int64), Int32(B), Int32(C), Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group),
-                     Int32(sc.groups), current_stream())
+                     ptr(probe) if probe is not None else dummy_ptr(torch.int64), Int32(B), Int32(C),
+                     Int32(sc.tiles_per_split), Int32(sc.splits), Int32(sc.group), Int32(sc.groups),
+                     current_stream())
     return o, o_lat
 
 
