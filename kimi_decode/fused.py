@@ -183,6 +183,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool, k: object,
         from kimi_decode.kernels.gemv import can_implement, gemv
         if x.is_contiguous() and can_implement(x.shape[0], w.shape[0], w.shape[1], (x.dtype, w.dtype)):
             return gemv(x, w) if out is None else gemv(x, w, out=out)
+        if "kimi_decode.kernels.gemv_mma" in sys.modules:
+            from kimi_decode.kernels import gemv_mma as k_mma
+            if (k_mma.enabled() and x.is_contiguous()
+                    and k_mma.can_implement(x.shape[0], w.shape[0], w.shape[1], (x.dtype, w.dtype))):
+                return k_mma.gemv_mma(x, w, out=out)
     if out is None:
         return k.linear(x, w)
     return torch.mm(x, w.t(), out=out)
@@ -739,6 +744,9 @@ class FusedDecoder(StockDecoder):
         if self._chain or "kimi_decode.kernels.chain" in sys.modules:
             from kimi_decode.kernels import chain as k_chain
             k_chain.set_chain(self._chain)
+        if self._mma or "kimi_decode.kernels.gemv_mma" in sys.modules:
+            from kimi_decode.kernels import gemv_mma as k_mma
+            k_mma.set_enabled(self._mma)
 
     def enable(self, kernels: frozenset[str]) -> frozenset[str]:
         """Switch the named kernels on where they can run (GPU, supported shapes), the rest
@@ -754,6 +762,9 @@ class FusedDecoder(StockDecoder):
         # the PDL chain (kernels/chain.py): likewise a process-wide flag, read when a kernel is
         # traced (and part of its compile key)
         self._chain = "pdl_chain" in on
+        # the projections at 2 ≤ M ≤ 8 on the tensor cores (kernels/gemv_mma.py): a flag of
+        # that module, read by _linear at each call
+        self._mma = {"gemv", "gemv_mma"} <= on
         self._apply_modes()
         # collectives finished inside kernels: only for the one-GPU simulation, whose slot
         # buffers the kernels can address (real NCCL keeps its own collectives)

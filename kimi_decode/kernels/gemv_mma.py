@@ -1,0 +1,386 @@
+"""Skinny GEMM on the tensor cores for 2 ≤ M ≤ 8 rows (kernel "gemv_mma"): out = x @ Wᵀ, bf16
+in and out, fp32 accumulation, each weight streamed from HBM once.
+
+Why: at M = 8 (B = 1 with k = 7 speculative tokens, or B = 8) every projection of the fused
+step still ran the stock skinny GEMM (Triton) or cuBLAS: in the bundled B = 1, k = 7 trace
+in_proj takes 20.8 µs for 46 MB (2.2 TB/s) where the M = 1 GEMV takes 13.7, and the MoE front
+(latent_down + shared gate/up + router GEMM) ~42 µs for 88 MB. The CUDA-core GEMV does not fix
+that: its split-K layout issues M·8 fp32 FMAs per weight element (in_proj at M = 8: 184 M FMAs,
+~6 µs of the H200's FMA issue plus the converts) and measured 21-24 µs (gemv_variants rows of
+bench/fused_correctness.md). One `mma.sync.m16n8k16` bf16 instruction does 2048 MACs, so on the
+tensor cores the same product is pure weight streaming; M ≤ 8 is exactly the instruction's n.
+
+Layout. A CTA owns TILE = 16 output columns (16 rows of W: the mma's m) and splits K over its
+`warps` warps: chunk c (32 consecutive k) goes to warp c % warps, so in each round the CTA's warps
+read 512 contiguous bytes of every one of its 16 rows. Per chunk, lane (g = lane / 4,
+t = lane % 4) issues three 128-bit loads: W[row g][32c + 8t .. +8], W[row g + 8][same] and
+x[min(g, M - 1)][same], and the warp runs two mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 on
+them. The k order inside a chunk is permuted, which a dot product does not care about, so that
+every fragment comes from one 128-bit load instead of four 32-bit ones: PTX's fragments are
+    A (16×16, row):  reg0 = A[g][2t, 2t+1]   reg1 = A[g+8][2t, 2t+1]
+                     reg2 = A[g][2t+8, 2t+9] reg3 = A[g+8][2t+8, 2t+9]
+    B (16×8, col):   reg0 = B[2t, 2t+1][g]   reg1 = B[2t+8, 2t+9][g]
+    C (16×8, f32):   c0, c1 = C[g][2t, 2t+1] c2, c3 = C[g+8][2t, 2t+1]
+and logical k (2t + j, 2t + 8 + j) of mma step s ∈ {0, 1} is physical k 32c + 8t + 4s + j and
+32c + 8t + 4s + 2 + j: the 32-bit words w0..w3 of the lane's 128-bit W load (w_s = k pair 2s,
+2s + 1 of its 8) give step 0 (w0, w1) and step 1 (w2, w3), and the x load's words the same. The
+map depends on t and s only, so A and B agree on it (emulate() below replays it in float64).
+Each warp unrolls `unroll` chunks: 3·unroll loads in flight per lane (4 chunks: 4 KB of weight
+per warp, 32 KB per 8-warp CTA). Rows past N are clamped to N - 1 for the loads and never
+stored; x rows ≥ M load row M - 1 and their output columns are dropped.
+
+Finish: each lane puts its 4 accumulators in shared memory red[warp, lane, 4], one barrier, and
+thread i < 128 = 16·8 adds the warps' values for (column i / 8, row i % 8) in warp order and
+writes out[row, col] rounded to bf16 if row < M and col < N.
+
+Exact math: out[m, n] = bf16(Σ_k fp32(x[m, k])·fp32(w[n, k])), the tensor cores' fp32
+accumulation (each mma adds its 16 products to the running fp32 value; the PTX ISA leaves the
+order inside one mma unspecified) then the in-order sum of the warps' partials, rounded once to
+bf16 as torch's matmul rounds its accumulator: another summation order than stock's, so equal
+within bf16 tolerance, not bit-equal.
+
+PDL chain (kernels/chain.py): launched with PDL when the chain is on; the first chunk round's
+weights are loaded before the wait (what no kernel of the step writes), x after it.
+
+Expected: in_proj at M = 8 46 MB at the M = 1 GEMV's ~3.3-3.5 TB/s cold, ~13-14 µs vs the
+stock skinny GEMM's 20.8 µs in the step; the check (`python -m kimi_decode.kernels.gemv_mma`)
+times both on cold weights at M = 2, 4, 8 on every K3 projection shape the step runs.
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+from kimi_decode.kernels import chain
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+
+MIN_ROWS = 2      # M = 1 keeps the CUDA-core GEMV (kernels/gemv.py), which beats stock there
+MAX_ROWS = 8      # the mma's n
+TILE = 16         # output columns per CTA (the mma's m)
+CHUNK = 32        # k per lane round: 8 bf16 per lane × 4 lanes per row, two k16 mma steps
+UNROLL = 4        # chunks whose loads a lane issues before its first mma
+WARP_CHOICES = (16, 8, 4)   # warps per CTA, the first that divides the chunk count (see warps_for)
+FEW_CTAS = 132    # below this many CTAs (one per SM) a CTA takes 16 warps when K allows
+MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+           "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+@dataclass(frozen=True)
+class GemvMmaConfig:
+    """Compile-time sizes: output columns N, reduction K, rows M (2..8); warps per CTA and the
+    unroll depth (chunks per lane in flight)."""
+
+    n: int
+    k: int
+    rows: int
+    warps: int = 8
+    unroll: int = UNROLL
+
+
+def warps_for(n: int, k: int) -> int:
+    """Warps per CTA: 16 when the grid has fewer CTAs than SMs (shared gate/up, g_proj, q_b:
+    more bytes in flight per CTA) and the chunk count allows, else 8, else 4; 0 if none
+    divides K / 32."""
+    chunks = k // CHUNK
+    ctas = (n + TILE - 1) // TILE
+    for w in WARP_CHOICES:
+        if w == 16 and ctas >= FEW_CTAS:
+            continue
+        if chunks % w == 0:
+            return w
+    return 0
+
+
+def can_implement(m: int, n: int, k: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """2 ≤ M ≤ 8, K a multiple of 32 whose chunk count some WARP_CHOICES entry divides, bf16."""
+    return (MIN_ROWS <= m <= MAX_ROWS and n >= 1 and k % CHUNK == 0 and warps_for(n, k) > 0
+            and all(d == torch.bfloat16 for d in dtypes))
+
+
+@cute.jit
+def mma_bf16(acc: cute.Tensor, a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: Int32):
+    """acc[0:4] += A·B for one m16n8k16 bf16 mma (fragments as packed bf16x2 words)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+        [Int32(a0).ir_value(), Int32(a1).ir_value(), Int32(a2).ir_value(), Int32(a3).ir_value(),
+         Int32(b0).ir_value(), Int32(b1).ir_value(),
+         Float32(acc[0]).ir_value(), Float32(acc[1]).ir_value(), Float32(acc[2]).ir_value(),
+         Float32(acc[3]).ir_value()],
+        MMA_PTX,
+        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    for i in cutlass.range_constexpr(4):
+        acc[i] = Float32(llvm.extractvalue(T.f32(), res, [i]))
+
+
+class GemvMma:
+    """See the module docstring."""
+
+    def __init__(self, cfg: GemvMmaConfig) -> None:
+        assert MIN_ROWS <= cfg.rows <= MAX_ROWS and cfg.k % CHUNK == 0, cfg
+        assert cfg.warps in WARP_CHOICES and (cfg.k // CHUNK) % cfg.warps == 0, cfg
+        assert cfg.unroll >= 1, cfg
+        self.cfg = cfg
+        self.per_warp = cfg.k // CHUNK // cfg.warps          # chunks each warp takes
+        self.u = min(cfg.unroll, self.per_warp)
+        self.rounds = self.per_warp // self.u                # full unrolled rounds
+        self.rest = self.per_warp - self.rounds * self.u     # chunks of the last, short round
+        self.ctas = (cfg.n + TILE - 1) // TILE
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
+        n, k, m = self.cfg.n, self.cfg.k, self.cfg.rows
+        # 128-bit vectors of 4 packed bf16 pairs: [rows, K / 8, 4] words
+        x32 = cute.recast_ptr(x, dtype=Int32)
+        w32 = cute.recast_ptr(w, dtype=Int32)
+        mX = cute.make_tensor(x32, cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1)))
+        mW = cute.make_tensor(w32, cute.make_layout((n, k // 8, 4), stride=(k // 2, 4, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+        self.kernel(mX, mW, mO).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
+                                       stream=stream, use_pdl=chain.chain_on())
+
+    @cute.jit
+    def load_round(self, mX: cute.Tensor, mW: cute.Tensor, wv: cute.Tensor, xv: cute.Tensor,
+                   base: Int32, count: cutlass.Constexpr[int], warp: Int32, t: Int32,
+                   row_lo: Int32, row_hi: Int32, xrow: Int32, with_x: cutlass.Constexpr[bool]):
+        """Loads of chunks base .. base + count - 1 of this warp (chunk j is K chunk
+        warp + j·warps): the two weight vectors, and the x vector when `with_x`."""
+        for u in cutlass.range_constexpr(count):
+            v = (warp + (base + u) * self.cfg.warps) * 4 + t      # 128-bit vector index in the row
+            cute.autovec_copy(mW[row_lo, v, None], wv[u, 0, None])
+            cute.autovec_copy(mW[row_hi, v, None], wv[u, 1, None])
+            if cutlass.const_expr(with_x):
+                cute.autovec_copy(mX[xrow, v, None], xv[u, None])
+
+    @cute.jit
+    def load_x(self, mX: cute.Tensor, xv: cute.Tensor, base: Int32, count: cutlass.Constexpr[int],
+               warp: Int32, t: Int32, xrow: Int32):
+        for u in cutlass.range_constexpr(count):
+            v = (warp + (base + u) * self.cfg.warps) * 4 + t
+            cute.autovec_copy(mX[xrow, v, None], xv[u, None])
+
+    @cute.jit
+    def mma_round(self, acc: cute.Tensor, wv: cute.Tensor, xv: cute.Tensor, count: cutlass.Constexpr[int]):
+        """Two mma steps per loaded chunk (words 0, 1 then 2, 3 of each 128-bit vector)."""
+        for u in cutlass.range_constexpr(count):
+            mma_bf16(acc, wv[u, 0, 0], wv[u, 1, 0], wv[u, 0, 1], wv[u, 1, 1], xv[u, 0], xv[u, 1])
+            mma_bf16(acc, wv[u, 0, 2], wv[u, 1, 2], wv[u, 0, 3], wv[u, 1, 3], xv[u, 2], xv[u, 3])
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        n, m, W, U = self.cfg.n, self.cfg.rows, self.cfg.warps, self.u
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        g = lane // 4
+        t = lane - g * 4
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Float32, cute.make_layout((W, 32, 4), stride=(128, 4, 1)),
+                                   byte_alignment=16)
+        row_lo = cutlass.min(bidx * TILE + g, Int32(n - 1))
+        row_hi = cutlass.min(bidx * TILE + g + 8, Int32(n - 1))
+        xrow = cutlass.min(g, Int32(m - 1))
+        acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        acc.fill(0.0)
+        wv = cute.make_rmem_tensor(cute.make_layout((U, 2, 4), stride=(8, 4, 1)), Int32)
+        xv = cute.make_rmem_tensor(cute.make_layout((U, 4), stride=(4, 1)), Int32)
+        # round 0: its weights before the chain's wait (weights are never written by the step)
+        self.load_round(mX, mW, wv, xv, Int32(0), U, warp, t, row_lo, row_hi, xrow, False)
+        chain.enter()
+        self.load_x(mX, xv, Int32(0), U, warp, t, xrow)
+        self.mma_round(acc, wv, xv, U)
+        for i in cutlass.range(1, self.rounds, unroll=1):
+            self.load_round(mX, mW, wv, xv, i * U, U, warp, t, row_lo, row_hi, xrow, True)
+            self.mma_round(acc, wv, xv, U)
+        if cutlass.const_expr(self.rest > 0):
+            self.load_round(mX, mW, wv, xv, Int32(self.rounds * U), self.rest, warp, t, row_lo, row_hi,
+                            xrow, True)
+            self.mma_round(acc, wv, xv, self.rest)
+        for i in cutlass.range_constexpr(4):
+            red[warp, lane, i] = acc[i]
+        cute.arch.sync_threads()
+        if tidx < TILE * 8:
+            c = tidx // 8                               # tile column (weight row) 0..15
+            r = tidx - c * 8                            # x row 0..7
+            src_lane = (c % 8) * 4 + r // 2             # the lane holding (c, r) ...
+            src_i = (c // 8) * 2 + r % 2                # ... in accumulator src_i
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(W):
+                tot += red[w, src_lane, src_i]
+            col = bidx * TILE + c
+            if r < m:
+                if col < n:
+                    mO[r, col] = tot.to(mO.element_type)
+
+
+def compile_for(cfg: GemvMmaConfig) -> object:
+    """The compiled kernel for `cfg` (cached)."""
+    def build() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(GemvMma(cfg), bf, bf, bf, current_stream(), options=compile_options())
+    return compiled(("gemv_mma", cfg), build)
+
+
+def config_for(m: int, n: int, k: int, unroll: int = UNROLL) -> GemvMmaConfig:
+    return GemvMmaConfig(n, k, m, warps=warps_for(n, k), unroll=unroll)
+
+
+# Process-wide switch (kernel "gemv_mma" with "gemv"), set by fused.enable() and each forward
+# (FusedDecoder._apply_modes) as gemv.set_tuned is; fused._linear reads it per call.
+_enabled = False
+
+
+def set_enabled(on: bool) -> None:
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def gemv_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+             unroll: int = UNROLL) -> torch.Tensor:
+    """x [M, K] @ w[N, K]ᵀ on the current stream for 2 ≤ M ≤ 8; both contiguous bf16; returns
+    [M, N] bf16, written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. an
+    all-reduce slot buf[rank]). `unroll`: chunks in flight per lane (the check times 4 and 8;
+    the result does not depend on it)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype)):
+        raise ValueError(f"gemv_mma cannot run M={m} N={n} K={k} ({x.dtype}, {w.dtype})")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"gemv_mma out must be a contiguous [{m}, {n}] bf16 tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    compile_for(config_for(m, n, k, unroll))(ptr(x), ptr(w), ptr(out), current_stream())
+    return out
+
+
+# ---- float64 replay of the fragment mapping (CPU tests) and the device check ----
+
+def physical_k(c: int, t: int, s: int, logical: int) -> int:
+    """The K index the kernel feeds as logical k (0..15) of mma step s in chunk c, for the
+    k-pair owner t (logical ∈ {2t, 2t+1, 2t+8, 2t+9})."""
+    j = logical % 2
+    hi = logical >= 8
+    assert logical - 8 * hi - j == 2 * t
+    return CHUNK * c + 8 * t + 4 * s + 2 * hi + j
+
+
+def emulate(x: torch.Tensor, w: torch.Tensor, warps: int) -> torch.Tensor:
+    """The kernel's arithmetic in float64, fragment by fragment: per CTA tile and warp, each
+    mma step gathers A[r][logical] = W[row r][physical_k(...)] and B[logical][col] =
+    x[col][physical_k(...)] through the same per-lane map the kernel uses, accumulates A·B,
+    then the warps are summed in order; rows ≥ M and columns ≥ N are dropped as the kernel
+    drops them. Returns [M, N] float64 (no bf16 rounding)."""
+    x = x.double()
+    w = w.double()
+    m, k = x.shape
+    n = w.shape[0]
+    chunks = k // CHUNK
+    out = torch.zeros(m, n, dtype=torch.float64)
+    for tile in range((n + TILE - 1) // TILE):
+        rows = [min(tile * TILE + r, n - 1) for r in range(TILE)]
+        xr = [min(col, m - 1) for col in range(8)]
+        part = torch.zeros(warps, TILE, 8, dtype=torch.float64)
+        for wp in range(warps):
+            for c in range(wp, chunks, warps):
+                for s in range(2):
+                    A = torch.zeros(TILE, 16, dtype=torch.float64)
+                    B = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        for logical in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9):
+                            kk = physical_k(c, t, s, logical)
+                            A[g, logical] = w[rows[g], kk]
+                            A[g + 8, logical] = w[rows[g + 8], kk]
+                            B[logical, g] = x[xr[g], kk]
+                    part[wp] += A @ B
+        tot = part.sum(0)
+        for r in range(TILE):
+            col = tile * TILE + r
+            if col < n:
+                out[:, col] = tot[r, :m]
+    return out
+
+
+def check(timing: bool = True) -> list[dict]:
+    """gemv_mma vs the stock path's GEMM op (stock_ops.OpSet.linear: the Triton skinny GEMM at
+    these M) on every K3 TP16 projection the fused step runs at M = 2..8, at M = 2, 4, 8: bf16
+    tolerance against stock and float64 (checks.py's rule), `out=` into a slot leaves the other
+    slots untouched. With timing, both on COLD weights (the calls cycle through copies ≥ 160 MB,
+    beyond the 50 MB L2, as in the step): stock_us, kernel_us, kernel_tbs."""
+    import itertools
+
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    dev = torch.device(checks.DEVICE)
+    cfg = k3_tp16(batch=8, spec_tokens=0)
+    ops = stock_ops.OpSet(cfg)
+    D = cfg.hidden
+    shapes = {"in_proj": (cfg.in_proj_rows, D), "o_proj": (D, cfg.kda_local_dim),
+              "latent_down": (cfg.latent_dim, D), "shared_gate_up": (2 * cfg.shared_local_inter, D),
+              "shared_down": (D, cfg.shared_local_inter), "qkv_a": (cfg.qkv_a_rows, D),
+              "g_proj": (cfg.mla_local_heads * cfg.v_head_dim, D),
+              "q_b": (cfg.mla_local_heads * cfg.qk_head_dim, cfg.q_lora_rank)}
+    out = []
+    for m in (2, 4, 8):
+        for name, (n, k) in shapes.items():
+            gen = torch.Generator(device=dev).manual_seed(7000 + 10 * m + len(name))
+            w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
+            x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+            world, rank = 16, 3
+            buf = torch.randn(world, m, n, generator=gen, device=dev).bfloat16()
+            before = buf.clone()
+            with torch.no_grad():
+                y_s = ops.linear(x, w)
+                y_k = gemv_mma(x, w)
+                y_slot = gemv_mma(x, w, out=buf[rank])
+            checks._sync()
+            ref = x.double() @ w.double().t()
+            e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
+            others = [i for i in range(world) if i != rank]
+            r = {"kernel": "gemv_mma", "op": name, "M": m, "N": n, "K": k, "warps": warps_for(n, k),
+                 "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+                 "slot_equal": bool(torch.equal(y_slot, y_k)),
+                 "other_slots_untouched": bool(torch.equal(buf[others], before[others])),
+                 "repeat_equal": bool(torch.equal(gemv_mma(x, w), y_k)),
+                 "unroll8_equal": bool(torch.equal(gemv_mma(x, w, unroll=8), y_k))}
+            r["ok"] = bool(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and r["slot_equal"]
+                           and r["other_slots_untouched"] and r["repeat_equal"] and r["unroll8_equal"])
+            if timing:
+                copies = max(2, -(-(160 << 20) // (n * k * 2)))
+                ws = [w] + [(torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
+                            for _ in range(copies - 1)]
+                cyc = itertools.cycle(ws)
+                r["stock_us"] = checks.time_us(lambda: ops.linear(x, next(cyc)))
+                cyc = itertools.cycle(ws)
+                r["kernel_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc)))
+                r["kernel_tbs"] = n * k * 2 / (r["kernel_us"] * 1e-6) / 1e12
+                cyc = itertools.cycle(ws)
+                r["kernel_u8_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc), unroll=8))
+                del ws
+            out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    for r in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})

@@ -1,0 +1,190 @@
+"""gemv_mma (kernels/gemv_mma.py): the projections at 2 ≤ M ≤ 8 on the tensor cores, on the CPU.
+
+Oracles:
+- the fragment map: the float64 replay of the kernel's per-lane fragments (emulate) equals
+  x @ Wᵀ in float64 (1e-12) on every K3 shape class the step runs (N not a multiple of 16,
+  M < 8, 4 / 8 / 16 warps), so the k permutation is a bijection and A and B agree on it; a
+  map that pairs A and B differently (the mutation test) fails it;
+- PTX: every K3 projection's configuration compiles to sm_90a with mma.sync m16n8k16
+  bf16 → f32 (two per chunk), 128-bit loads, one barrier, no spills; ptxas (where installed,
+  always under CI) keeps it under 96 registers;
+- the per-shape warp choice and can_implement's limits (M = 1 and M = 9 refused).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+import kimi_decode.kernels.gemv_mma as gm  # noqa: E402
+from kimi_decode.config import k3_tp16  # noqa: E402
+from kimi_decode.kernels import _common  # noqa: E402
+from tests.kimi_decode.ptxas_tool import ptxas_path  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import common_checks  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import ptx_of as compiled_ptx  # noqa: E402
+
+bf = torch.bfloat16
+P = _common.dummy_ptr
+K3 = k3_tp16()
+# (N, K) of every projection the fused step runs through _linear at M ≥ 2
+SHAPES = {"in_proj": (K3.in_proj_rows, K3.hidden), "o_proj": (K3.hidden, K3.kda_local_dim),
+          "latent_down": (K3.latent_dim, K3.hidden), "shared_gate_up": (2 * K3.shared_local_inter, K3.hidden),
+          "shared_down": (K3.hidden, K3.shared_local_inter), "qkv_a": (K3.qkv_a_rows, K3.hidden),
+          "g_proj": (K3.mla_local_heads * K3.v_head_dim, K3.hidden),
+          "q_b": (K3.mla_local_heads * K3.qk_head_dim, K3.q_lora_rank)}
+
+
+def ptx_of(tmp_path: Path, cfg: gm.GemvMmaConfig) -> str:
+    return compiled_ptx(tmp_path, gm.GemvMma(cfg), P(bf), P(bf), P(bf))
+
+
+@pytest.mark.parametrize("m,n,k,warps", [(8, 40, 256, 8), (3, 16, 128, 4), (2, 21, 1024, 16),
+                                         (5, 33, 384, 0), (8, 8, 768, 8)])
+def test_emulated_fragments_equal_the_product(m: int, n: int, k: int, warps: int) -> None:
+    """The kernel's fragment map, replayed in float64, is x @ Wᵀ (warps = 0: warps_for's choice)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    w = torch.randn(n, k, generator=gen, dtype=torch.float64)
+    warps = warps or gm.warps_for(n, k)
+    assert warps and (k // gm.CHUNK) % warps == 0
+    got = gm.emulate(x, w, warps)
+    ref = x @ w.t()
+    assert got.shape == (m, n)
+    assert torch.allclose(got, ref, rtol=0, atol=1e-12 * ref.abs().max().item() * k)
+
+
+def test_a_mismatched_map_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation: if B took step s's words from the other half of the vector than A, the
+    replay would not be the product (the test above can fail)."""
+    real = gm.physical_k
+    calls = {"n": 0}
+
+    def skewed(c: int, t: int, s: int, logical: int) -> int:
+        calls["n"] += 1
+        # A's gathers come first in each lane's loop (two rows), then B's: skew every third call
+        return real(c, t, 1 - s, logical) if calls["n"] % 3 == 0 else real(c, t, s, logical)
+    monkeypatch.setattr(gm, "physical_k", skewed)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=gen, dtype=torch.float64)
+    w = torch.randn(16, 64, generator=gen, dtype=torch.float64)
+    assert not torch.allclose(gm.emulate(x, w, 2 if (64 // gm.CHUNK) % 2 == 0 else 1), x @ w.t())
+
+
+def test_physical_k_is_a_bijection_per_chunk() -> None:
+    seen = sorted(gm.physical_k(0, t, s, lg) for t in range(4) for s in range(2)
+                  for lg in (2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9))
+    assert seen == list(range(gm.CHUNK))
+
+
+def test_warp_choice_and_limits() -> None:
+    assert {name: gm.warps_for(n, k) for name, (n, k) in SHAPES.items()} == {
+        "in_proj": 8, "o_proj": 8, "latent_down": 8, "shared_gate_up": 16, "shared_down": 4,
+        "qkv_a": 8, "g_proj": 16, "q_b": 16}
+    for (n, k) in SHAPES.values():
+        for m in range(2, 9):
+            assert gm.can_implement(m, n, k, (bf, bf))
+        assert not gm.can_implement(1, n, k, (bf, bf))       # M = 1: the CUDA-core GEMV
+        assert not gm.can_implement(9, n, k, (bf, bf))       # the mma's n is 8
+        assert not gm.can_implement(8, n, k, (torch.float32, bf))
+    assert not gm.can_implement(8, 64, 48, (bf, bf))         # K not a multiple of 32
+    assert not gm.can_implement(8, 64, 96, (bf, bf))          # 3 chunks: no warp count divides them
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_compiles_with_mma(tmp_path: Path, name: str) -> None:
+    n, k = SHAPES[name]
+    cfg = gm.config_for(8, n, k)
+    ptx = ptx_of(tmp_path, cfg)
+    common_checks(ptx)
+    mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    per_warp = k // gm.CHUNK // cfg.warps
+    # two mma per chunk: the unrolled rounds' bodies appear once in the loop, plus round 0 and
+    # the short last round
+    u = min(gm.UNROLL, per_warp)
+    rest = per_warp % u
+    assert mmas == 2 * (u * (2 if per_warp // u > 1 else 1) + rest), (mmas, per_warp)
+    assert ptx.count("bar.sync") == 1
+    assert "ld.global.v4.b32" in ptx
+    if (path := ptxas_path()) is not None:
+        import subprocess
+        p = tmp_path / "k.ptx"
+        p.write_text(ptx)
+        res = subprocess.run([path, "-arch=sm_90a", "-v", str(p), "-o", str(tmp_path / "k.cubin")],
+                             capture_output=True, text=True, check=True)
+        regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
+        assert regs and max(regs) <= 96, res.stderr
+        assert "spill" not in res.stderr or re.search(r"0 bytes spill stores, 0 bytes spill loads", res.stderr)
+
+
+def test_small_m_compiles(tmp_path: Path) -> None:
+    ptx = ptx_of(tmp_path, gm.config_for(2, *SHAPES["in_proj"]))
+    common_checks(ptx)
+    assert "mma.sync.aligned.m16n8k16" in ptx
+
+
+def test_wrapper_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="gemv_mma cannot run M=1"):
+        gm.gemv_mma(torch.zeros(1, 256, dtype=bf), torch.zeros(16, 256, dtype=bf))
+    with pytest.raises(ValueError, match="gemv_mma cannot run M=8 N=16 K=256"):
+        gm.gemv_mma(torch.zeros(8, 256, dtype=bf), torch.zeros(16, 128, dtype=bf))
+
+
+def test_registered_for_the_device_check() -> None:
+    from kimi_decode.kernels import CHECK_MODULES, KERNELS, checks
+    assert "gemv_mma" in KERNELS and CHECK_MODULES["gemv_mma"] == "gemv_mma"
+    assert "gemv_mma" in checks.CHECKS
+
+
+def test_chained_build_loads_round_zero_weights_before_the_wait(tmp_path: Path) -> None:
+    """PDL chain on: the first round's weight loads (2 per chunk) precede griddepcontrol.wait,
+    every x load follows it, and the successor is released right after the wait."""
+    from kimi_decode.kernels import chain
+    chain.set_chain(True, 0)
+    try:
+        n, k = SHAPES["in_proj"]
+        cfg = gm.config_for(8, n, k)
+        ptx = ptx_of(tmp_path, cfg)
+    finally:
+        chain.set_chain(False, chain.DEFAULT_BUDGET)
+    lines = [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
+    wait = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+    assert lines[wait + 1].startswith("griddepcontrol.launch_dependents")
+    before = [s for s in lines[:wait] if s.startswith("ld.global")]
+    assert len(before) == 2 * min(gm.UNROLL, k // gm.CHUNK // cfg.warps)
+    assert not any(s.startswith("mma.sync") for s in lines[:wait])
+
+
+def test_linear_dispatches_to_the_mma_kernel_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused._linear: 2 ≤ M ≤ 8 goes to gemv_mma when its switch is on (kernel "gemv_mma" with
+    "gemv"), with `out` passed through; M = 1 keeps the GEMV; switched off, the stock op."""
+    from types import SimpleNamespace
+
+    from kimi_decode import fused
+    calls: list[tuple[int, bool]] = []
+
+    def fake_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append((x.shape[0], out is not None))
+        y = (x.float() @ w.float().t()).bfloat16()
+        return y if out is None else out.copy_(y)
+    monkeypatch.setattr(gm, "gemv_mma", fake_mma)
+    stock = SimpleNamespace(linear=lambda x, w: (x.float() @ w.float().t()).bfloat16())
+    x = torch.randn(8, 256).bfloat16()
+    w = torch.randn(48, 256).bfloat16()
+    gm.set_enabled(True)
+    try:
+        slot = torch.empty(8, 48, dtype=bf)
+        assert fused._linear(x, w, True, stock, out=slot) is slot
+        fused._linear(x[:3].contiguous(), w, True, stock)
+        assert calls == [(8, True), (3, False)]
+        assert fused._linear(x, w, False, stock).shape == (8, 48)     # use_gemv off: stock
+        assert len(calls) == 2
+    finally:
+        gm.set_enabled(False)
+    fused._linear(x, w, True, stock)                                  # switched off: stock
+    assert len(calls) == 2
