@@ -519,8 +519,19 @@ class LatentMoE(stock.LatentMoE):
             logits = None if y.shape[0] <= GEMV_MAX_ROWS else self.k.linear(y, self.router, torch.float32)
             return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter,
                          logits=logits)
-        logits = self.k.linear(y, self.router, torch.float32)                         # stock ops
+        logits = self._router_logits(y)
         return self.fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)
+
+    def _router_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """y @ routerᵀ in fp32: gemv_mma at 2 ≤ M ≤ 8 where it is switched on (the stock
+        Triton GEMM beside it on the other stream could not start until gemv_mma's CTAs left
+        the SMs: bench/fused_runs.md), else the stock path's router GEMM."""
+        if self.use_gemv and "kimi_decode.kernels.gemv_mma" in sys.modules and y.is_contiguous():
+            from kimi_decode.kernels import gemv_mma as k_mma
+            if k_mma.enabled() and k_mma.can_implement(y.shape[0], self.router.shape[0], self.router.shape[1],
+                                                       (y.dtype, self.router.dtype)):
+                return k_mma.gemv_mma(y, self.router, out_dtype=torch.float32)
+        return self.k.linear(y, self.router, torch.float32)                           # stock ops
 
     def _shared(self, y: torch.Tensor) -> torch.Tensor:
         """Shared expert partial [M, D]: gate/up GEMV, SiTU GLU, down GEMV; with the GEMV

@@ -85,6 +85,7 @@ class GemvMmaConfig:
     rows: int
     warps: int = 8
     unroll: int = UNROLL
+    out_f32: bool = False     # fp32 output (the router's logits), else bf16
 
 
 def warps_for(n: int, k: int) -> int:
@@ -231,12 +232,13 @@ def compile_for(cfg: GemvMmaConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(GemvMma(cfg), bf, bf, bf, current_stream(), options=compile_options())
+        o = dummy_ptr(torch.float32 if cfg.out_f32 else torch.bfloat16)
+        return cute.compile(GemvMma(cfg), bf, bf, o, current_stream(), options=compile_options())
     return compiled(("gemv_mma", cfg), build)
 
 
-def config_for(m: int, n: int, k: int, unroll: int = UNROLL) -> GemvMmaConfig:
-    return GemvMmaConfig(n, k, m, warps=warps_for(n, k), unroll=unroll)
+def config_for(m: int, n: int, k: int, unroll: int = UNROLL, out_f32: bool = False) -> GemvMmaConfig:
+    return GemvMmaConfig(n, k, m, warps=warps_for(n, k), unroll=unroll, out_f32=out_f32)
 
 
 # Process-wide switch (kernel "gemv_mma" with "gemv"), set by fused.enable() and each forward
@@ -254,21 +256,25 @@ def enabled() -> bool:
 
 
 def gemv_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-             unroll: int = UNROLL) -> torch.Tensor:
+             unroll: int = UNROLL, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [M, K] @ w[N, K]ᵀ on the current stream for 2 ≤ M ≤ 8; both contiguous bf16; returns
-    [M, N] bf16, written into `out` when given (a contiguous [M, N] bf16 tensor, e.g. an
+    [M, N] in `out_dtype` (bf16, or float32 for the router's logits: the fp32 sum unrounded),
+    written into `out` when given (a contiguous [M, N] tensor of that dtype, e.g. an
     all-reduce slot buf[rank]). `unroll`: chunks in flight per lane (the check times 4 and 8;
     the result does not depend on it)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype)):
         raise ValueError(f"gemv_mma cannot run M={m} N={n} K={k} ({x.dtype}, {w.dtype})")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gemv_mma writes bf16 or float32, not {out_dtype}")
     if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"gemv_mma out must be a contiguous [{m}, {n}] bf16 tensor, got "
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"gemv_mma out must be a contiguous [{m}, {n}] {out_dtype} tensor, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    compile_for(config_for(m, n, k, unroll))(ptr(x), ptr(w), ptr(out), current_stream())
+    cfg = config_for(m, n, k, unroll, out_f32=out_dtype == torch.float32)
+    compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
     return out
 
 
@@ -339,7 +345,8 @@ def check(timing: bool = True) -> list[dict]:
               "latent_down": (cfg.latent_dim, D), "shared_gate_up": (2 * cfg.shared_local_inter, D),
               "shared_down": (D, cfg.shared_local_inter), "qkv_a": (cfg.qkv_a_rows, D),
               "g_proj": (cfg.mla_local_heads * cfg.v_head_dim, D),
-              "q_b": (cfg.mla_local_heads * cfg.qk_head_dim, cfg.q_lora_rank)}
+              "q_b": (cfg.mla_local_heads * cfg.qk_head_dim, cfg.q_lora_rank),
+              "router": (cfg.num_experts, D)}       # fp32 logits, as stock's router GEMM
     out = []
     for m in (2, 4, 8):
         for name, (n, k) in shapes.items():
@@ -347,12 +354,13 @@ def check(timing: bool = True) -> list[dict]:
             w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
             x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
             world, rank = 16, 3
-            buf = torch.randn(world, m, n, generator=gen, device=dev).bfloat16()
+            od = torch.float32 if name == "router" else torch.bfloat16
+            buf = torch.randn(world, m, n, generator=gen, device=dev).to(od)
             before = buf.clone()
             with torch.no_grad():
-                y_s = ops.linear(x, w)
-                y_k = gemv_mma(x, w)
-                y_slot = gemv_mma(x, w, out=buf[rank])
+                y_s = ops.linear(x, w, od)
+                y_k = gemv_mma(x, w, out_dtype=od)
+                y_slot = gemv_mma(x, w, out=buf[rank], out_dtype=od)
             checks._sync()
             ref = x.double() @ w.double().t()
             e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
@@ -361,8 +369,14 @@ def check(timing: bool = True) -> list[dict]:
                  "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
                  "slot_equal": bool(torch.equal(y_slot, y_k)),
                  "other_slots_untouched": bool(torch.equal(buf[others], before[others])),
-                 "repeat_equal": bool(torch.equal(gemv_mma(x, w), y_k)),
-                 "unroll8_equal": bool(torch.equal(gemv_mma(x, w, unroll=8), y_k))}
+                 "repeat_equal": bool(torch.equal(gemv_mma(x, w, out_dtype=od), y_k)),
+                 "unroll8_equal": bool(torch.equal(gemv_mma(x, w, unroll=8, out_dtype=od), y_k))}
+            if name == "router":   # fp32 logits: the top-16 sets as stock_ops.route picks them
+                bias = torch.randn(n, generator=gen, device=dev) * 0.02
+                ids_s, _ = stock_ops.route(y_s, bias, cfg.top_k, cfg.routed_scaling)
+                ids_k, _ = stock_ops.route(y_k, bias, cfg.top_k, cfg.routed_scaling)
+                same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_s, ids_k)]
+                r["routing_rows_equal"] = f"{sum(same)}/{len(same)}"
             r["ok"] = bool(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and r["slot_equal"]
                            and r["other_slots_untouched"] and r["repeat_equal"] and r["unroll8_equal"])
             if timing:
@@ -370,12 +384,12 @@ def check(timing: bool = True) -> list[dict]:
                 ws = [w] + [(torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
                             for _ in range(copies - 1)]
                 cyc = itertools.cycle(ws)
-                r["stock_us"] = checks.time_us(lambda: ops.linear(x, next(cyc)))
+                r["stock_us"] = checks.time_us(lambda: ops.linear(x, next(cyc), od))
                 cyc = itertools.cycle(ws)
-                r["kernel_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc)))
+                r["kernel_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc), out_dtype=od))
                 r["kernel_tbs"] = n * k * 2 / (r["kernel_us"] * 1e-6) / 1e12
                 cyc = itertools.cycle(ws)
-                r["kernel_u8_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc), unroll=8))
+                r["kernel_u8_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc), unroll=8, out_dtype=od))
                 del ws
             out.append(r)
     return out

@@ -188,3 +188,40 @@ def test_linear_dispatches_to_the_mma_kernel_only_when_enabled(monkeypatch: pyte
         gm.set_enabled(False)
     fused._linear(x, w, True, stock)                                  # switched off: stock
     assert len(calls) == 2
+
+
+def test_fp32_output_compiles(tmp_path: Path) -> None:
+    """The router's logits: fp32 stores of the unrounded sums, no bf16 conversion."""
+    cfg = gm.config_for(8, K3.num_experts, K3.hidden, out_f32=True)
+    ptx = compiled_ptx(tmp_path, gm.GemvMma(cfg), P(bf), P(bf), P(torch.float32))
+    common_checks(ptx)
+    assert "st.global.b32" in ptx and "st.global.b16" not in ptx
+    assert "cvt.rn.bf16.f32" not in ptx
+    with pytest.raises(ValueError, match="bf16 or float32"):
+        gm.gemv_mma(torch.zeros(8, 256, dtype=bf), torch.zeros(16, 256, dtype=bf), out_dtype=torch.float16)
+
+
+def test_router_logits_use_the_mma_kernel_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from kimi_decode import fused
+    calls: list[torch.dtype] = []
+
+    def fake_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                 out_dtype: torch.dtype = bf) -> torch.Tensor:
+        calls.append(out_dtype)
+        return x.float() @ w.float().t()
+    monkeypatch.setattr(gm, "gemv_mma", fake_mma)
+    router = torch.randn(64, 256).bfloat16()
+    stock_calls: list[int] = []
+    k = SimpleNamespace(linear=lambda x, w, dt: stock_calls.append(x.shape[0]) or (x.float() @ w.float().t()))
+    moe = SimpleNamespace(use_gemv=True, router=router, k=k)
+    y = torch.randn(8, 256).bfloat16()
+    gm.set_enabled(True)
+    try:
+        fused.LatentMoE._router_logits(moe, y)
+        fused.LatentMoE._router_logits(moe, y[:1].contiguous())       # M = 1: not the mma kernel
+    finally:
+        gm.set_enabled(False)
+    fused.LatentMoE._router_logits(moe, y)                             # switched off
+    assert calls == [torch.float32] and stock_calls == [1, 8]
