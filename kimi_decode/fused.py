@@ -55,7 +55,11 @@ and the kernel is in `VERIFIED`):
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
-  stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the first GEMV measured 33 us vs 13.8 us).
+  stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the first GEMV measured 33 us vs 13.8 us),
+  or with `gemv_mma` (kernels/gemv_mma.py, 2 ≤ M ≤ 8) every projection _linear runs and the
+  router's fp32 logits (LatentMoE._router_logits) on the tensor cores: in the B = 1, k = 7 step
+  in_proj 20.6 → 17.6 us, and the router GEMM beside latent_down no longer waits for SMs
+  (bench/fused_runs.md).
   With `gemv_tuned` each weight shape at M = 1 takes the configuration its device sweep found
   fastest (gemv.TUNED / TUNED_MULTI: split-K for in_proj, cache hints, unroll 7).
 - MLA: at M = 1 qkv_a and g_proj are one `gemv_multi` grid (op `qkv_a_g`; 41 MB), above it
@@ -112,7 +116,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "kda_fast", "experts_one", "gemv_tuned",
                                     # sixth round: checked at 6ebf33b, 02226bc and 7eb4e95 (2026-12-03,
                                     # bench/fused_correctness.md: bit-identical to the unchained step)
-                                    "pdl_chain"})
+                                    "pdl_chain",
+                                    # eighth round: checked at 0af015a (2026-12-03 08:40 UTC,
+                                    # bench/fused_correctness.md: 27 shapes, step parity, reference)
+                                    "gemv_mma"})
 # Verified but opt-in (kernels={..., name}), both slower where they would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -165,6 +172,11 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   opted in (OPT_IN: slower, see there); the kernel is correct to M = 8.
 # - kda_fast: B = 1, T = 1 (6.20 vs 6.57 us for kda_split in its check, bit-identical; at B = 8
 #   13.1 vs 9.6 us, so not there).
+# - gemv_mma: 2 ≤ M ≤ 8, its own limits (kernels/gemv_mma.py MIN_ROWS / MAX_ROWS: the mma's n
+#   is 8; M = 1 keeps the CUDA-core GEMV). Cold in its check at 0af015a, M = 8 vs stock's Triton
+#   GEMM: in_proj 16.6 vs 17.4 us, latent_down 17.4 vs 17.9, q_b 3.7 vs 5.5, router (fp32
+#   logits) 8.0 vs 11.9, qkv_a 13.6 vs 13.2 (the one shape it does not win alone; kept: in the
+#   step a Triton GEMM beside a gemv_mma grid waits for SMs, bench/fused_runs.md).
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1}
 

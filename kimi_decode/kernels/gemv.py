@@ -150,7 +150,8 @@ NORM_MAX_SLICES = 8  # gemv_rmsnorm: K ≤ 8 slices per lane (2048); q_b: K = 15
 # Per-M table, measured on the H200 (bench/fused_correctness.md): at M = 1 the GEMV beats
 # torch's GEMM on every K3 projection (in_proj 10.1 vs 14.0 us, 4.6 TB/s); at M = 8 it loses
 # (in_proj 33 vs 13.8 us: each lane re-reads 8 x-rows per weight load), so M >= 2 goes to the
-# stock GEMM. The kernel itself was checked correct at M = 1 and M = 8.
+# stock GEMM, or to the tensor-core kernel (kernels/gemv_mma.py) where "gemv_mma" is enabled.
+# The kernel itself was checked correct at M = 1 and M = 8.
 GEMV_MAX_ROWS = 1
 # The split-K layout (GemvConfig.cols > 0) for 2 ≤ M ≤ SPLITK_MAX_ROWS: SPLITK_COLS output
 # columns per CTA, K split over its 8 warps (not yet measured on the GPU: check_variants times it).

@@ -74,3 +74,15 @@ def test_dry_run_of_the_gpu_job(dry: Path) -> None:
     assert meta["variant"] == "fused" and meta["prefetch_ops"] == "^prefetch$"
     assert sorted(meta["fused_kernels"]) == sorted(ALL)
     assert json.loads((dry / "results.json").read_text())["captures"][0]["file"].startswith("k3_fused")
+
+
+def test_step_verdict_says_not_compared_only_when_nothing_was_left() -> None:
+    """An own-routing row whose every sequence diverged in step 0 (a routing near-tie) has no
+    numbers: "not compared", never "pass"; a row with numbers over the tolerance, or a forced
+    row without numbers, stays FAIL."""
+    base = {"errors": {}, "ok": False, "routing": "own", "sequences_compared": "0/1"}
+    assert fd.step_verdict(base).startswith("not compared")
+    assert fd.step_verdict({**base, "routing": "forced (stock's)", "sequences_compared": "0/1"}) == "FAIL"
+    assert fd.step_verdict({**base, "errors": {"m": 0.5}}) == "FAIL"
+    assert fd.step_verdict({**base, "sequences_compared": "2/8"}) == "FAIL"
+    assert fd.step_verdict({**base, "ok": True, "errors": {"m": 1e-3}, "sequences_compared": "1/1"}) == "pass"
