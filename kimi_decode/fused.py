@@ -511,6 +511,7 @@ class LatentMoE(stock.LatentMoE):
     use_experts_v2 = False       # the same with FC2 in one wave (ExpertsFC2v2, kernel experts_v2)
     use_experts_one = False      # FC1 + FC2 v2 in one persistent launch (kernels/moe_experts_one.py)
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
+    up_grid_scratch = None       # kernels/moe_up_grid.py at 2 ≤ M ≤ 8 (made by enable())
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
                                  # kernel reads the all-gather slots; kernel "attn_res_ag")
@@ -629,9 +630,13 @@ class LatentMoE(stock.LatentMoE):
             _join(self.rt, sh)
             sh_buf = comm.rs_slots(tuple(sh.shape), sh)
             ag_buf = comm.ag_slots((y.shape[0], n), sh)
+            up_args = (r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n], cfg.rms_eps)
             with op_range("up_proj"):
-                moe_up(r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n],
-                       cfg.rms_eps, out=ag_buf[rank])
+                if y.shape[0] <= MAX_ROWS["moe_up"]:
+                    moe_up(*up_args, out=ag_buf[rank])
+                else:   # 2 ≤ M ≤ 8: the slot sums once per grid (kernels/moe_up_grid.py)
+                    from kimi_decode.kernels.moe_up_grid import moe_up_grid
+                    moe_up_grid(*up_args, self.up_grid_scratch, out=ag_buf[rank])
             if self.gather_out:
                 return Gathered(ag_buf)
             with op_range("moe_gather"):
@@ -659,9 +664,17 @@ class LatentMoE(stock.LatentMoE):
                              router=(self.router.shape[0], self.cfg.top_k)) and self.bias.dtype == torch.float32
 
     def _up_applies(self, y: torch.Tensor) -> bool:
-        from kimi_decode.kernels.moe_up import can_implement
-        return y.shape[0] <= MAX_ROWS["moe_up"] and can_implement(y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world,
-                             (y.dtype, self.up.dtype))
+        """The MoE tail in one kernel: moe_up at M ≤ MAX_ROWS["moe_up"], moe_up_grid above it
+        where that kernel is on (its scratch made by enable() for this M) and can run."""
+        shape = (y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world, (y.dtype, self.up.dtype))
+        if y.shape[0] <= MAX_ROWS["moe_up"]:
+            from kimi_decode.kernels.moe_up import can_implement
+            return can_implement(*shape)
+        sc = self.up_grid_scratch
+        if sc is None or sc.rbuf.shape[0] != y.shape[0]:
+            return False
+        from kimi_decode.kernels.moe_up_grid import can_implement as can_grid
+        return can_grid(*shape)
 
     def _prefetch(self) -> None:
         """The L2 prefetch of the next layer's first weight, on the side stream, while the
@@ -855,6 +868,12 @@ class FusedDecoder(StockDecoder):
                     layer.mlp.register_buffer("experts_counters", make_counters(dev))
                 layer.mlp.use_front = "gemv_multi" in on
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
+                layer.mlp.up_grid_scratch = None
+                if layer.mlp.use_up_kernel and "moe_up_grid" in on and cfg.rows > MAX_ROWS["moe_up"]:
+                    from kimi_decode.kernels import moe_up_grid as k_upg
+                    if k_upg.can_implement(cfg.rows, cfg.latent_dim, cfg.row_shard, self.rt.comm.world,
+                                           (cfg.torch_dtype, cfg.torch_dtype)):
+                        layer.mlp.up_grid_scratch = k_upg.make_scratch(cfg.rows, cfg.latent_dim, dev)
                 # the last layer's output is the step's: gathered by forward (kept in its step
                 # range), so only layers with a next layer hand their slots on
                 layer.mlp.gather_out = ag_slots and i + 1 < len(self.layers)

@@ -1,0 +1,391 @@
+"""MoE tail for 2 ≤ M ≤ 8 in one kernel with a grid-wide reduction (kernel "moe_up_grid"): the
+same math as moe_up (kernels/moe_up.py, whose docstring states it), but the slot sums are done
+once for the whole grid instead of once per CTA.
+
+Why: moe_up has every CTA sum all `world` slots of r for every row it needs, which is right at
+M = 1 (114 KB of L2 reads per CTA) and wrong at M = 8 (912 KB per CTA, 51 MB over 56 CTAs): its
+check measured 25.7 µs there against 24.9 µs for the stock ops (bench/fused_correctness.md),
+so the fused step kept stock's tail at M = 8: in the bundled B = 1, k = 7 trace two reductions,
+a copy, the up-projection's skinny GEMM (15.7 µs for a 3.2 MB weight) and the all-gather's
+concatenation, ~33 µs from FC2's end to the next layer's first kernel, in 5 launches.
+
+Layout (grid = n / warps CTAs of `warps` warps, as moe_up: warp = one output column j):
+  1. the warp's weight row into registers (14 × 128-bit loads per lane at L = 3584), before the
+     PDL chain's wait; after it, lane s < world loads its shared partial for every row (moe_up's
+     steps 1-2, unchanged);
+  2. phase 1, distributed: thread g = block·threads + t < M·L/8 owns vector c = g mod (L/8) of
+     row g div (L/8): r = bf16(Σ_s r_slots[s, row, c]) (fp32 sum in slot order, moe_up's
+     rounding), stored to the scratch `rbuf` [M, L], and Σ r² over its 8 elements; a warp's 32
+     vectors lie in one row (L/8 is a multiple of 32), so a butterfly and one store give the
+     warp's partial wss[g div 32] (no atomics: the sum order is fixed);
+  3. a grid barrier (sense reversal, as mla_attend's grid merge: thread 0 reads the epoch,
+     arrives on the counter; the last re-zeroes the counter and bumps the epoch, the others poll
+     it). Every CTA must be resident: n / warps = 56 CTAs at K3 TP16, far below one per SM, and
+     with the PDL chain no successor can launch before every CTA has passed its wait;
+  4. rstd[m] = rsqrt(Σ_w wss[m·L/256 + w] / L + eps), the warps' partials added in order
+     (thread m < M), then per chunk of ≤ 2 rows: r read back from rbuf (L2), xn = bf16(r · rstd ·
+     norm) into shared memory, and moe_up's dot products and epilogue (+ shared, bf16 out).
+Rounding points are moe_up's (r, shared, xn, y, out); only Σ r²'s fp32 order differs (per thread
+8 elements, a warp butterfly, the warps in order, vs moe_up's per-thread + CTA sum), so rstd may
+move in its last bits and an xn element by one bf16 ulp now and then: within the checks' 1e-2 of
+moe_up and of the stock ops, not bit-equal.
+
+Expected at M = 8: slot loads 16 × 128-bit per busy thread (3,584 of 14,336 threads), all in
+flight: ~1.5 µs; barrier ~2 µs (mla_attend's: 2.2 µs for 130 CTAs); read-back and 4 chunks of
+dot products ~3-4 µs: ~7-8 µs against ~33 µs of stock ops, and 4 launches fewer per layer
+(with attn_res_ag the next layer's AttnRes reads the all-gather slot this kernel writes).
+
+Check on the GPU (against moe_up, the stock ops and the float64 reference; repeated calls and
+CUDA-graph replays reuse the barrier; times both):
+    python -m kimi_decode.kernels.moe_up_grid
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from kimi_decode.kernels import chain
+from kimi_decode.kernels import moe_up as k_up
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+
+VEC = k_up.VEC
+MIN_ROWS = 2          # M = 1: moe_up (one CTA per column block re-summing is cheap there)
+MAX_ROWS = k_up.MAX_ROWS
+MAX_CTAS = 132        # every CTA resident for the grid barrier: at most one per SM of the H200
+
+
+@dataclass
+class MoeUpGridScratch:
+    """Per-layer buffers: r [M, L] bf16, the warps' Σ r² partials [M·L/256] fp32, and the
+    barrier's counter + epoch [2] int32 (zero at creation; the kernel leaves the counter zero
+    and only ever increments the epoch, so CUDA-graph replays need no reset)."""
+
+    rbuf: torch.Tensor
+    wss: torch.Tensor
+    sync: torch.Tensor
+
+
+def make_scratch(rows: int, latent: int, device: torch.device) -> MoeUpGridScratch:
+    return MoeUpGridScratch(torch.zeros(rows, latent, dtype=torch.bfloat16, device=device),
+                            torch.zeros(rows * latent // (VEC * 32), dtype=torch.float32, device=device),
+                            torch.zeros(2, dtype=torch.int32, device=device))
+
+
+def can_implement(m: int, latent: int, n: int, world: int, dtypes: tuple[torch.dtype, ...],
+                  warps: int = k_up.WARPS) -> bool:
+    """moe_up's rules, 2 ≤ M ≤ 8, at most MAX_CTAS CTAs, and enough threads for one r vector
+    each (CTAs · threads ≥ M · L / 8)."""
+    if not (MIN_ROWS <= m <= MAX_ROWS and k_up.can_implement(m, latent, n, world, dtypes, warps)):
+        return False
+    ctas = n // warps
+    return ctas <= MAX_CTAS and ctas * warps * 32 >= m * latent // VEC
+
+
+class MoeUpGrid(k_up.MoeUp):
+    """See the module docstring."""
+
+    def __init__(self, cfg: k_up.MoeUpConfig) -> None:
+        super().__init__(cfg)
+        self.ctas = cfg.n // cfg.warps
+        self.items = cfg.rows * self.nv                  # r vectors (phase 1 work items)
+        self.wpr = self.nv // 32                         # warp partials per row
+        assert self.nv % 32 == 0 and self.ctas * self.threads >= self.items, cfg
+        assert MIN_ROWS <= cfg.rows <= MAX_ROWS and self.ctas <= MAX_CTAS, cfg
+
+    @cute.jit
+    def __call__(self, r_slots: cute.Pointer, sh_slots: cute.Pointer, sh_full: cute.Pointer,
+                 norm: cute.Pointer, up_rows: cute.Pointer, out: cute.Pointer, rbuf: cute.Pointer,
+                 wss: cute.Pointer, sync: cute.Pointer, rank: Int32, eps: Float32,
+                 stream: cuda.CUstream):
+        m, L, n, world = self.cfg.rows, self.cfg.latent, self.cfg.n, self.cfg.world
+        nv = self.nv
+        mR = cute.make_tensor(r_slots, cute.make_layout((world, m, nv, VEC), stride=(m * L, L, VEC, 1)))
+        mS = cute.make_tensor(sh_slots, cute.make_layout((world, m, n), stride=(m * n, n, 1)))
+        mF = cute.make_tensor(sh_full, cute.make_layout((m, world * n), stride=(world * n, 1)))
+        mN = cute.make_tensor(norm, cute.make_layout((nv, VEC), stride=(VEC, 1)))
+        mW = cute.make_tensor(up_rows, cute.make_layout((n, nv, VEC), stride=(L, VEC, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+        mRb = cute.make_tensor(rbuf, cute.make_layout((m, nv, VEC), stride=(L, VEC, 1)))
+        mWs = cute.make_tensor(wss, cute.make_layout(m * self.wpr))
+        mSy = cute.make_tensor(sync, cute.make_layout(2))
+        self.kernel_grid(mR, mS, mF, mN, mW, mO, mRb, mWs, mSy, rank, eps).launch(
+            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=chain.chain_on())
+
+    @cute.jit
+    def grid_barrier(self, mSy: cute.Tensor, tidx: Int32):
+        """All CTAs of the grid: sense reversal on mSy = [counter, epoch] (mla_attend's)."""
+        cute.arch.sync_threads()
+        if tidx == 0:
+            ep = mSy.iterator + 1
+            epoch = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+            old = cute.arch.atomic_add(mSy.iterator, Int32(1), sem="acq_rel", scope="gpu")
+            if old == self.ctas - 1:            # the last to arrive: every partial is written
+                mSy[0] = Int32(0)
+                cute.arch.atomic_add(ep, Int32(1), sem="release", scope="gpu")
+            else:
+                seen = epoch
+                while seen == epoch:
+                    seen = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_threads()
+        cute.arch.fence_acq_rel_gpu()
+
+    @cute.kernel
+    def kernel_grid(self, mR: cute.Tensor, mS: cute.Tensor, mF: cute.Tensor, mN: cute.Tensor,
+                    mW: cute.Tensor, mO: cute.Tensor, mRb: cute.Tensor, mWs: cute.Tensor,
+                    mSy: cute.Tensor, rank: Int32, eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()          # all 32 lanes (a full-warp shuffle)
+        lane = cute.arch.lane_idx()
+        col = bidx * self.warps + warp       # < n: the grid is exactly n / warps CTAs
+        M, world, nv = self.cfg.rows, self.cfg.world, self.nv
+        C = self.chunk
+        bf16 = mW.element_type
+
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(bf16, cute.make_layout((C, nv, VEC), stride=(nv * VEC, VEC, 1)),
+                                  byte_alignment=16)
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(M), byte_alignment=16)
+
+        # 1. this warp's whole weight row into registers (moe_up's step 1), then the chain's wait
+        wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
+        for i in cutlass.range_constexpr(self.nv_lane):
+            cute.autovec_copy(mW[col, lane + i * 32, None], wv[i, None])
+        chain.enter()
+        shp = cute.make_rmem_tensor(cute.make_layout(M), Float32)
+        shp.fill(0.0)
+        for mm in cutlass.range_constexpr(M):
+            if lane < world:
+                if lane == rank:
+                    shp[mm] = mF[mm, rank * self.cfg.n + col].to(Float32)
+                else:
+                    shp[mm] = mS[lane, mm, col].to(Float32)
+
+        # 2. phase 1: one r vector per thread, its Σ r², the warp's partial
+        g = bidx * self.threads + tidx
+        buf = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
+        rb = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
+        acc8 = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        ss = Float32(0.0)
+        if g < self.items:
+            row = g // nv
+            c = g - row * nv
+            acc8.fill(0.0)
+            for s in cutlass.range_constexpr(world):
+                cute.autovec_copy(mR[s, row, c, None], buf)
+                for e in cutlass.range_constexpr(VEC):
+                    acc8[e] = acc8[e] + buf[e].to(Float32)
+            for e in cutlass.range_constexpr(VEC):
+                rb[e] = acc8[e].to(bf16)
+                v = rb[e].to(Float32)
+                ss += v * v
+            cute.autovec_copy(rb, mRb[row, c, None])
+        ss = cute.arch.warp_reduction_sum(ss)             # every lane, outside the branch
+        wg = g // 32
+        if lane == 0:
+            if wg < M * self.wpr:
+                mWs[wg] = ss
+
+        # 3. every CTA's r and partials are written
+        self.grid_barrier(mSy, tidx)
+
+        # 4. rstd per row (the warps' partials in order), then moe_up's chunks on r read back
+        if tidx < M:
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(self.wpr):
+                tot += mWs[tidx * self.wpr + w]
+            sRstd[tidx] = cute.math.rsqrt(tot / Float32(self.cfg.latent) + eps)
+        cute.arch.sync_threads()
+        nbuf = cute.make_rmem_tensor(cute.make_layout(VEC), mN.element_type)
+        xb = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
+        acc = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        for ch in cutlass.range_constexpr(self.chunks):
+            m0 = ch * C
+            rows = min(C, M - m0)
+            if cutlass.const_expr(ch > 0):
+                cute.arch.sync_threads()     # every warp has finished reading the previous chunk's xn
+            for j in cutlass.range_constexpr(rows):
+                rstd = sRstd[m0 + j]
+                for i in cutlass.range_constexpr(self.it):
+                    c = tidx + i * self.threads
+                    if c < nv:
+                        cute.autovec_copy(mRb[m0 + j, c, None], buf)
+                        cute.autovec_copy(mN[c, None], nbuf)
+                        for e in cutlass.range_constexpr(VEC):
+                            xb[e] = (buf[e].to(Float32) * rstd * nbuf[e].to(Float32)).to(bf16)
+                        cute.autovec_copy(xb, sX[j, c, None])
+            cute.arch.sync_threads()
+            acc.fill(0.0)
+            for i in cutlass.range_constexpr(self.nv_lane):
+                c = lane + i * 32
+                for j in cutlass.range_constexpr(rows):
+                    cute.autovec_copy(sX[j, c, None], xb)
+                    for e in cutlass.range_constexpr(VEC):
+                        acc[j] = acc[j] + wv[i, e].to(Float32) * xb[e].to(Float32)
+            for j in cutlass.range_constexpr(rows):
+                y = cute.arch.warp_reduction_sum(acc[j])
+                sh = cute.arch.warp_reduction_sum(shp[m0 + j])
+                if lane == 0:
+                    shared = sh.to(bf16).to(Float32)
+                    mO[m0 + j, col] = (y.to(bf16).to(Float32) + shared).to(mO.element_type)
+
+
+def compile_for(cfg: k_up.MoeUpConfig) -> object:
+    """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
+    def build() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(MoeUpGrid(cfg), bf, bf, bf, bf, bf, bf, bf, dummy_ptr(torch.float32),
+                            dummy_ptr(torch.int32), Int32(0), Float32(1e-5), current_stream(),
+                            options=compile_options())
+    return compiled(("moe_up_grid", cfg), build)
+
+
+def moe_up_grid(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,
+                latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float, scratch: MoeUpGridScratch,
+                out: torch.Tensor | None = None, *, warps: int = k_up.WARPS) -> torch.Tensor:
+    """moe_up (same arguments and result, kernels/moe_up.py) for 2 ≤ M ≤ 8, with `scratch`
+    from make_scratch(M, L) (one per call site: two launches in flight must not share it)."""
+    world, m, L = r_slots.shape
+    n = up_rows.shape[0]
+    dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
+    if (tuple(sh_slots.shape) != (world, m, n) or tuple(sh_full.shape) != (m, world * n)
+            or tuple(latent_norm.shape) != (L,) or tuple(up_rows.shape) != (n, L)
+            or not 0 <= rank < world or not can_implement(m, L, n, world, dtypes, warps)):
+        raise ValueError(f"moe_up_grid kernel cannot run M={m} L={L} n={n} world={world} rank={rank}")
+    if (tuple(scratch.rbuf.shape) != (m, L) or scratch.wss.numel() != m * L // (VEC * 32)
+            or scratch.sync.numel() != 2 or scratch.sync.dtype != torch.int32):
+        raise ValueError(f"moe_up_grid scratch is not make_scratch({m}, {L})")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
+        raise ValueError("out must be [M, n] bf16")
+    compile_for(k_up.MoeUpConfig(m, L, n, world, warps))(
+        ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm), ptr(up_rows), ptr(out),
+        ptr(scratch.rbuf), ptr(scratch.wss), ptr(scratch.sync), Int32(rank), Float32(eps), current_stream())
+    return out
+
+
+def emulate(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,
+            latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel's rounding points in torch (CPU tests): r = bf16(fp32 slot sum), Σ r² per warp
+    of 32 vectors then in warp order, xn = bf16(r · rstd · norm), y = bf16(fp32 dot), shared =
+    bf16(fp32 sum), out = bf16(y + shared)."""
+    world, m, L = r_slots.shape
+    n = up_rows.shape[0]
+    r = r_slots.float().sum(0).bfloat16().float()                          # [M, L]
+    ss = (r * r).reshape(m, -1, VEC * 32).sum(-1).sum(-1)                  # warp partials, in order
+    rstd = torch.rsqrt(ss / L + eps)
+    xn = (r * rstd[:, None] * latent_norm.float()).bfloat16().float()
+    y = (xn @ up_rows.float().t()).bfloat16().float()
+    sl = sh_slots.float().clone()
+    sl[rank] = sh_full[:, rank * n:(rank + 1) * n].float()      # slot `rank` is never read
+    sh = sl.sum(0)
+    return (y + sh.bfloat16().float()).bfloat16()
+
+
+def check(timing: bool = True) -> list[dict]:
+    """Kernel vs moe_up (the M ≤ 8 kernel it replaces in the per-M table), the stock ops and the
+    float64 reference at K3 TP16 shapes, M ∈ {2, 4, 8}, rank ∈ {0, 5}, both slot cases of
+    moe_up's check; `out=` into an all-gather slot leaves the other slots untouched; 3 repeated
+    calls and 3 CUDA-graph replays give the same output and leave the barrier's counter zero
+    (its epoch advanced once per call). Timing (simcomm, rank 0): stock collectives + OpSet.up,
+    moe_up, and this kernel."""
+    from kimi_decode import stock_ops
+    from kimi_decode.comm import SimComm
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
+    dev = torch.device(DEVICE)
+    out = []
+    for m in (2, 4, 8):
+        cfg = k3_tp16(batch=m)
+        world, L, D, eps = cfg.tp, cfg.latent_dim, cfg.hidden, cfg.rms_eps
+        n = D // world
+        ops = stock_ops.OpSet(k3_tp16(batch=m, compile_ops=DEVICE == "cuda"))
+        gen = torch.Generator(device=dev).manual_seed(2000 + m)
+        norm = (1.0 + 0.1 * torch.randn(L, generator=gen, device=dev)).bfloat16()
+        up = (torch.randn(D, L, generator=gen, device=dev) * L ** -0.5).bfloat16()
+        scratch = make_scratch(m, L, dev)
+        for rank in (0, 5):
+            up_rows = up[rank * n:(rank + 1) * n]
+            for case in ("simcomm", "all_slots"):
+                r_loc = torch.randn(m, L, generator=gen, device=dev).bfloat16()
+                sh_loc = torch.randn(m, D, generator=gen, device=dev).bfloat16()
+                r_slots = torch.zeros(world, m, L, dtype=torch.bfloat16, device=dev)
+                sh_slots = torch.zeros(world, m, n, dtype=torch.bfloat16, device=dev)
+                if case == "all_slots":
+                    r_slots.copy_(torch.randn(world, m, L, generator=gen, device=dev) * 0.25)
+                    sh_slots.copy_(torch.randn(world, m, n, generator=gen, device=dev) * 0.25)
+                r_slots[rank].copy_(r_loc)
+                sh_slots[rank].fill_(1.0e4)                 # slot `rank` must not be read
+                args = (r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
+                with torch.no_grad():
+                    y_s = k_up.stock(*args)
+                    y_op = k_up.stock(*args, ops.up)
+                    y_one = k_up.moe_up(*args)
+                    epoch0 = int(scratch.sync[1])
+                    y_k = moe_up_grid(*args, scratch)
+                    reps = [moe_up_grid(*args, scratch) for _ in range(3)]
+                    dst = torch.full((world, m, n), 7.0, dtype=torch.bfloat16, device=dev)
+                    moe_up_grid(*args, scratch, out=dst[rank])
+                _sync()
+                calls = 5
+                ref = k_up.reference(*args)
+                e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
+                others = torch.cat([dst[:rank], dst[rank + 1:]])
+                row = {"kernel": "moe_up_grid", "M": m, "rank": rank, "case": case,
+                       "rel_vs_stock": e_ks, "rel_vs_stock_op": e_kop, "rel_vs_moe_up": rel(y_k, y_one),
+                       "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+                       "repeat_equal": all(torch.equal(y, y_k) for y in reps),
+                       "out_slot_ok": torch.equal(dst[rank], y_k) and bool((others == 7.0).all()),
+                       "counter_zero": int(scratch.sync[0]) == 0,
+                       "epoch_advanced": int(scratch.sync[1]) - epoch0 == calls}
+                if DEVICE == "cuda" and case == "all_slots" and rank == 5:
+                    g = torch.cuda.CUDAGraph()
+                    gout = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+                    with torch.cuda.graph(g):
+                        moe_up_grid(*args, scratch, out=gout)
+                    ok_g = True
+                    for _ in range(3):
+                        gout.zero_()
+                        g.replay()
+                        _sync()
+                        ok_g &= torch.equal(gout, y_k)
+                    row["graph_replays_equal"] = bool(ok_g)
+                    row["counter_zero"] = row["counter_zero"] and int(scratch.sync[0]) == 0
+                row["ok"] = bool(e_ks <= 1e-2 and e_kop <= 1e-2 and rel(y_k, y_one) <= 1e-2
+                                 and e_k <= 1.5 * e_s + 1e-3 and row["repeat_equal"] and row["out_slot_ok"]
+                                 and row["counter_zero"] and row["epoch_advanced"]
+                                 and row.get("graph_replays_equal", True))
+                if timing and case == "simcomm" and rank == 0 and DEVICE == "cuda":
+                    comm = SimComm(dev, world, rank)
+                    r_s, sh_s = comm.all_reduce(r_loc), comm.reduce_scatter_cols(sh_loc)
+
+                    def stock_call() -> None:
+                        r_c = comm.all_reduce(r_loc)
+                        sh_c = comm.reduce_scatter_cols(sh_loc)
+                        ops.up(r_c, norm, up_rows, sh_c, eps)
+
+                    with torch.no_grad():
+                        row["stock_us"] = time_us(stock_call)
+                        row["stock_up_only_us"] = time_us(lambda: ops.up(r_s, norm, up_rows, sh_s, eps))
+                        row["moe_up_us"] = time_us(lambda: k_up.moe_up(*args, out=dst[rank]))
+                        row["kernel_us"] = time_us(lambda: moe_up_grid(*args, scratch, out=dst[rank]))
+                    row["counter_zero_after_timing"] = int(scratch.sync[0]) == 0
+                    row["ok"] = row["ok"] and row["counter_zero_after_timing"]
+                out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    for r in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
