@@ -51,7 +51,9 @@ and the kernel is in `VERIFIED`):
 - MoE tail (`moe_up`, kernels/moe_up.py): the all-reduce of the routed latent and the shared
   expert's reduce-scatter are summed from their slots, then latent RMSNorm, this rank's
   up-projection rows and the shared add, written into the all-gather slot: one launch for
-  the stock op's six.
+  the stock op's six. At 2 ≤ M ≤ 8 `moe_up_grid` (kernels/moe_up_grid.py) does the same with
+  the slot sums shared by the whole grid (a grid barrier), so the M = 8 step keeps the
+  collectives in kernels too (5 launches fewer per layer than stock's tail).
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
@@ -119,7 +121,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "pdl_chain",
                                     # eighth round: checked at 0af015a (2026-12-03 08:40 UTC,
                                     # bench/fused_correctness.md: 27 shapes, step parity, reference)
-                                    "gemv_mma"})
+                                    "gemv_mma",
+                                    # ninth round: checked at 644406b (2026-12-03 09:00 UTC)
+                                    "moe_up_grid"})
 # Verified but opt-in (kernels={..., name}), both slower where they would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -142,7 +146,11 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   us: a tie, kept for the launch count, 1 vs 4); at T = 8 or B = 8, 64 stock's Triton ops win
 #   (B=1 k=7: 29.4 vs 19.7 us; B=8: 10.3 vs 9.3; B=64: 33.1 vs 21.8).
 # - moe_up: M = 1 (5.5 us vs stock tail 9.8 + up 13.8 us); at M = 8 it re-sums the slots per
-#   row in every CTA: 49 us vs 28.6.
+#   row in every CTA: 49 us vs 28.6. M = 2 too: in the 644406b check (moe_up_grid's, which
+#   compares the two kernels: equal outputs) moe_up took 5.9 us there against 6.9 for
+#   moe_up_grid and 24.2 for the stock ops. From M = 3 to 8 moe_up_grid runs where enabled
+#   (kernels/moe_up_grid.py, the sums once per grid; same check: M = 4 8.7 us vs moe_up's
+#   12.2, M = 8 12.4 vs 25.9, stock 24.8 / 25.1); LatentMoE._up_applies makes the choice.
 # - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0, where it runs the grid merge
 #   (9f04320, bench/fused_correctness.md: 11.6 us cold vs 13.7 for stock's compiled op, 16.8
 #   with the two-level merge it had before); at 48 rows (B = 8 or k = 7) 43-330 us vs 15-30 us
@@ -177,7 +185,7 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   GEMM: in_proj 16.6 vs 17.4 us, latent_down 17.4 vs 17.9, q_b 3.7 vs 5.5, router (fp32
 #   logits) 8.0 vs 11.9, qkv_a 13.6 vs 13.2 (the one shape it does not win alone; kept: in the
 #   step a Triton GEMM beside a gemv_mma grid waits for SMs, bench/fused_runs.md).
-MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 1, "mla_attend_rows": 6,
+MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1}
 
 

@@ -130,8 +130,8 @@ def test_wrapper_refuses_bad_scratch() -> None:
 
 
 def test_fused_tail_picks_the_grid_kernel_between_2_and_8_rows() -> None:
-    """LatentMoE._up_applies: M = 1 is moe_up's; 2 ≤ M ≤ 8 only with the scratch enable() made
-    for that M (kernel "moe_up_grid" on), never past 8."""
+    """LatentMoE._up_applies: M ≤ MAX_ROWS["moe_up"] (2) is moe_up's; above, up to 8, only with
+    the scratch enable() made for that M (kernel "moe_up_grid" on), never past 8."""
     from types import SimpleNamespace
 
     from kimi_decode import fused
@@ -142,8 +142,9 @@ def test_fused_tail_picks_the_grid_kernel_between_2_and_8_rows() -> None:
         sc = None if scratch_rows is None else g.make_scratch(scratch_rows, K3.latent_dim, "cpu")
         moe = SimpleNamespace(cfg=K3, rt=rt, up=up, up_grid_scratch=sc)
         return fused.LatentMoE._up_applies(moe, torch.zeros(m, K3.hidden, dtype=bf))
-    assert applies(1, None)
-    assert not applies(8, None)
-    assert applies(8, 8) and applies(2, 2)
+    assert fused.MAX_ROWS["moe_up"] == 2
+    assert applies(1, None) and applies(2, None)
+    assert not applies(8, None) and not applies(3, None)
+    assert applies(8, 8) and applies(3, 3)
     assert not applies(4, 8)          # scratch made for another M
     assert not applies(16, 16)
