@@ -94,6 +94,29 @@ def block_sum(val: Float32, red: cute.Tensor, slot: Int32, num_warps: cutlass.Co
 
 
 @cute.jit
+def grid_arrive_and_wait(mCnt: cute.Tensor, cnt: Int32, ep: Int32, arrivals: Int32):
+    """One thread per CTA (the caller's thread 0, between two CTA barriers, then a
+    fence.acq_rel.gpu by every thread): a grid barrier of `arrivals` CTAs by sense reversal on
+    counter mCnt[cnt] and epoch mCnt[ep] (int32, zero at creation). Read the epoch E (acquire),
+    fence, arrive on the counter; the last to arrive re-zeroes it and bumps the epoch (release),
+    the others poll until the epoch is no longer E. E is read before the arrival and the epoch
+    moves only once all have arrived, so no CTA can take the new epoch for its E; the epoch is
+    never re-zeroed, so the counter is zero between calls (CUDA-graph replays need no reset).
+    Every CTA must be resident at once. Used by mla_attend's grid merge and moe_up_grid."""
+    epp = mCnt.iterator + ep
+    epoch = cute.arch.load(epp.llvm_ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.fence_acq_rel_gpu()
+    old = cute.arch.atomic_add(mCnt.iterator + cnt, Int32(1), sem="acq_rel", scope="gpu")
+    if old == arrivals - 1:               # the last to arrive: every CTA's writes are done
+        mCnt[cnt] = Int32(0)
+        cute.arch.atomic_add(epp, Int32(1), sem="release", scope="gpu")
+    else:
+        seen = epoch
+        while seen == epoch:
+            seen = cute.arch.load(epp.llvm_ptr, Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
 def sigmoid(x: Float32) -> Float32:
     """1 / (1 + exp(-x))."""
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
@@ -104,4 +127,5 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-__all__ = ["ptr", "dummy_ptr", "compile_options", "current_stream", "compiled", "block_sum", "sigmoid", "Int32", "Float32"]
+__all__ = ["ptr", "dummy_ptr", "compile_options", "current_stream", "compiled", "block_sum", "grid_arrive_and_wait",
+           "sigmoid", "Int32", "Float32"]

@@ -118,7 +118,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from kimi_decode.kernels import chain
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, grid_arrive_and_wait, ptr
 from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, can_implement_uv as glue_can_uv, config_uv, gated
 
 TILE = 32        # cache positions per tile (one per lane in the softmax)
@@ -564,18 +564,8 @@ class MLAAttend:
         R = self.R
         cute.arch.sync_threads()
         self.stamp(stamps, 6, tid, False)
-        if tid == 0:
-            ep = mCnt.iterator + (batch * groups + batch + 2 + b)
-            epoch = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
-            cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(mCnt.iterator + b, Int32(1), sem="acq_rel", scope="gpu")
-            if old == splits - 1:               # the last to arrive: all partials are written
-                mCnt[b] = Int32(0)
-                cute.arch.atomic_add(ep, Int32(1), sem="release", scope="gpu")
-            else:
-                seen = epoch
-                while seen == epoch:
-                    seen = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
+        if tid == 0:        # the last of the sequence's `splits` CTAs to arrive: all partials written
+            grid_arrive_and_wait(mCnt, b, batch * groups + batch + 2 + b, splits)
         cute.arch.sync_threads()
         cute.arch.fence_acq_rel_gpu()
         self.stamp(stamps, 7, tid, False)

@@ -196,19 +196,29 @@ class MoeUp:
                         cute.autovec_copy(xb, sX[j, c, None])
             cute.arch.sync_threads()
             # 4. dot products: weights from registers, xn from shared memory
-            acc.fill(0.0)
-            for i in cutlass.range_constexpr(self.nv_lane):
-                c = lane + i * 32
-                for j in cutlass.range_constexpr(rows):
-                    cute.autovec_copy(sX[j, c, None], xb)
-                    for e in cutlass.range_constexpr(VEC):
-                        acc[j] = acc[j] + wv[i, e].to(Float32) * xb[e].to(Float32)
+            self.dots_and_store(mO, wv, sX, shp, acc, xb, m0, rows, col, lane)
+
+    @cute.jit
+    def dots_and_store(self, mO: cute.Tensor, wv: cute.Tensor, sX: cute.Tensor, shp: cute.Tensor,
+                       acc: cute.Tensor, xb: cute.Tensor, m0: cutlass.Constexpr[int],
+                       rows: cutlass.Constexpr[int], col: Int32, lane: Int32):
+        """Step 4 for rows m0 .. m0 + rows - 1 of a chunk (xn in sX): the warp's dot products
+        (weights from registers), butterflies, then out = bf16(bf16(y) + bf16(shared)) by lane 0.
+        Also moe_up_grid's last step."""
+        bf16 = wv.element_type
+        acc.fill(0.0)
+        for i in cutlass.range_constexpr(self.nv_lane):
+            c = lane + i * 32
             for j in cutlass.range_constexpr(rows):
-                y = cute.arch.warp_reduction_sum(acc[j])
-                sh = cute.arch.warp_reduction_sum(shp[m0 + j])
-                if lane == 0:
-                    shared = sh.to(bf16).to(Float32)
-                    mO[m0 + j, col] = (y.to(bf16).to(Float32) + shared).to(mO.element_type)
+                cute.autovec_copy(sX[j, c, None], xb)
+                for e in cutlass.range_constexpr(VEC):
+                    acc[j] = acc[j] + wv[i, e].to(Float32) * xb[e].to(Float32)
+        for j in cutlass.range_constexpr(rows):
+            y = cute.arch.warp_reduction_sum(acc[j])
+            sh = cute.arch.warp_reduction_sum(shp[m0 + j])
+            if lane == 0:
+                shared = sh.to(bf16).to(Float32)
+                mO[m0 + j, col] = (y.to(bf16).to(Float32) + shared).to(mO.element_type)
 
 
 def compile_for(cfg: MoeUpConfig) -> object:

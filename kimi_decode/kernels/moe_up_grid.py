@@ -54,7 +54,8 @@ from cutlass import Float32, Int32
 
 from kimi_decode.kernels import chain
 from kimi_decode.kernels import moe_up as k_up
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import (compile_options, compiled, current_stream, dummy_ptr,
+                                         grid_arrive_and_wait, ptr)
 
 VEC = k_up.VEC
 MIN_ROWS = 2          # M = 1: moe_up (one CTA per column block re-summing is cheap there)
@@ -125,17 +126,7 @@ class MoeUpGrid(k_up.MoeUp):
         """All CTAs of the grid: sense reversal on mSy = [counter, epoch] (mla_attend's)."""
         cute.arch.sync_threads()
         if tidx == 0:
-            ep = mSy.iterator + 1
-            epoch = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
-            cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(mSy.iterator, Int32(1), sem="acq_rel", scope="gpu")
-            if old == self.ctas - 1:            # the last to arrive: every partial is written
-                mSy[0] = Int32(0)
-                cute.arch.atomic_add(ep, Int32(1), sem="release", scope="gpu")
-            else:
-                seen = epoch
-                while seen == epoch:
-                    seen = cute.arch.load(ep.llvm_ptr, Int32, sem="acquire", scope="gpu")
+            grid_arrive_and_wait(mSy, Int32(0), Int32(1), Int32(self.ctas))
         cute.arch.sync_threads()
         cute.arch.fence_acq_rel_gpu()
 
@@ -225,19 +216,7 @@ class MoeUpGrid(k_up.MoeUp):
                             xb[e] = (buf[e].to(Float32) * rstd * nbuf[e].to(Float32)).to(bf16)
                         cute.autovec_copy(xb, sX[j, c, None])
             cute.arch.sync_threads()
-            acc.fill(0.0)
-            for i in cutlass.range_constexpr(self.nv_lane):
-                c = lane + i * 32
-                for j in cutlass.range_constexpr(rows):
-                    cute.autovec_copy(sX[j, c, None], xb)
-                    for e in cutlass.range_constexpr(VEC):
-                        acc[j] = acc[j] + wv[i, e].to(Float32) * xb[e].to(Float32)
-            for j in cutlass.range_constexpr(rows):
-                y = cute.arch.warp_reduction_sum(acc[j])
-                sh = cute.arch.warp_reduction_sum(shp[m0 + j])
-                if lane == 0:
-                    shared = sh.to(bf16).to(Float32)
-                    mO[m0 + j, col] = (y.to(bf16).to(Float32) + shared).to(mO.element_type)
+            self.dots_and_store(mO, wv, sX, shp, acc, xb, m0, rows, col, lane)
 
 
 def compile_for(cfg: k_up.MoeUpConfig) -> object:

@@ -8,7 +8,10 @@ they are meant to run."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +30,15 @@ def require_ptxas() -> str:
     if path is None:
         pytest.skip("ptxas not installed")
     return path
+
+
+def ptxas_usage(tmp_path: Path, ptx: str) -> tuple[int, int]:
+    """(registers, spill bytes) from `ptxas -v` on `ptx` for sm_90a, as the device will load the
+    kernel (require_ptxas(): skipped where ptxas is missing outside CI)."""
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([require_ptxas(), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, check=True)
+    regs = max(int(r) for r in re.findall(r"Used (\d+) registers", res.stderr))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", res.stderr))
+    return regs, spills

@@ -13,7 +13,6 @@ Oracles:
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ cute = pytest.importorskip("cutlass.cute")
 import kimi_decode.kernels.gemv_mma as gm  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
-from tests.kimi_decode.ptxas_tool import ptxas_path  # noqa: E402
+from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
 from tests.kimi_decode.test_kernels_compile import common_checks  # noqa: E402
 from tests.kimi_decode.test_kernels_compile import ptx_of as compiled_ptx  # noqa: E402
 
@@ -111,15 +110,9 @@ def test_compiles_with_mma(tmp_path: Path, name: str) -> None:
     assert mmas == 2 * (u * (2 if per_warp // u > 1 else 1) + rest), (mmas, per_warp)
     assert ptx.count("bar.sync") == 1
     assert "ld.global.v4.b32" in ptx
-    if (path := ptxas_path()) is not None:
-        import subprocess
-        p = tmp_path / "k.ptx"
-        p.write_text(ptx)
-        res = subprocess.run([path, "-arch=sm_90a", "-v", str(p), "-o", str(tmp_path / "k.cubin")],
-                             capture_output=True, text=True, check=True)
-        regs = [int(r) for r in re.findall(r"Used (\d+) registers", res.stderr)]
-        assert regs and max(regs) <= 96, res.stderr
-        assert "spill" not in res.stderr or re.search(r"0 bytes spill stores, 0 bytes spill loads", res.stderr)
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 96 and spills == 0, (regs, spills)
 
 
 def test_small_m_compiles(tmp_path: Path) -> None:

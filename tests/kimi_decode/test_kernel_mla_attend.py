@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,7 +32,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Int32  # noqa: E402
 
-from tests.kimi_decode.ptxas_tool import ptxas_path, require_ptxas  # noqa: E402
+from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
 # uv_gate's contract, bf16(bf16(o_lat @ w_uv) · bf16(σ(g))), as the mla_glue tests state it
 from tests.kimi_decode.test_kernel_mla_glue import _emulate_uv as _emulate_uv_gate  # noqa: E402
 from kimi_decode import stock_ops  # noqa: E402
@@ -90,17 +88,6 @@ def k3_config(uv_rows: int = 0) -> MLAConfig:
     cfg = k3_tp16()
     return MLAConfig(cfg.mla_local_heads, 1, cfg.kv_lora_rank, cfg.qk_rope_dim,
                      (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5, uv_rows=uv_rows, v_dim=cfg.v_head_dim)
-
-
-def ptxas_usage(tmp_path: Path, ptx: str) -> tuple[int, int]:
-    """(registers, spill bytes) from ptxas -v, as the device will load the kernel."""
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    res = subprocess.run([require_ptxas(), "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True, check=True)
-    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", res.stderr))
-    return regs, spills
 
 
 def test_compiles_k3_uv_mode(tmp_path: Path) -> None:
