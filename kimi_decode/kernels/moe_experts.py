@@ -145,6 +145,7 @@ class ExpertsConfig:
     experts: int             # E
     idx_dtype: torch.dtype   # int32 or int64
     pdl: bool = False        # launch FC2 with programmatic dependent launch (see `experts`)
+    stage_async: bool = False  # FC2 v2 stages `a` with cp.async (kernel experts_v2_async)
 
 
 def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
@@ -406,21 +407,34 @@ def v2_issue(mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor, sW: cute.Ten
 def v2_finish(mA: cute.Tensor, mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor, av: cute.Tensor,
               wv: cute.Tensor, ex: cute.Tensor, row: Int32, col: Int32, r: Int32, grp: Int32,
               tidx: Int32, lane: Int32, K: cutlass.Constexpr[int], L: cutlass.Constexpr[int],
-              kpg: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+              kpg: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+              stage_async: cutlass.Constexpr[bool] = False):
     """FC2 v2, after the wait: stage the row's `a` in shared memory, each group's K/4 dot
     products and 8-lane butterflies, the j-ordered weighted sum, out[row, col] (bf16). Shared
     by ExpertsFC2v2.kernel and moe_experts_one.ExpertsOne.fc2_item."""
     # `a` (columns < I) staged in shared memory after the wait, with or without PDL:
     # 8 threads per activation row, as the groups read it (thread t: row t // 8 (+ 16·n),
-    # slices t % 8 + 8·i), one 128-bit slice at a time (a rolled loop: 4 registers beside
-    # the 48 of w2 in flight)
+    # slices t % 8 + 8·i). Default: one 128-bit slice at a time (a rolled loop: 4 registers
+    # beside the 48 of w2 in flight), so nsl dependent L2 round trips. `stage_async`
+    # (ExpertsConfig.stage_async): every slice as one cp.async global -> shared copy, all in
+    # flight at once and no register held, then one wait: one round trip.
     jr = tidx // V2_GROUP_LANES
+    if cutlass.const_expr(stage_async):
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mA.element_type, num_bits_per_copy=128)
     for jj in cutlass.range_constexpr((K * V2_GROUP_LANES + threads - 1) // threads):
         j = jr + jj * (threads // V2_GROUP_LANES)
         if j < K:
-            for i in cutlass.range(nsl, unroll=1):
-                cute.autovec_copy(mA[row * K + j, r + i * V2_GROUP_LANES, None], av)
-                cute.autovec_copy(av, sA[j, r + i * V2_GROUP_LANES, None])
+            if cutlass.const_expr(stage_async):
+                for i in cutlass.range_constexpr(nsl):
+                    cute.copy(atom, mA[row * K + j, r + i * V2_GROUP_LANES, None],
+                              sA[j, r + i * V2_GROUP_LANES, None])
+            else:
+                for i in cutlass.range(nsl, unroll=1):
+                    cute.autovec_copy(mA[row * K + j, r + i * V2_GROUP_LANES, None], av)
+                    cute.autovec_copy(av, sA[j, r + i * V2_GROUP_LANES, None])
+    if cutlass.const_expr(stage_async):
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
     cute.arch.sync_threads()
     # each group's K/4 dot products (a lane: its slices in order, then an 8-lane
     # butterfly, after which every lane of the group holds the same sum), rounded to bf16
@@ -501,7 +515,8 @@ class ExpertsFC2v2:
         # PDL, the point past which FC1's `a` is complete and visible
         cute.arch.griddepcontrol_wait()
         chain.release()
-        v2_finish(mA, mO, sA, sW, av, wv, ex, row, col, r, grp, tidx, lane, K, L, kpg, nsl, threads)
+        v2_finish(mA, mO, sA, sW, av, wv, ex, row, col, r, grp, tidx, lane, K, L, kpg, nsl, threads,
+                  self.cfg.stage_async)
 
 
 def can_implement_v2(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
@@ -527,7 +542,7 @@ def compile_for(cfg: ExpertsConfig, v2: bool = False) -> tuple[object, object]:
         return cute.compile((ExpertsFC2v2 if v2 else ExpertsFC2)(cfg), bf, dummy_ptr(cfg.idx_dtype),
                             dummy_ptr(torch.float32), bf, bf, Int32(1), current_stream(), options=compile_options())
     # FC1 does not depend on `pdl` (its launch_dependents hint is always there): one compile
-    return (compiled(("experts_fc1", dataclasses.replace(cfg, pdl=False)), build1),
+    return (compiled(("experts_fc1", dataclasses.replace(cfg, pdl=False, stage_async=False)), build1),
             compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2))
 
 
@@ -561,7 +576,8 @@ def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
 
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
-            inter: int | None = None, pdl: bool = False, v2: bool = False) -> torch.Tensor:
+            inter: int | None = None, pdl: bool = False, v2: bool = False,
+            stage_async: bool = False) -> torch.Tensor:
     """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
     z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
     dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
@@ -569,11 +585,12 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     w2 columns I..Ip-1 are zero padding, skipped); None reads all Ip. `pdl`: launch FC2 with
     programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
     waits for FC1 before reading FC1's output; results are identical). `v2`: FC2 is
-    ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2). Returns out [M, L]."""
+    ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2); `stage_async` (with v2,
+    kernel `experts_v2_async`): its `a` staged by cp.async, bit-identical. Returns out [M, L]."""
     (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
                                                      can_implement_v2 if v2 else can_implement,
                                                      "experts kernel")
-    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), v2)
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
     fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
@@ -702,6 +719,62 @@ def check_v2(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     """The GPU check of kernel `experts_v2`: `check` with FC2 = ExpertsFC2v2, against stock,
     the float64 reference and the verified kernels (old vs new timed, cold weights)."""
     return check(timing=timing, rows=rows, v2=True)
+
+
+def check_async(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """The GPU check of kernel `experts_v2_async`: FC1 + FC2 v2 with `a` staged by cp.async
+    (stage_async) against FC1 + FC2 v2 as verified (bit for bit: only the staging's
+    instructions differ), against stock and the float64 reference (checks.py's rule), with
+    PDL and the padding skip as the fused step runs them. Timing: both on cold weights (4
+    routings cycled, as check's `kernel_us`), `kernel_us` (async) vs `v2_us`."""
+    from kimi_decode import stock_ops
+    from kimi_decode.comm import LocalComm, SideStream
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
+    from kimi_decode.stock import LatentMoE, Runtime
+    from kimi_decode.weights import Seeder
+    dev = torch.device(DEVICE)
+    cfg0 = k3_tp16()
+    with torch.no_grad():
+        moe = LatentMoE(cfg0, Seeder(cfg0, dev).sub("check.experts"), Runtime(LocalComm(), SideStream(dev)))
+    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
+    I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    out = []
+    for m in rows:
+        gen = torch.Generator(device=dev).manual_seed(3000 + m)
+        z = torch.randn(m, L, generator=gen, device=dev).bfloat16()
+        routings = []
+        for _ in range(4):
+            scores = torch.rand(m, E, generator=gen, device=dev)
+            idx = scores.topk(K, dim=-1).indices
+            w = scores.gather(1, idx)
+            routings.append((idx, w / w.sum(-1, keepdim=True) * cfg0.routed_scaling))
+        idx, w = routings[0]
+
+        def run(i: torch.Tensor, ww: torch.Tensor, async_: bool, dst: torch.Tensor | None = None) -> torch.Tensor:
+            return experts(z, i, ww, w13, w2, beta, lin_beta, out=dst, inter=I, pdl=True, v2=True,
+                           stage_async=async_)
+        with torch.no_grad():
+            r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+            r_v2 = run(idx, w, False)
+            r_k = run(idx, w, True)
+            r_k2 = run(idx, w, True)
+        _sync()
+        ref = reference(z, idx, w, w13, w2, beta, lin_beta)
+        e_ks, e_k, e_s = rel(r_k, r_s), rel(r_k, ref), rel(r_s, ref)
+        r = {"kernel": "experts_v2_async", "M": m, "rel_vs_stock": e_ks, "rel_vs_f64": e_k,
+             "stock_rel_vs_f64": e_s, "equal_v2": bool(torch.equal(r_k, r_v2)),
+             "repeat_equal": bool(torch.equal(r_k, r_k2))}
+        r["ok"] = bool(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and r["equal_v2"] and r["repeat_equal"])
+        if timing:
+            dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
+            for what, a in (("kernel", True), ("v2", False)):
+                n = itertools.count()
+                r[f"{what}_us"] = time_us(lambda a=a, n=n: run(*routings[next(n) % 4], a, dst))
+        out.append(r)
+    del moe, w13, w2
+    return out
 
 
 if __name__ == "__main__":

@@ -509,6 +509,7 @@ def test_mla_positions_hoisted_once_per_step() -> None:
     ({"experts", "experts_v2"}, True, True),    # both verified: v2 wins
     ({"experts", "experts_v2"}, False, False),  # v2's shape rules refuse: the old kernels
     ({"experts_v2"}, False, None),              # ... and without `experts`: the stock op
+    ({"experts_v2", "experts_v2_async"}, True, True),   # v2 with cp.async staging
 ])
 def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expected: bool | None) -> None:
     """enable() switches LatentMoE._experts to FC2 v2 (kernels/moe_experts.py, `v2=True`) when
@@ -523,15 +524,18 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     import kimi_decode.kernels.moe_experts as k_ex
     from kimi_decode import stock_ops as ops
     calls: list[bool] = []
+    staged: list[bool] = []
 
-    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False):
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
+                stage_async=False):
         calls.append(v2)
+        staged.append(stage_async)
         r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)
     monkeypatch.setattr(k_ex, "experts", experts)
     monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
     monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: v2_fits)
-    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2"})
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2", "experts_v2_async"})
     monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
     monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
@@ -542,6 +546,8 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     moe_layers = sum(isinstance(layer.mlp, fused_mod.LatentMoE) for layer in fused.layers)
     assert moe_layers == 6
     assert calls == ([] if expected is None else [expected] * (2 * moe_layers))
+    # cp.async staging only with v2 and its own kernel name (experts_v2_async)
+    assert staged == [bool(expected) and "experts_v2_async" in enabled] * len(calls)
 
 
 def _emulate_fold_kernels(monkeypatch, cfg, calls: list) -> None:
@@ -768,7 +774,8 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
     from kimi_decode import stock_ops as ops
     calls: list = []
 
-    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False):
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
+                stage_async=False):
         calls.append(v2)
         r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)

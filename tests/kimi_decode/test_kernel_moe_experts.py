@@ -17,6 +17,7 @@ Oracles:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -30,7 +31,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Float32, Int32  # noqa: E402
 
-from tests.kimi_decode.ptxas_tool import require_ptxas
+from tests.kimi_decode.ptxas_tool import ptxas_path, require_ptxas
 from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.comm import LocalComm, SideStream  # noqa: E402
 from kimi_decode.config import k3_tp16, tiny  # noqa: E402
@@ -359,3 +360,61 @@ def test_check_v2_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPat
     rows = moe_experts.check_v2(timing=False, rows=(2,))
     assert not any(r["ok"] for r in rows) and all(r["rel_vs_old"] > 1e-2 for r in rows)
     assert all(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)))
+
+
+def test_fc2_v2_async_staging_compiles(tmp_path: Path) -> None:
+    """ExpertsConfig.stage_async (kernel experts_v2_async): the row's `a` slices go to shared
+    memory as 3 cp.async copies per thread (no ld.global / st.shared pair after the wait), one
+    commit and one wait_group 0 before the barrier; the w2 loads before griddepcontrol.wait
+    are unchanged; ptxas (where installed) keeps the 72-register cap without the spills the
+    rolled staging loop has."""
+    cfg = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, K3_CFG.inter, K3_CFG.top_k, K3_CFG.experts, i64,
+                        pdl=True, stage_async=True)
+    ptx = ptx_of(tmp_path, ExpertsFC2v2(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
+    common_checks(ptx)
+    lines = [s.strip() for s in ptx.splitlines()]
+    wait = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+    bar = next(i for i, s in enumerate(lines) if s.startswith("bar.sync"))
+    copies = [i for i, s in enumerate(lines) if s.startswith("cp.async.ca.shared.global")]
+    assert len(copies) == K3_CFG.inter // (8 * 8) and all(wait < i < bar for i in copies)
+    commit = next(i for i, s in enumerate(lines) if s.startswith("cp.async.commit_group"))
+    done = next(i for i, s in enumerate(lines) if s.startswith("cp.async.wait_group"))
+    assert max(copies) < commit < done < bar
+    assert not [i for i, s in enumerate(lines) if s.startswith("ld.global.v4") and wait < i < bar]
+    assert "st.shared.v4" not in ptx
+    assert len([i for i, s in enumerate(lines) if s.startswith("ld.global.v4") and i < wait]) == K3.top_k // 4 * 3
+    (tmp_path / "plain").mkdir()
+    plain = ptx_of(tmp_path / "plain", ExpertsFC2v2(dataclasses.replace(cfg, stage_async=False)),
+                   P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
+    assert "cp.async" not in plain
+    if ptxas_path() is not None:
+        regs, spill_st, spill_ld = ptxas_usage(tmp_path)
+        assert regs <= 72 and spill_st == 0 and spill_ld == 0
+
+
+def test_check_async_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check_async` (kernel experts_v2_async) on a tiny bf16 config with emulated kernels: rows
+    pass when the async build equals the plain v2 and fail when it does not (a build that
+    drops the routing weights), and both builds are timed."""
+    from kimi_decode.kernels import checks, moe_experts
+    import kimi_decode.config as config
+    small = tiny(dtype="bfloat16", moe_pad_local_inter=24)
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(config, "k3_tp16", lambda **kw: small.with_(**kw))
+    seen = []
+
+    def kernels(z, idx, w, *a, v2=None, stage_async=False, **kw):
+        seen.append((v2, stage_async))
+        return _emulate(z, idx, w, *a, **kw)
+    monkeypatch.setattr(moe_experts, "experts", kernels)
+    monkeypatch.setattr(checks, "time_us", lambda fn: (fn(), 1.0)[1])
+    rows = moe_experts.check_async(timing=True, rows=(1, 2))
+    assert len(rows) == 2 and all(r["ok"] and r["equal_v2"] for r in rows), rows
+    assert all(r["kernel_us"] == r["v2_us"] == 1.0 for r in rows)
+    assert {s for s in seen} == {(True, True), (True, False)}
+
+    def broken(z, idx, w, *a, v2=None, stage_async=False, **kw):
+        ww = torch.full_like(w, 1.0 / w.shape[1]) if stage_async else w
+        return _emulate(z, idx, ww, *a, **kw)
+    monkeypatch.setattr(moe_experts, "experts", broken)
+    assert not any(r["ok"] for r in moe_experts.check_async(timing=False, rows=(2,)))
