@@ -60,8 +60,7 @@ and the kernel is in `VERIFIED`):
   stock GEMM op (its skinny GEMM or cuBLAS: at M = 8 the first GEMV measured 33 us vs 13.8 us),
   or with `gemv_mma` (kernels/gemv_mma.py, 2 ≤ M ≤ 8) every projection _linear runs and the
   router's fp32 logits (LatentMoE._router_logits) on the tensor cores: in the B = 1, k = 7 step
-  in_proj 20.6 → 17.6 us, and the router GEMM beside latent_down no longer waits for SMs
-  (bench/fused_runs.md).
+  FC1 starts 32.1 us after the MoE front does instead of 41.6 (bench/fused_runs.md).
   With `gemv_tuned` each weight shape at M = 1 takes the configuration its device sweep found
   fastest (gemv.TUNED / TUNED_MULTI: split-K for in_proj, cache hints, unroll 7).
 - MLA: at M = 1 qkv_a and g_proj are one `gemv_multi` grid (op `qkv_a_g`; 41 MB), above it
