@@ -122,8 +122,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # bench/fused_correctness.md: 27 shapes, step parity, reference)
                                     "gemv_mma",
                                     # ninth round: checked at 644406b (2026-12-03 09:00 UTC)
-                                    "moe_up_grid"})
-# Verified but opt-in (kernels={..., name}), both slower where they would be used:
+                                    "moe_up_grid",
+                                    # tenth round: checked at 41febc2 (09:38 UTC; bit-equal to FC2 v2)
+                                    "experts_v2_async"})
+# Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
 # - experts_one (FC1 + FC2 in one persistent launch, one kernel fewer per layer): 29.0 us vs
@@ -131,7 +133,12 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   bench/fused_correctness.md); the B = 1 step with it (and kda_fast, itself 0.4 us faster
 #   than kda_split in its check) took 105.3 / 124.3 us (KDA / MLA) against 97.1 / 114.5 us
 #   without both (bench/fused_runs.md).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one"})
+# - experts_v2_async (FC2 v2 staging its activations with cp.async: no spills, one round trip):
+#   faster alone (41febc2 check, cold, FC1 + FC2 with PDL: 23.5 vs 24.9 us at M = 1, 128.7 vs
+#   141.3 at M = 8) but slower in the chained step: FC2 took 90-95 us at B = 1, k = 7 (72 with
+#   the rolled staging) and the layers 271.3 / 280.9 us (KDA / MLA) against 247.2 / 256.7
+#   (bench/fused_runs.md); why is not known.
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
