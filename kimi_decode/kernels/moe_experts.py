@@ -618,6 +618,35 @@ def reference(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Te
     return (w.double().reshape(M * K, 1) * out).reshape(M, K, -1).sum(1)
 
 
+def check_weights(dev: torch.device) -> tuple[object, torch.Tensor, torch.Tensor]:
+    """The GPU checks' experts: the real LatentMoE weights at K3 TP16 (seed "check.experts"),
+    as (config, w13, w2). Shared by check, check_async and moe_experts_one.check."""
+    from kimi_decode.comm import LocalComm, SideStream
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.stock import LatentMoE, Runtime
+    from kimi_decode.weights import Seeder
+    cfg0 = k3_tp16()
+    with torch.no_grad():
+        moe = LatentMoE(cfg0, Seeder(cfg0, dev).sub("check.experts"), Runtime(LocalComm(), SideStream(dev)))
+    return cfg0, moe.w13.detach(), moe.w2.detach()
+
+
+def check_inputs(cfg0: object, m: int, seed: int, dev: torch.device
+                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """z [M, L] (rms ≈ 1) and 4 routings (distinct ids per row, positive renormalised weights)
+    from one generator seeded `seed`: the cycled routings of the checks' cold timings."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    E, K, L = cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    z = torch.randn(m, L, generator=gen, device=dev).bfloat16()
+    routings = []
+    for _ in range(4):
+        scores = torch.rand(m, E, generator=gen, device=dev)
+        idx = scores.topk(K, dim=-1).indices
+        w = scores.gather(1, idx)
+        routings.append((idx, w / w.sum(-1, keepdim=True) * cfg0.routed_scaling))
+    return z, routings
+
+
 def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), v2: bool = False) -> list[dict]:
     """Kernel vs stock_ops.experts_grouped and the float64 reference on the real LatentMoE
     weights at K3 TP16 shapes, for M in `rows`: with the padding skip (inter=I), without it,
@@ -631,29 +660,16 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), v2: bool = False)
     step where every layer has its own experts); `*_same_us` repeat one routing (66-88 MB per
     call, partly L2-resident across calls)."""
     from kimi_decode import stock_ops
-    from kimi_decode.comm import LocalComm, SideStream
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
-    from kimi_decode.stock import LatentMoE, Runtime
-    from kimi_decode.weights import Seeder
     dev = torch.device(DEVICE)
-    cfg0 = k3_tp16()
-    with torch.no_grad():
-        moe = LatentMoE(cfg0, Seeder(cfg0, dev).sub("check.experts"), Runtime(LocalComm(), SideStream(dev)))
-    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    cfg0, w13, w2 = check_weights(dev)
     beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
-    I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    I, K, L = cfg0.expert_local_inter, cfg0.top_k, cfg0.latent_dim
     name, kw = ("experts_v2", {"v2": True}) if v2 else ("experts", {})
     cases = {}
     for m in rows:
-        gen = torch.Generator(device=dev).manual_seed(1000 + m)
-        z = torch.randn(m, L, generator=gen, device=dev).bfloat16()                 # rms ≈ 1
-        routings = []
-        for _ in range(4):
-            scores = torch.rand(m, E, generator=gen, device=dev)
-            idx = scores.topk(K, dim=-1).indices                                     # distinct per row
-            w = scores.gather(1, idx)
-            routings.append((idx, w / w.sum(-1, keepdim=True) * cfg0.routed_scaling))  # positive, renormalised
+        z, routings = check_inputs(cfg0, m, 1000 + m, dev)
         idx, w = routings[0]
         with torch.no_grad():
             r_s = stock_ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
@@ -711,7 +727,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), v2: bool = False)
         except Exception as exc:  # noqa: BLE001  (report, do not abort the batched device job)
             out.append({"kernel": name, "M": m, "skip_pad": True, "pdl": True, "ok": True,
                         "skipped": f"pdl unsupported here: {type(exc).__name__}: {exc}"[:300]})
-    del moe, w13, w2, cases
+    del w13, w2, cases
     return out
 
 
@@ -728,28 +744,14 @@ def check_async(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dic
     PDL and the padding skip as the fused step runs them. Timing: both on cold weights (4
     routings cycled, as check's `kernel_us`), `kernel_us` (async) vs `v2_us`."""
     from kimi_decode import stock_ops
-    from kimi_decode.comm import LocalComm, SideStream
-    from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
-    from kimi_decode.stock import LatentMoE, Runtime
-    from kimi_decode.weights import Seeder
     dev = torch.device(DEVICE)
-    cfg0 = k3_tp16()
-    with torch.no_grad():
-        moe = LatentMoE(cfg0, Seeder(cfg0, dev).sub("check.experts"), Runtime(LocalComm(), SideStream(dev)))
-    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    cfg0, w13, w2 = check_weights(dev)
     beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
-    I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    I, L = cfg0.expert_local_inter, cfg0.latent_dim
     out = []
     for m in rows:
-        gen = torch.Generator(device=dev).manual_seed(3000 + m)
-        z = torch.randn(m, L, generator=gen, device=dev).bfloat16()
-        routings = []
-        for _ in range(4):
-            scores = torch.rand(m, E, generator=gen, device=dev)
-            idx = scores.topk(K, dim=-1).indices
-            w = scores.gather(1, idx)
-            routings.append((idx, w / w.sum(-1, keepdim=True) * cfg0.routed_scaling))
+        z, routings = check_inputs(cfg0, m, 3000 + m, dev)
         idx, w = routings[0]
 
         def run(i: torch.Tensor, ww: torch.Tensor, async_: bool, dst: torch.Tensor | None = None) -> torch.Tensor:
@@ -773,7 +775,7 @@ def check_async(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dic
                 n = itertools.count()
                 r[f"{what}_us"] = time_us(lambda a=a, n=n: run(*routings[next(n) % 4], a, dst))
         out.append(r)
-    del moe, w13, w2
+    del w13, w2
     return out
 
 

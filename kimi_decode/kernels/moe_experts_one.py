@@ -283,32 +283,19 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     vs `v2_pdl_us` (FC1 + FC2v2 with PDL, the current path) vs `stock_us`; `*_same_us`
     repeat one routing; the counters must be zero after the replays."""
     from kimi_decode import stock_ops
-    from kimi_decode.comm import LocalComm, SideStream
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import moe_experts
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
-    from kimi_decode.stock import LatentMoE, Runtime
-    from kimi_decode.weights import Seeder
     dev = torch.device(DEVICE)
-    cfg0 = k3_tp16()
-    with torch.no_grad():
-        moe = LatentMoE(cfg0, Seeder(cfg0, dev).sub("check.experts"), Runtime(LocalComm(), SideStream(dev)))
-    w13, w2 = moe.w13.detach(), moe.w2.detach()
+    cfg0, w13, w2 = moe_experts.check_weights(dev)
     beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
-    I, E, K, L = cfg0.expert_local_inter, cfg0.num_experts, cfg0.top_k, cfg0.latent_dim
+    I, K, L = cfg0.expert_local_inter, cfg0.top_k, cfg0.latent_dim
     counters = make_counters(dev)
     out = []
     cases = [(m, True) for m in rows] + [(rows[0], False)]
     for m, skip in cases:
         inter = I if skip else None
-        gen = torch.Generator(device=dev).manual_seed(1000 + m)
-        z = torch.randn(m, L, generator=gen, device=dev).bfloat16()
-        routings = []
-        for _ in range(4):
-            scores = torch.rand(m, E, generator=gen, device=dev)
-            idx = scores.topk(K, dim=-1).indices
-            w = scores.gather(1, idx)
-            routings.append((idx, w / w.sum(-1, keepdim=True) * cfg0.routed_scaling))
+        z, routings = moe_experts.check_inputs(cfg0, m, 1000 + m, dev)
         idx, w = routings[0]
         r = {"kernel": "experts_one", "M": m, "skip_pad": skip}
         with torch.no_grad():
@@ -343,7 +330,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
             nbytes = m * K * 3 * (I if skip else w2.shape[-1]) * L * 2
             r["kernel_tbs"] = nbytes / (r["kernel_us"] * 1e-6) / 1e12
         out.append(r)
-    del moe, w13, w2
+    del w13, w2
     return out
 
 

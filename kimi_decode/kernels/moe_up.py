@@ -284,6 +284,25 @@ def stock(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, 
     return (up_op or stock_ops.latent_up)(r, latent_norm, up_rows, sh, eps)
 
 
+def check_slots(m: int, L: int, D: int, world: int, rank: int, case: str, gen: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GPU checks' collective inputs (moe_up's and moe_up_grid's): this rank's r [M, L] and
+    shared partial [M, D], and the slot buffers r_slots [world, M, L], sh_slots [world, M, D/world]:
+    "simcomm" has the other slots zero (SimComm's one-rank simulation), "all_slots" every slot
+    random; slot `rank` of r_slots holds r, of sh_slots garbage (1e4: it must never be read)."""
+    dev, n = gen.device, D // world
+    r_loc = torch.randn(m, L, generator=gen, device=dev).bfloat16()
+    sh_loc = torch.randn(m, D, generator=gen, device=dev).bfloat16()
+    r_slots = torch.zeros(world, m, L, dtype=torch.bfloat16, device=dev)
+    sh_slots = torch.zeros(world, m, n, dtype=torch.bfloat16, device=dev)
+    if case == "all_slots":
+        r_slots.copy_(torch.randn(world, m, L, generator=gen, device=dev) * 0.25)
+        sh_slots.copy_(torch.randn(world, m, n, generator=gen, device=dev) * 0.25)
+    r_slots[rank].copy_(r_loc)
+    sh_slots[rank].fill_(1.0e4)
+    return r_loc, sh_loc, r_slots, sh_slots
+
+
 def check(timing: bool = True) -> list[dict]:
     """Kernel vs the stock ops it replaces at K3 TP16 shapes, M ∈ {1, 8}, rank ∈ {0, 5}:
     - "simcomm": other slots zero, stock = SimComm(dev, 16, rank).all_reduce(r) +
@@ -312,16 +331,7 @@ def check(timing: bool = True) -> list[dict]:
         for rank in (0, 5):
             up_rows = up[rank * n:(rank + 1) * n]
             for case in ("simcomm", "all_slots"):
-                r_loc = torch.randn(m, L, generator=gen, device=dev).bfloat16()
-                sh_loc = torch.randn(m, D, generator=gen, device=dev).bfloat16()
-                r_slots = torch.zeros(world, m, L, dtype=torch.bfloat16, device=dev)
-                sh_slots = torch.zeros(world, m, n, dtype=torch.bfloat16, device=dev)
-                if case == "all_slots":
-                    r_slots.copy_(torch.randn(world, m, L, generator=gen, device=dev) * 0.25)
-                    sh_slots.copy_(torch.randn(world, m, n, generator=gen, device=dev) * 0.25)
-                r_slots[rank].copy_(r_loc)
-                # slot `rank` of sh_slots must not be read: fill it with garbage
-                sh_slots[rank].fill_(1.0e4)
+                r_loc, sh_loc, r_slots, sh_slots = check_slots(m, L, D, world, rank, case, gen)
                 with torch.no_grad():
                     if case == "simcomm":
                         comm = SimComm(dev, world, rank)

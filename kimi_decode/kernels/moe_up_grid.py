@@ -297,15 +297,7 @@ def check(timing: bool = True) -> list[dict]:
         for rank in (0, 5):
             up_rows = up[rank * n:(rank + 1) * n]
             for case in ("simcomm", "all_slots"):
-                r_loc = torch.randn(m, L, generator=gen, device=dev).bfloat16()
-                sh_loc = torch.randn(m, D, generator=gen, device=dev).bfloat16()
-                r_slots = torch.zeros(world, m, L, dtype=torch.bfloat16, device=dev)
-                sh_slots = torch.zeros(world, m, n, dtype=torch.bfloat16, device=dev)
-                if case == "all_slots":
-                    r_slots.copy_(torch.randn(world, m, L, generator=gen, device=dev) * 0.25)
-                    sh_slots.copy_(torch.randn(world, m, n, generator=gen, device=dev) * 0.25)
-                r_slots[rank].copy_(r_loc)
-                sh_slots[rank].fill_(1.0e4)                 # slot `rank` must not be read
+                r_loc, sh_loc, r_slots, sh_slots = k_up.check_slots(m, L, D, world, rank, case, gen)
                 args = (r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
                 with torch.no_grad():
                     y_s = k_up.stock(*args)
