@@ -301,6 +301,28 @@ def _join(rt: Runtime, *outputs: torch.Tensor) -> None:
         t.record_stream(main)
 
 
+def _mark(rt: Runtime) -> torch.cuda.Event | None:
+    """An event recorded on the aux stream now (inside an `_on_side` block): the point a later
+    `_wait_mark` joins, so the main stream can take one result of the side stream before the
+    side stream's later work is done."""
+    side = rt.aux.stream
+    if side is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(side)
+    return ev
+
+
+def _wait_mark(ev: torch.cuda.Event | None, *outputs: torch.Tensor) -> None:
+    """The main stream waits for `ev` (from `_mark`); `outputs` are marked used on main."""
+    if ev is None:
+        return
+    main = torch.cuda.current_stream()
+    main.wait_event(ev)
+    for t in outputs:
+        t.record_stream(main)
+
+
 class AttnRes(stock.AttnRes):
     """prefix = delta or base + delta, optional block write, mix, RMSNorm: one kernel."""
 
@@ -620,9 +642,13 @@ class LatentMoE(stock.LatentMoE):
             with _on_side(self.rt, h), op_range("shared_expert"):
                 sh = self._shared_down(h)                                              # [M, D] partial
         else:
+            # latent_down then the shared expert on the side stream, the router on the main one;
+            # the routed experts wait for latent_down only (its event), so the shared expert's
+            # SiTU and down GEMV overlap them; the tail joins the shared expert
             with _on_side(self.rt, y):
                 with op_range("latent_down"):
                     z = _linear(y, self.down, self.use_gemv, self.k)                   # [M, L]
+                z_ready = _mark(self.rt)
                 with op_range("shared_expert"):
                     sh = self._shared(y)                                               # [M, D] partial
             with op_range("router"):
@@ -631,7 +657,7 @@ class LatentMoE(stock.LatentMoE):
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing
         if not front:
-            _join(self.rt, z, sh)
+            _wait_mark(z_ready, z)
         rank = comm.rank
         if self.use_up_kernel and self._up_applies(y):
             # the collectives finish inside kernels: experts write this rank's all-reduce slot,
