@@ -37,9 +37,11 @@ and the kernel is in `VERIFIED`):
   step it replaced 39.8 us (latent_down and the shared expert on the side stream, the router
   starting ~15 us late beside them) with 24-25 us. The shared expert's down GEMV then runs on
   the side stream beside the routed experts, joined before the tail.
-- Shared expert (M > 1) on the side stream, next to the latent down-projection, overlapping the
-  router on the main stream (stock joins the side stream before the router starts); its SiTU
-  GLU is the down GEMV's prologue (`gemv_variants`: gemv_situ).
+- Shared expert (M > 1) on the side stream after the latent down-projection, overlapping the
+  router on the main stream (stock joins the side stream before the router starts) and the
+  routed experts, which wait only for latent_down's event (_mark / _wait_mark; the tail joins
+  the shared expert); at M = 1 its SiTU GLU is the down GEMV's prologue (`gemv_variants`:
+  gemv_situ), above it stock's SiTU kernel then the down projection.
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
