@@ -105,17 +105,23 @@ class MoeUp:
     def __call__(self, r_slots: cute.Pointer, sh_slots: cute.Pointer, sh_full: cute.Pointer,
                  norm: cute.Pointer, up_rows: cute.Pointer, out: cute.Pointer, rank: Int32,
                  eps: Float32, stream: cuda.CUstream):
+        mR, mS, mF, mN, mW, mO = self.views(r_slots, sh_slots, sh_full, norm, up_rows, out)
+        self.kernel(mR, mS, mF, mN, mW, mO, rank, eps).launch(
+            grid=[self.cfg.n // self.warps, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=chain.chain_on())
+
+    def views(self, r_slots: cute.Pointer, sh_slots: cute.Pointer, sh_full: cute.Pointer,
+              norm: cute.Pointer, up_rows: cute.Pointer, out: cute.Pointer) -> tuple[cute.Tensor, ...]:
+        """The kernel's tensors (mR, mS, mF, mN, mW, mO) over the raw pointers (plain Python, run
+        while __call__ traces; also moe_up_grid's)."""
         m, L, n, world = self.cfg.rows, self.cfg.latent, self.cfg.n, self.cfg.world
         nv = self.nv
-        mR = cute.make_tensor(r_slots, cute.make_layout((world, m, nv, VEC), stride=(m * L, L, VEC, 1)))
-        mS = cute.make_tensor(sh_slots, cute.make_layout((world, m, n), stride=(m * n, n, 1)))
-        mF = cute.make_tensor(sh_full, cute.make_layout((m, world * n), stride=(world * n, 1)))
-        mN = cute.make_tensor(norm, cute.make_layout((nv, VEC), stride=(VEC, 1)))
-        mW = cute.make_tensor(up_rows, cute.make_layout((n, nv, VEC), stride=(L, VEC, 1)))
-        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
-        self.kernel(mR, mS, mF, mN, mW, mO, rank, eps).launch(
-            grid=[n // self.warps, 1, 1], block=[self.threads, 1, 1], stream=stream,
-            use_pdl=chain.chain_on())
+        return (cute.make_tensor(r_slots, cute.make_layout((world, m, nv, VEC), stride=(m * L, L, VEC, 1))),
+                cute.make_tensor(sh_slots, cute.make_layout((world, m, n), stride=(m * n, n, 1))),
+                cute.make_tensor(sh_full, cute.make_layout((m, world * n), stride=(world * n, 1))),
+                cute.make_tensor(norm, cute.make_layout((nv, VEC), stride=(VEC, 1))),
+                cute.make_tensor(up_rows, cute.make_layout((n, nv, VEC), stride=(L, VEC, 1))),
+                cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1))))
 
     @cute.kernel
     def kernel(self, mR: cute.Tensor, mS: cute.Tensor, mF: cute.Tensor, mN: cute.Tensor,

@@ -106,15 +106,9 @@ class MoeUpGrid(k_up.MoeUp):
                  norm: cute.Pointer, up_rows: cute.Pointer, out: cute.Pointer, rbuf: cute.Pointer,
                  wss: cute.Pointer, sync: cute.Pointer, rank: Int32, eps: Float32,
                  stream: cuda.CUstream):
-        m, L, n, world = self.cfg.rows, self.cfg.latent, self.cfg.n, self.cfg.world
-        nv = self.nv
-        mR = cute.make_tensor(r_slots, cute.make_layout((world, m, nv, VEC), stride=(m * L, L, VEC, 1)))
-        mS = cute.make_tensor(sh_slots, cute.make_layout((world, m, n), stride=(m * n, n, 1)))
-        mF = cute.make_tensor(sh_full, cute.make_layout((m, world * n), stride=(world * n, 1)))
-        mN = cute.make_tensor(norm, cute.make_layout((nv, VEC), stride=(VEC, 1)))
-        mW = cute.make_tensor(up_rows, cute.make_layout((n, nv, VEC), stride=(L, VEC, 1)))
-        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
-        mRb = cute.make_tensor(rbuf, cute.make_layout((m, nv, VEC), stride=(L, VEC, 1)))
+        m, L = self.cfg.rows, self.cfg.latent
+        mR, mS, mF, mN, mW, mO = self.views(r_slots, sh_slots, sh_full, norm, up_rows, out)
+        mRb = cute.make_tensor(rbuf, cute.make_layout((m, self.nv, VEC), stride=(L, VEC, 1)))
         mWs = cute.make_tensor(wss, cute.make_layout(m * self.wpr))
         mSy = cute.make_tensor(sync, cute.make_layout(2))
         self.kernel_grid(mR, mS, mF, mN, mW, mO, mRb, mWs, mSy, rank, eps).launch(
