@@ -141,21 +141,9 @@ class MoeUp:
         red = smem.allocate_tensor(Float32, cute.make_layout((M, self.warps), stride=(self.warps, 1)),
                                    byte_alignment=16)
 
-        # 1. this warp's whole weight row into registers (all loads in flight at once)
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
-        for i in cutlass.range_constexpr(self.nv_lane):
-            cute.autovec_copy(mW[col, lane + i * 32, None], wv[i, None])
-        chain.enter()      # PDL chain: the weights above; the slots below are this step's
-
-        # 2. lane s < world holds slot s's shared partial for every row (own slot: sh_full)
         shp = cute.make_rmem_tensor(cute.make_layout(M), Float32)
-        shp.fill(0.0)
-        for mm in cutlass.range_constexpr(M):
-            if lane < world:
-                if lane == rank:
-                    shp[mm] = mF[mm, rank * n + col].to(Float32)
-                else:
-                    shp[mm] = mS[lane, mm, col].to(Float32)
+        self.row_and_shared(mS, mF, mW, wv, shp, col, lane, rank)
 
         buf = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
         nbuf = cute.make_rmem_tensor(cute.make_layout(VEC), mN.element_type)
@@ -203,6 +191,25 @@ class MoeUp:
             cute.arch.sync_threads()
             # 4. dot products: weights from registers, xn from shared memory
             self.dots_and_store(mO, wv, sX, shp, acc, xb, m0, rows, col, lane)
+
+    @cute.jit
+    def row_and_shared(self, mS: cute.Tensor, mF: cute.Tensor, mW: cute.Tensor, wv: cute.Tensor,
+                       shp: cute.Tensor, col: Int32, lane: Int32, rank: Int32):
+        """Steps 1-2: the warp's whole weight row into registers wv (all loads in flight at
+        once), the PDL chain's wait (the weights before it; the slots after it are this step's),
+        then lane s < world holds slot s's shared partial for every row in shp (own slot:
+        sh_full). Also moe_up_grid's first steps."""
+        M, n, world = self.cfg.rows, self.cfg.n, self.cfg.world
+        for i in cutlass.range_constexpr(self.nv_lane):
+            cute.autovec_copy(mW[col, lane + i * 32, None], wv[i, None])
+        chain.enter()
+        shp.fill(0.0)
+        for mm in cutlass.range_constexpr(M):
+            if lane < world:
+                if lane == rank:
+                    shp[mm] = mF[mm, rank * n + col].to(Float32)
+                else:
+                    shp[mm] = mS[lane, mm, col].to(Float32)
 
     @cute.jit
     def dots_and_store(self, mO: cute.Tensor, wv: cute.Tensor, sX: cute.Tensor, shp: cute.Tensor,

@@ -142,19 +142,10 @@ class MoeUpGrid(k_up.MoeUp):
                                   byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout(M), byte_alignment=16)
 
-        # 1. this warp's whole weight row into registers (moe_up's step 1), then the chain's wait
+        # 1. moe_up's steps 1-2: the weight row into registers, the chain's wait, shared partials
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
-        for i in cutlass.range_constexpr(self.nv_lane):
-            cute.autovec_copy(mW[col, lane + i * 32, None], wv[i, None])
-        chain.enter()
         shp = cute.make_rmem_tensor(cute.make_layout(M), Float32)
-        shp.fill(0.0)
-        for mm in cutlass.range_constexpr(M):
-            if lane < world:
-                if lane == rank:
-                    shp[mm] = mF[mm, rank * self.cfg.n + col].to(Float32)
-                else:
-                    shp[mm] = mS[lane, mm, col].to(Float32)
+        self.row_and_shared(mS, mF, mW, wv, shp, col, lane, rank)
 
         # 2. phase 1: one r vector per thread, its Σ r², the warp's partial
         g = bidx * self.threads + tidx
