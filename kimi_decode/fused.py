@@ -543,6 +543,8 @@ class LatentMoE(stock.LatentMoE):
 
     use_router_kernel = False
     use_router_fast = False      # kernels/router_fast.py (M ≤ 8)
+    use_router_mma = False       # kernels/router_mma.py (2 ≤ M ≤ 8): logits on the tensor cores + top-k
+    use_mma_situ = False         # shared down at 2 ≤ M ≤ 8 with the SiTU prologue (gemv_mma_situ)
     use_gemv = False
     use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
     use_experts_kernel = False   # kernels/moe_experts.py
@@ -565,6 +567,11 @@ class LatentMoE(stock.LatentMoE):
         if self.use_router_fast and y.shape[0] <= MAX_ROWS["router_fast"]:
             from kimi_decode.kernels.router_fast import route as route_fast
             return route_fast(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
+        if self.use_router_mma and y.shape[0] >= 2:
+            from kimi_decode.kernels import router_mma as k_rm
+            if y.is_contiguous() and k_rm.can_implement(y.shape[0], y.shape[1], self.router.shape[0], cfg.top_k,
+                                                        (y.dtype, self.router.dtype)):
+                return k_rm.route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
         if self.use_router_kernel and y.shape[0] <= MAX_ROWS["router_kernel"]:
             from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
             # past the GEMV rows the logits come from the stock path's router GEMM
@@ -598,6 +605,11 @@ class LatentMoE(stock.LatentMoE):
             if h.is_contiguous() and can_implement_situ(h.shape[0], self.shared_down.shape[0], Is,
                                                         (h.dtype, self.shared_down.dtype)):
                 return gemv_situ(h, self.shared_down, Is, cfg.situ_beta, cfg.situ_linear_beta)
+        if self.use_mma_situ and h.shape[0] >= 2:
+            from kimi_decode.kernels import gemv_mma as k_mma
+            if h.is_contiguous() and k_mma.can_implement_situ(h.shape[0], self.shared_down.shape[0], Is,
+                                                              (h.dtype, self.shared_down.dtype)):
+                return k_mma.gemv_mma_situ(h, self.shared_down, Is, cfg.situ_beta, cfg.situ_linear_beta)
         sh = self.fx["situ"](h, Is, cfg.situ_beta, cfg.situ_linear_beta)
         return _linear(sh, self.shared_down, self.use_gemv, self.k)
 
@@ -903,6 +915,8 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_router_fast = "router_fast" in on
                 layer.mlp.use_gemv = "gemv" in on
                 layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
+                layer.mlp.use_router_mma = "router_mma" in on
+                layer.mlp.use_mma_situ = "gemv_mma_situ" in on
                 layer.mlp.use_experts_kernel = "experts" in on
                 layer.mlp.use_experts_v2 = "experts_v2" in on
                 layer.mlp.use_experts_async = "experts_v2_async" in on
@@ -922,7 +936,7 @@ class FusedDecoder(StockDecoder):
                 # the last layer's output is the step's: gathered by forward (kept in its step
                 # range), so only layers with a next layer hand their slots on
                 layer.mlp.gather_out = ag_slots and i + 1 < len(self.layers)
-                if ({"router", "router_fast", "gemv_multi"} & on) and not hasattr(layer.mlp, "router_counter"):
+                if ({"router", "router_fast", "gemv_multi", "router_mma"} & on) and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))
                 nxt = self.layers[i + 1].attn if i + 1 < len(self.layers) else None

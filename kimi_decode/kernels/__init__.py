@@ -34,7 +34,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # the MoE tail at 2 ≤ M ≤ 8 in one kernel, the slot sums once per grid (grid barrier)
            "moe_up_grid",
            # FC2 v2 staging its activations with cp.async (one round trip, no registers)
-           "experts_v2_async")
+           "experts_v2_async",
+           # eighth round (M = 8): the router's logits on the tensor cores with its top-k in the
+           # last CTA (one launch); the shared expert's SiTU GLU as gemv_mma's prologue
+           "router_mma", "gemv_mma_situ")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -43,7 +46,8 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "experts_v2": "moe_experts", "attn_res_mc": "attn_res_mc", "mla_norm_fold": "mla_norm_fold",
                  "mla_attend_uv": "mla_attend", "kda_fast": "kda_fast", "experts_one": "moe_experts_one",
                  "gemv_tuned": "gemv", "pdl_chain": "chain_check",
-                 "gemv_mma": "gemv_mma", "moe_up_grid": "moe_up_grid", "experts_v2_async": "moe_experts"}
+                 "gemv_mma": "gemv_mma", "moe_up_grid": "moe_up_grid", "experts_v2_async": "moe_experts",
+                 "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma"}
 
 
 def applicable(name: str, cfg: object) -> bool:

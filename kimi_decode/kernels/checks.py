@@ -270,7 +270,8 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
         mod = importlib.import_module(f"kimi_decode.kernels.{CHECK_MODULES[name]}")
         fn = getattr(mod, {"attn_res_ar": "check_ar", "attn_res_ag": "check_ag", "gemv_variants": "check_variants",
                            "mla_attend_uv": "check_uv", "experts_v2": "check_v2",
-                           "gemv_tuned": "check_sweep", "experts_v2_async": "check_async"}.get(name, "check"))
+                           "gemv_tuned": "check_sweep", "experts_v2_async": "check_async",
+                           "gemv_mma_situ": "check_situ"}.get(name, "check"))
         return fn(timing=timing)
     return run
 

@@ -230,6 +230,18 @@ def can_implement_situ(m: int, n: int, inter: int, dtypes: tuple[torch.dtype, ..
     return can_implement(m, n, inter, dtypes, k_multiple=VEC_NARROW * 32, max_rows=max_rows)
 
 
+@cute.jit
+def situ_act(g: Float32, u: Float32, beta: cutlass.Constexpr[float], lin_beta: cutlass.Constexpr[float]) -> Float32:
+    """stock_ops.situ in fp32, same operation order: (β·tanh(g/β)·σ(g)) · (β_lin·tanh(u/β_lin)).
+    Shared by gemv_situ's prologue and gemv_mma's (GemvMmaConfig.situ)."""
+    b_ = Float32(beta)
+    lin = Float32(lin_beta)
+    a = b_ * cute.math.tanh(g / b_)
+    a = a * sigmoid(g)
+    b = lin * cute.math.tanh(u / lin)
+    return a * b
+
+
 class Gemv:
     """See the module docstring."""
 
@@ -415,13 +427,7 @@ class Gemv:
 
     @cute.jit
     def situ(self, g: Float32, u: Float32) -> Float32:
-        """stock_ops.situ in fp32, same operation order: (β·tanh(g/β)·σ(g)) · (β_lin·tanh(u/β_lin))."""
-        beta = Float32(self.cfg.beta)
-        lin = Float32(self.cfg.lin_beta)
-        a = beta * cute.math.tanh(g / beta)
-        a = a * sigmoid(g)
-        b = lin * cute.math.tanh(u / lin)
-        return a * b
+        return situ_act(g, u, self.cfg.beta, self.cfg.lin_beta)
 
     @cute.kernel
     def kernel_situ(self, mH: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):

@@ -63,6 +63,7 @@ from cutlass.cutlass_dsl import T
 
 from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels.gemv import situ_act
 
 MIN_ROWS = 2      # M = 1 keeps the CUDA-core GEMV (kernels/gemv.py), which beats stock there
 MAX_ROWS = 8      # the mma's n
@@ -86,6 +87,11 @@ class GemvMmaConfig:
     warps: int = 8
     unroll: int = UNROLL
     out_f32: bool = False     # fp32 output (the router's logits), else bf16
+    # SiTU-GLU prologue (the shared expert's down projection): x is h [M, 2K] and the kernel
+    # multiplies bf16(SiTU(h[:, :K], h[:, K:])) (module docstring, "SiTU prologue")
+    situ: bool = False
+    beta: float = 0.0
+    lin_beta: float = 0.0
 
 
 def warps_for(n: int, k: int) -> int:
@@ -147,7 +153,10 @@ class GemvMma:
         # 128-bit vectors of 4 packed bf16 pairs: [rows, K / 8, 4] words
         x32 = cute.recast_ptr(x, dtype=Int32)
         w32 = cute.recast_ptr(w, dtype=Int32)
-        mX = cute.make_tensor(x32, cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1)))
+        if cutlass.const_expr(self.cfg.situ):       # h [M, 2K] as [M, 2K / 8, 8] bf16 vectors
+            mX = cute.make_tensor(x, cute.make_layout((m, k // 4, 8), stride=(2 * k, 8, 1)))
+        else:
+            mX = cute.make_tensor(x32, cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1)))
         mW = cute.make_tensor(w32, cute.make_layout((n, k // 8, 4), stride=(k // 2, 4, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
         self.kernel(mX, mW, mO).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
@@ -180,20 +189,41 @@ class GemvMma:
             mma_bf16(acc, wv[u, 0, 0], wv[u, 1, 0], wv[u, 0, 1], wv[u, 1, 1], xv[u, 0], xv[u, 1])
             mma_bf16(acc, wv[u, 0, 2], wv[u, 1, 2], wv[u, 0, 3], wv[u, 1, 3], xv[u, 2], xv[u, 3])
 
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
-        n, m, W, U = self.cfg.n, self.cfg.rows, self.cfg.warps, self.u
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
-        lane = cute.arch.lane_idx()
+    @cute.jit
+    def stage_situ(self, mH: cute.Tensor, sX: cute.Tensor, tidx: Int32):
+        """The SiTU prologue: x[r, :] = bf16(SiTU(h[r, :K], h[r, K:])) for every row r < M into
+        shared memory, 8 elements (one 128-bit load of gate and of up) per thread and step."""
+        kv = self.cfg.k // 8
+        units = self.cfg.rows * kv
+        threads = self.cfg.warps * 32
+        gv = cute.make_rmem_tensor(cute.make_layout(8), mH.element_type)
+        uv = cute.make_rmem_tensor(cute.make_layout(8), mH.element_type)
+        av = cute.make_rmem_tensor(cute.make_layout(8), mH.element_type)
+        for s in cutlass.range_constexpr((units + threads - 1) // threads):
+            unit = tidx + s * threads
+            if unit < units:
+                r = unit // kv
+                c = unit - r * kv
+                cute.autovec_copy(mH[r, c, None], gv)           # gate: h[r, 8c : 8c + 8]
+                cute.autovec_copy(mH[r, kv + c, None], uv)      # up:   h[r, K + 8c : ...]
+                for j in cutlass.range_constexpr(8):
+                    av[j] = situ_act(gv[j].to(Float32), uv[j].to(Float32), self.cfg.beta,
+                                     self.cfg.lin_beta).to(mH.element_type)
+                cute.autovec_copy(av, sX[r, c, None])
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def tile_partials(self, mX: cute.Tensor, mW: cute.Tensor, red: cute.Tensor, tile: Int32,
+                      tidx: Int32, warp: Int32, lane: Int32):
+        """The CTA's 16 × M partial products over its K range: round 0's weights before the
+        chain's wait, then (SiTU prologue: staged after the wait) every round's loads and mma;
+        each warp's accumulators land in red[warp, lane, :] and the CTA meets at a barrier.
+        mX: x as [M, K / 8, 4] words, or h [M, 2K / 8, 8] bf16 with the SiTU prologue."""
+        n, m, U = self.cfg.n, self.cfg.rows, self.u
         g = lane // 4
         t = lane - g * 4
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout((W, 32, 4), stride=(128, 4, 1)),
-                                   byte_alignment=16)
-        row_lo = cutlass.min(bidx * TILE + g, Int32(n - 1))
-        row_hi = cutlass.min(bidx * TILE + g + 8, Int32(n - 1))
+        row_lo = cutlass.min(tile * TILE + g, Int32(n - 1))
+        row_hi = cutlass.min(tile * TILE + g + 8, Int32(n - 1))
         xrow = cutlass.min(g, Int32(m - 1))
         acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         acc.fill(0.0)
@@ -202,6 +232,14 @@ class GemvMma:
         # round 0: its weights before the chain's wait (weights are never written by the step)
         self.load_round(mX, mW, wv, xv, Int32(0), U, warp, t, row_lo, row_hi, xrow, False)
         chain.enter()
+        if cutlass.const_expr(self.cfg.situ):
+            k = self.cfg.k
+            smem = cutlass.memory.SmemAllocator()
+            sX = smem.allocate_tensor(mX.element_type, cute.make_layout((m, k // 8, 8), stride=(k, 8, 1)),
+                                      byte_alignment=16)
+            self.stage_situ(mX, sX, tidx)
+            mX = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=Int32),
+                                  cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1)))
         self.load_x(mX, xv, Int32(0), U, warp, t, xrow)
         self.mma_round(acc, wv, xv, U)
         for i in cutlass.range(1, self.rounds, unroll=1):
@@ -214,14 +252,37 @@ class GemvMma:
         for i in cutlass.range_constexpr(4):
             red[warp, lane, i] = acc[i]
         cute.arch.sync_threads()
+
+    @cute.jit
+    def tile_sum(self, red: cute.Tensor, tidx: Int32) -> tuple[Int32, Int32, Float32]:
+        """For thread tidx < 128: (tile column c, x row r, the warps' partials added in warp
+        order) of output (r, 16·tile + c)."""
+        c = tidx // 8                               # tile column (weight row) 0..15
+        r = tidx - c * 8                            # x row 0..7
+        src_lane = (c % 8) * 4 + r // 2             # the lane holding (c, r) ...
+        src_i = (c // 8) * 2 + r % 2                # ... in accumulator src_i
+        tot = Float32(0.0)
+        for w in cutlass.range_constexpr(self.cfg.warps):
+            tot += red[w, src_lane, src_i]
+        return c, r, tot
+
+    def smem_red(self) -> cute.Tensor:
+        """The warps' accumulators in shared memory (allocated first, inside a kernel)."""
+        smem = cutlass.memory.SmemAllocator()
+        return smem.allocate_tensor(Float32, cute.make_layout((self.cfg.warps, 32, 4), stride=(128, 4, 1)),
+                                    byte_alignment=16)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        n, m = self.cfg.n, self.cfg.rows
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        red = self.smem_red()
+        self.tile_partials(mX, mW, red, bidx, tidx, warp, lane)
         if tidx < TILE * 8:
-            c = tidx // 8                               # tile column (weight row) 0..15
-            r = tidx - c * 8                            # x row 0..7
-            src_lane = (c % 8) * 4 + r // 2             # the lane holding (c, r) ...
-            src_i = (c // 8) * 2 + r % 2                # ... in accumulator src_i
-            tot = Float32(0.0)
-            for w in cutlass.range_constexpr(W):
-                tot += red[w, src_lane, src_i]
+            c, r, tot = self.tile_sum(red, tidx)
             col = bidx * TILE + c
             if r < m:
                 if col < n:
@@ -275,6 +336,32 @@ def gemv_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
                          f"{tuple(out.shape)} {out.dtype}")
     cfg = config_for(m, n, k, unroll, out_f32=out_dtype == torch.float32)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
+    return out
+
+
+def can_implement_situ(m: int, n: int, inter: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """The SiTU prologue: h [M, 2·inter] @ w [N, inter]; can_implement's rules with K = inter."""
+    return can_implement(m, n, inter, dtypes)
+
+
+def gemv_mma_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin_beta: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16(SiTU(h[:, :inter], h[:, inter:])) @ wᵀ for 2 ≤ M ≤ 8 in one launch (the shared
+    expert's GLU + down projection; stock: situ_glu then the GEMM, two kernels); h [M, 2·inter]
+    and w [N, inter] contiguous bf16; returns [M, N] bf16, into `out` when given."""
+    m = h.shape[0]
+    n = w.shape[0]
+    if (h.shape[1] != 2 * inter or w.shape[1] != inter or not h.is_contiguous()
+            or not can_implement_situ(m, n, inter, (h.dtype, w.dtype))):
+        raise ValueError(f"gemv_mma_situ cannot run h {tuple(h.shape)} w {tuple(w.shape)} inter={inter}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=h.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"gemv_mma_situ out must be a contiguous [{m}, {n}] bf16 tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    cfg = GemvMmaConfig(n, inter, m, warps=warps_for(n, inter), situ=True, beta=float(beta),
+                        lin_beta=float(lin_beta))
+    compile_for(cfg)(ptr(h), ptr(w), ptr(out), current_stream())
     return out
 
 
@@ -392,6 +479,69 @@ def check(timing: bool = True) -> list[dict]:
                 r["kernel_u8_us"] = checks.time_us(lambda: gemv_mma(x, next(cyc), unroll=8, out_dtype=od))
                 del ws
             out.append(r)
+    return out
+
+
+def check_situ(timing: bool = True) -> list[dict]:
+    """gemv_mma_situ (the shared expert's SiTU GLU + down projection, kernel "gemv_mma_situ") at
+    M = 2, 4, 8 on the K3 shape (h [M, 768], w [7168, 384]) against the step's stock ops
+    (situ_glu, then the GEMM op), gemv_mma on stock's activation (the same products from the
+    same bf16 x: equal within one bf16 rounding of the output) and float64 (gemv.reference_situ);
+    `out=` into a slot leaves the others untouched; repeat bit-equal. With timing on cold weights:
+    stock_us (the two stock kernels), mma_us (stock's SiTU + gemv_mma: the step before this
+    kernel), kernel_us."""
+    import itertools
+
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.gemv import reference_situ
+    dev = torch.device(checks.DEVICE)
+    cfg = k3_tp16(batch=8, spec_tokens=0)
+    ops = stock_ops.OpSet(cfg)
+    D, Is = cfg.hidden, cfg.shared_local_inter
+    beta, lin = cfg.situ_beta, cfg.situ_linear_beta
+    out = []
+    for m in (2, 4, 8):
+        gen = torch.Generator(device=dev).manual_seed(7500 + m)
+        w = (torch.randn(D, Is, generator=gen, device=dev) * Is ** -0.5).bfloat16()
+        h = (torch.randn(m, 2 * Is, generator=gen, device=dev) * 3.0).bfloat16()
+        world, rank = 16, 3
+        buf = torch.randn(world, m, D, generator=gen, device=dev).bfloat16()
+        before = buf.clone()
+
+        def stock_call(w: torch.Tensor = w) -> torch.Tensor:
+            return ops.linear(ops.situ(h, Is, beta, lin), w)
+        with torch.no_grad():
+            y_s = stock_call()
+            y_m = gemv_mma(ops.situ(h, Is, beta, lin).contiguous(), w)
+            y_k = gemv_mma_situ(h, w, Is, beta, lin)
+            y_slot = gemv_mma_situ(h, w, Is, beta, lin, out=buf[rank])
+            y_rep = gemv_mma_situ(h, w, Is, beta, lin)
+        checks._sync()
+        ref = reference_situ(h, w, Is, beta, lin)
+        others = [i for i in range(world) if i != rank]
+        e_ks, e_k, e_s = checks.rel(y_k, y_s), checks.rel(y_k, ref), checks.rel(y_s, ref)
+        r = {"kernel": "gemv_mma_situ", "M": m, "N": D, "K": Is, "warps": warps_for(D, Is),
+             "rel_vs_stock": e_ks, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+             "rel_vs_gemv_mma": checks.rel(y_k, y_m),
+             "slot_equal": bool(torch.equal(y_slot, y_k)),
+             "other_slots_untouched": bool(torch.equal(buf[others], before[others])),
+             "repeat_equal": bool(torch.equal(y_rep, y_k))}
+        r["ok"] = bool(e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and r["rel_vs_gemv_mma"] <= 1e-2
+                       and r["slot_equal"] and r["other_slots_untouched"] and r["repeat_equal"])
+        if timing:
+            copies = max(2, -(-(160 << 20) // (D * Is * 2)))
+            ws = [w] + [(torch.randn(D, Is, generator=gen, device=dev) * Is ** -0.5).bfloat16()
+                        for _ in range(copies - 1)]
+            cyc = itertools.cycle(ws)
+            r["stock_us"] = checks.time_us(lambda: stock_call(next(cyc)))
+            cyc = itertools.cycle(ws)
+            r["mma_us"] = checks.time_us(lambda: gemv_mma(ops.situ(h, Is, beta, lin).contiguous(), next(cyc)))
+            cyc = itertools.cycle(ws)
+            r["kernel_us"] = checks.time_us(lambda: gemv_mma_situ(h, next(cyc), Is, beta, lin))
+            del ws
+        out.append(r)
     return out
 
 

@@ -218,3 +218,83 @@ def test_router_logits_use_the_mma_kernel_when_enabled(monkeypatch: pytest.Monke
         gm.set_enabled(False)
     fused.LatentMoE._router_logits(moe, y)                             # switched off
     assert calls == [torch.float32] and stock_calls == [1, 8]
+
+
+# ---- gemv_mma_situ: the shared expert's SiTU GLU as the prologue (kernel "gemv_mma_situ") ----
+
+def situ_cfg(m: int) -> gm.GemvMmaConfig:
+    n, k = SHAPES["shared_down"]
+    return gm.GemvMmaConfig(n, k, m, warps=gm.warps_for(n, k), situ=True, beta=K3.situ_beta,
+                            lin_beta=K3.situ_linear_beta)
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_situ_prologue_compiles(tmp_path: Path, m: int) -> None:
+    """The prologue stages x = bf16(SiTU(h)) in shared memory after the chain's wait (one more
+    barrier), the mma rounds then read x there (128-bit shared loads, no x from global)."""
+    cfg = situ_cfg(m)
+    ptx = ptx_of(tmp_path, cfg)
+    common_checks(ptx)
+    per_warp = cfg.k // gm.CHUNK // cfg.warps
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * per_warp
+    assert ptx.count("bar.sync") == 2
+    assert ptx.count("ld.shared.v4") == per_warp        # x: one vector per chunk
+    assert "ex2.approx" in ptx                          # the sigmoid / tanh of SiTU
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 96 and spills == 0, (regs, spills)
+
+
+def test_situ_plain_build_unchanged(tmp_path: Path) -> None:
+    """situ=False keeps the plain kernel: one barrier, x from global, no shared x loads."""
+    ptx = ptx_of(tmp_path, gm.config_for(8, *SHAPES["shared_down"]))
+    assert ptx.count("bar.sync") == 1 and "ld.shared.v4" not in ptx.split("bar.sync")[0]
+
+
+def test_situ_wrapper_refuses_bad_shapes() -> None:
+    n, k = SHAPES["shared_down"]
+    with pytest.raises(ValueError, match="gemv_mma_situ cannot run"):
+        gm.gemv_mma_situ(torch.zeros(1, 2 * k, dtype=bf), torch.zeros(n, k, dtype=bf), k, 1.0, 1.0)
+    with pytest.raises(ValueError, match="gemv_mma_situ cannot run"):
+        gm.gemv_mma_situ(torch.zeros(8, k, dtype=bf), torch.zeros(n, k, dtype=bf), k, 1.0, 1.0)
+
+
+def test_situ_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_situ with the kernel replaced by its statement (stock situ_glu, then the product
+    in float64 rounded once) passes; gate and up swapped fails."""
+    from kimi_decode import stock_ops
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+
+    def emulate(h, w, inter, beta, lin, out=None):
+        y = (stock_ops.situ_glu(h, inter, beta, lin).double() @ w.double().t()).to(bf)
+        return y if out is None else out.copy_(y)
+    monkeypatch.setattr(gm, "gemv_mma", lambda x, w, out=None, out_dtype=bf: (x.double() @ w.double().t()).to(out_dtype))
+    monkeypatch.setattr(gm, "gemv_mma_situ", emulate)
+    rows = gm.check_situ(timing=False)
+    assert [r["M"] for r in rows] == [2, 4, 8] and all(r["ok"] for r in rows), rows
+
+    def swapped(h, w, inter, beta, lin, out=None):
+        return emulate(torch.cat([h[:, inter:], h[:, :inter]], 1), w, inter, beta, lin, out)
+    monkeypatch.setattr(gm, "gemv_mma_situ", swapped)
+    assert not any(r["ok"] for r in gm.check_situ(timing=False))
+
+
+def test_shared_down_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused.LatentMoE._shared_down: gemv_mma_situ at M ≥ 2 when enabled, else stock SiTU + _linear."""
+    from types import SimpleNamespace
+
+    from kimi_decode import fused
+    calls: list[int] = []
+    monkeypatch.setattr(gm, "gemv_mma_situ", lambda h, w, i, b, lb: calls.append(h.shape[0]) or h[:, :1])
+    cfg = SimpleNamespace(shared_local_inter=128, situ_beta=2.0, situ_linear_beta=3.0)
+    situ: list[int] = []
+    moe = SimpleNamespace(cfg=cfg, use_gemv_situ=False, use_mma_situ=True, use_gemv=False,
+                          shared_down=torch.zeros(64, 128, dtype=bf),
+                          k=SimpleNamespace(linear=lambda x, w: x @ w.t()),
+                          fx={"situ": lambda h, i, b, lb: situ.append(h.shape[0]) or h[:, :i]})
+    fused.LatentMoE._shared_down(moe, torch.zeros(8, 256, dtype=bf))
+    fused.LatentMoE._shared_down(moe, torch.zeros(1, 256, dtype=bf))
+    moe.use_mma_situ = False
+    fused.LatentMoE._shared_down(moe, torch.zeros(8, 256, dtype=bf))
+    assert calls == [8] and situ == [1, 8]

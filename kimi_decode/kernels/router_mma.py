@@ -1,0 +1,302 @@
+"""MoE router for 2 ≤ M ≤ 8 in one launch (kernel "router_mma"): fp32 logits on the tensor
+cores, split over K, then sigmoid + correction-bias top-k + renormalise in the last CTA.
+
+Why: in the B = 1, k = 7 step the router took two kernels on the MoE front's critical path:
+gemv_mma's fp32 logits (17.1 µs beside latent_down and the shared gate/up in the a40ffe1
+trace), then stock's Triton routing kernel (10.3-11.4 µs for 8 rows of 896 scores), so the
+routed experts started ~5 µs after latent_down had finished. router_fast's top-k (one warp per
+row, candidate ranks, ~1 µs) finishes the GEMV grid in its last CTA; its own GEMV loses at
+M = 8 (CUDA-core FMAs: 50 µs in the step, fused.MAX_ROWS), gemv_mma's does not.
+
+Math (as router_fast / router.py, every intermediate fp32):
+    logits[m, e] = Σ_s part[s, m, e],  s = 0 .. S-1 in order,  part[s] = x[:, K_s] @ W[:, K_s]ᵀ
+                   (K_s the s-th of S equal slices of D; each partial gemv_mma's tensor-core
+                   fp32 accumulation and in-order warp sum, unrounded)
+    s = σ(logits), key = s + bias; ids = top-k by key (ties → lower index); w = s[ids] /
+    Σ_j s[ids_j] · routed_scaling (j in output order)
+Only the fp32 summation order differs from gemv_mma's one-slice logits (and from stock's GEMM,
+which also rounds them to bf16), so an expert set can differ from theirs on a near-tie.
+
+Layout: grid (E / 16 tiles, S slices): CTA (tile, s) runs gemv_mma's tile over K_s
+(GemvMma.tile_partials on views offset by s·D/S; 8 warps, D/S/32 chunks split over them) and
+stores its 16 × M partial sums to part[s] (a [S + 1, M, E] fp32 scratch; slot S holds the
+summed logits). Then router_fast's grid completion: each storing thread fences
+(fence.acq_rel.gpu), a CTA barrier, thread 0 fences and bumps the counter (atom.add.acq_rel
+.gpu); the CTA that reads gridDim − 1 sums the S partials in slice order into slot S (all
+loads independent: one L2 round trip), a barrier, then one warp per row runs
+RouterFast.topk_row on slot S and the bias, and thread 0 re-zeroes the counter (CUDA-graph
+replays find it zero). S = 4 at K3 (224 CTAs instead of gemv_mma's 56: more of the 132 SMs
+stream the 12.8 MB).
+
+PDL chain (kernels/chain.py): launched with PDL when the chain is on; tile_partials loads its
+first round of weights before the wait. FC1 (the next kernel on the stream) waits before it
+reads the ids (moe_experts.ExpertsFC1), and FC2 reads them only once FC1's CTAs have all
+passed their wait, i.e. after this kernel has completed.
+
+Check on the GPU (against stock's GEMM + routing op, gemv_mma's logits + that op, router_fast
+and the float64 reference; times stock's two kernels, gemv_mma + stock routing and this one
+on cold weights):
+    python -m kimi_decode.kernels.router_mma
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from kimi_decode.kernels import chain
+from kimi_decode.kernels import gemv_mma as gm
+from kimi_decode.kernels import router_fast as rf
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+
+WARPS = 8          # per CTA (gemv_mma's layout; the top-k uses warps 0 .. M-1)
+SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
+
+
+@dataclass(frozen=True)
+class RouterMmaConfig:
+    """Compile-time sizes: hidden D, experts E, top_k, rows M (2..8), routed scaling, K slices."""
+
+    hidden: int
+    experts: int
+    top_k: int
+    rows: int
+    scaling: float = 1.0
+    splits: int = SPLITS
+
+
+def can_implement(m: int, hidden: int, experts: int, top_k: int, dtypes: tuple[torch.dtype, ...],
+                  splits: int = SPLITS) -> bool:
+    """gemv_mma's rows (2..8); D in `splits` slices of whole chunks that WARPS warps share
+    evenly; router_fast's top-k limits (E a multiple of 32, ≤ 2048; k ≤ 32)."""
+    chunks = hidden // gm.CHUNK
+    return (gm.MIN_ROWS <= m <= gm.MAX_ROWS and hidden % gm.CHUNK == 0 and chunks % splits == 0
+            and (chunks // splits) % WARPS == 0 and experts % 32 == 0 and 1 <= experts // 32 <= 64
+            and 1 <= top_k <= 32 and top_k <= experts and all(d == torch.bfloat16 for d in dtypes))
+
+
+class RouterMma:
+    """See the module docstring."""
+
+    def __init__(self, cfg: RouterMmaConfig) -> None:
+        self.cfg = cfg
+        self.ks = cfg.hidden // cfg.splits
+        # one K slice of gemv_mma's tile (its loads, mma rounds, warp sums)
+        self.mma = gm.GemvMma(gm.GemvMmaConfig(cfg.experts, self.ks, cfg.rows, warps=WARPS, out_f32=True))
+        # router_fast's top-k (topk_row: one warp per row); its GEMV is not used
+        self.sel = rf.RouterFast(rf.RouterFastConfig(cfg.hidden, cfg.experts, cfg.top_k, cfg.rows, cfg.scaling))
+        self.tiles = (cfg.experts + gm.TILE - 1) // gm.TILE
+
+    @cute.jit
+    def __call__(self, y: cute.Pointer, w_gate: cute.Pointer, bias: cute.Pointer, part: cute.Pointer,
+                 counter: cute.Pointer, ids: cute.Pointer, weights: cute.Pointer, stream: cuda.CUstream):
+        D, E, K, m, S = self.cfg.hidden, self.cfg.experts, self.cfg.top_k, self.cfg.rows, self.cfg.splits
+        # gemv_mma's word views with the K slice as a mode: [rows, S, K/S / 8, 4] (the kernel
+        # takes its slice; a static stride keeps the 128-bit alignment known, so the loads stay
+        # ld.global.v4)
+        mX = cute.make_tensor(cute.recast_ptr(y, dtype=Int32),
+                              cute.make_layout((m, S, self.ks // 8, 4), stride=(D // 2, self.ks // 2, 4, 1)))
+        mW = cute.make_tensor(cute.recast_ptr(w_gate, dtype=Int32),
+                              cute.make_layout((E, S, self.ks // 8, 4), stride=(D // 2, self.ks // 2, 4, 1)))
+        mB = cute.make_tensor(bias, cute.make_layout(E))
+        mP = cute.make_tensor(part, cute.make_layout((S + 1, m, E), stride=(m * E, E, 1)))
+        mC = cute.make_tensor(counter, cute.make_layout(1))
+        mI = cute.make_tensor(ids, cute.make_layout((m, K), stride=(K, 1)))
+        mO = cute.make_tensor(weights, cute.make_layout((m, K), stride=(K, 1)))
+        self.kernel(mX, mW, mB, mP, mC, mI, mO).launch(
+            grid=[self.tiles, S, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=chain.chain_on())
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mP: cute.Tensor,
+               mC: cute.Tensor, mI: cute.Tensor, mO: cute.Tensor):
+        E, m, S = self.cfg.experts, self.cfg.rows, self.cfg.splits
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, split, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        red = self.mma.smem_red()
+        smem = cutlass.memory.SmemAllocator()
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
+        cK = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
+        cI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
+        selI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
+        selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
+        # this CTA's K slice
+        self.mma.tile_partials(mX[None, split, None, None], mW[None, split, None, None], red, tile, tidx,
+                               warp, lane)
+        if tidx < gm.TILE * 8:
+            c, r, tot = self.mma.tile_sum(red, tidx)
+            col = tile * gm.TILE + c
+            if r < m:
+                if col < E:
+                    mP[split, r, col] = tot
+            cute.arch.fence_acq_rel_gpu()   # this thread's partials before the CTA's counter bump
+        # grid completion (router_fast.RouterFast.complete's pattern)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = old
+        cute.arch.sync_threads()
+        if flag[0] == self.tiles * S - 1:               # CTA-uniform: the last CTA
+            cute.arch.fence_acq_rel_gpu()
+            n_l = m * E
+            for i in cutlass.range_constexpr((n_l + WARPS * 32 - 1) // (WARPS * 32)):
+                t = tidx + i * (WARPS * 32)
+                if t < n_l:
+                    r_ = t // E
+                    e_ = t - r_ * E
+                    s = mP[0, r_, e_]
+                    for sp in cutlass.range_constexpr(1, S):
+                        s = s + mP[sp, r_, e_]
+                    mP[S, r_, e_] = s
+            cute.arch.sync_threads()                    # the summed logits, seen by every warp
+            mL = mP[S, None, None]
+            for row in range(warp, m, rf.WARPS):        # warp-uniform: warps 0 .. M-1
+                self.sel.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
+            if tidx == 0:
+                mC[0] = Int32(0)
+
+
+def compile_for(cfg: RouterMmaConfig) -> object:
+    """The compiled kernel for `cfg` (cached)."""
+    def build() -> object:
+        bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
+        i32, i64 = dummy_ptr(torch.int32), dummy_ptr(torch.int64)
+        return cute.compile(RouterMma(cfg), bf, bf, f32, f32, i32, i64, f32, current_stream(),
+                            options=compile_options())
+    return compiled(("router_mma", cfg), build)
+
+
+def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+          counter: torch.Tensor, splits: int = SPLITS) -> tuple[torch.Tensor, torch.Tensor]:
+    """router.route's contract for 2 ≤ M ≤ 8: y [M, D] bf16, w_gate [E, D] bf16, bias [E]
+    fp32, counter a zeroed int32 [1] buffer (left zeroed). Returns (ids [M, k] int64,
+    weights [M, k] fp32), ordered by biased score, descending."""
+    m, d = y.shape
+    e = w_gate.shape[0]
+    if (not can_implement(m, d, e, top_k, (y.dtype, w_gate.dtype), splits) or w_gate.shape[1] != d
+            or bias.dtype != torch.float32 or bias.numel() != e or not y.is_contiguous()):
+        raise ValueError(f"router_mma cannot run M={m} D={d} E={e} k={top_k} splits={splits}")
+    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits)
+    part = torch.empty(splits + 1, m, e, dtype=torch.float32, device=y.device)
+    ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)
+    compile_for(cfg)(ptr(y), ptr(w_gate), ptr(bias), ptr(part), ptr(counter), ptr(ids), ptr(weights),
+                     current_stream())
+    return ids, weights
+
+
+def emulate_logits(y: torch.Tensor, w_gate: torch.Tensor, splits: int = SPLITS) -> torch.Tensor:
+    """The kernel's logits in float64 through gemv_mma's fragment replay, slice by slice, the
+    slices added in order (CPU tests: equal to y @ Wᵀ)."""
+    d = y.shape[1]
+    ks = d // splits
+    tot = None
+    for s in range(splits):
+        p = gm.emulate(y[:, s * ks:(s + 1) * ks], w_gate[:, s * ks:(s + 1) * ks], WARPS)
+        tot = p if tot is None else tot + p
+    return tot
+
+
+def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
+    """On the H200, per M: ids/weights against the step's routing op (stock's) on exact fp32
+    logits (torch.mm in fp32) and against the float64 reference: every row whose 16th and 17th
+    float64 keys are not within 1e-5 (a near-tie, counted) has the same expert set, and the
+    weights of equal rows agree within 1e-3; reported besides: the routing op on gemv_mma's
+    logits, router_fast; its own repeat bit-equal (the sums have a fixed order); router.route's dtypes and shapes, ids in
+    descending key order, the counter zero after calls and CUDA-graph replays. With timing (cold
+    weights, the calls cycling through copies ≥ 160 MB): stock_us (GEMM + routing op),
+    mma_stock_us (gemv_mma's logits + the routing op, the step before this kernel), kernel_us."""
+    import itertools
+
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels.checks import DEVICE, _sync, time_us
+    from kimi_decode.kernels.router import reference
+    from kimi_decode.weights import Seeder
+    cfg = k3_tp16()
+    dev = torch.device(DEVICE)
+    ops = stock_ops.OpSet(cfg)
+    seed = Seeder(cfg, dev).sub("check.router_mma")
+    w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
+    bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    counter_rf = torch.zeros(1, dtype=torch.int32, device=dev)
+    K, sc, E = cfg.top_k, cfg.routed_scaling, cfg.num_experts
+    out = []
+    for m in rows:
+        y = torch.randn(m, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(100 + m), device=dev)
+        y = torch.nn.functional.rms_norm(y, (cfg.hidden,)).bfloat16()
+        with torch.no_grad():
+            # the routing op on exact fp32 logits (router_fast's check) and on gemv_mma's
+            ids_s, w_s = ops.route(torch.mm(y.float(), w_gate.float().t()), bias, K, sc)
+            ids_g, w_g = ops.route(gm.gemv_mma(y, w_gate, out_dtype=torch.float32), bias, K, sc)
+            ids_k, w_k = route(y, w_gate, bias, K, sc, counter)
+            ids_k2, w_k2 = route(y, w_gate, bias, K, sc, counter)
+            ids_f, w_f = rf.route(y, w_gate, bias, K, sc, counter_rf)
+        _sync()
+        ids_r, w_r, key_r = reference(y.cpu(), w_gate.cpu(), bias.cpu(), K, sc)
+
+        def agree_err(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor,
+                      w_b: torch.Tensor) -> tuple[float, float]:
+            ids_b, w_b = ids_b.to(dev), w_b.to(dev)
+            same = (ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1)
+            da = torch.zeros(m, E, device=dev, dtype=torch.float64).scatter_(1, ids_a, w_a.double())
+            db = torch.zeros(m, E, device=dev, dtype=torch.float64).scatter_(1, ids_b, w_b.double())
+            err = float((da - db)[same].abs().max()) if bool(same.any()) else 0.0
+            return float(same.float().mean()), err
+
+        agree, werr = agree_err(ids_k, w_k, ids_s, w_s)
+        agree_g, werr_g = agree_err(ids_k, w_k, ids_g, w_g)
+        agree_r, werr_r = agree_err(ids_k, w_k, ids_r, w_r)
+        agree_f, werr_f = agree_err(ids_k, w_k, ids_f, w_f)
+        # rows whose 16th and 17th reference keys are within fp32 summation noise may differ
+        top17 = key_r.topk(K + 1, dim=-1).values
+        near_tie = int(((top17[:, K - 1] - top17[:, K]) < 1e-5).sum())
+        key_k = key_r.to(dev).gather(1, ids_k)
+        r = {"kernel": "router_mma", "M": m, "rows_same_experts": agree, "max_weight_err": werr,
+             "rows_same_as_mma_logits": agree_g, "max_weight_err_vs_mma_logits": werr_g,
+             "rows_same_experts_f64": agree_r, "max_weight_err_f64": werr_r,
+             "rows_same_as_router_fast": agree_f, "max_weight_err_vs_router_fast": werr_f,
+             "near_ties_f64": near_tie,
+             "repeat_equal": bool(torch.equal(ids_k, ids_k2) and torch.equal(w_k, w_k2)),
+             "dropin_types": ids_k.dtype == torch.int64 and w_k.dtype == torch.float32
+                             and tuple(ids_k.shape) == (m, K) and tuple(w_k.shape) == (m, K),
+             "descending": bool((key_k[:, :-1] >= key_k[:, 1:] - 1e-5).all()),
+             "counter_zero": int(counter.item()) == 0}
+        floor = 1.0 - near_tie / m - 1e-9       # every row but a near-tie agrees
+        r["ok"] = bool(agree_r >= floor and werr_r <= 1e-3 and agree >= floor and werr <= 1e-3
+                       and r["repeat_equal"] and r["dropin_types"] and r["descending"] and r["counter_zero"])
+        if timing:
+            copies = max(2, -(-(160 << 20) // (E * cfg.hidden * 2)))
+            ws = [w_gate] + [(torch.randn(E, cfg.hidden, device=dev) * cfg.hidden ** -0.5).bfloat16()
+                             for _ in range(copies - 1)]
+            cyc = itertools.cycle(ws)
+            r["stock_us"] = time_us(lambda: ops.route(ops.linear(y, next(cyc), torch.float32), bias, K, sc))
+            cyc = itertools.cycle(ws)
+            r["mma_stock_us"] = time_us(lambda: ops.route(gm.gemv_mma(y, next(cyc), out_dtype=torch.float32),
+                                                        bias, K, sc))
+            cyc = itertools.cycle(ws)
+            r["kernel_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter))
+            for s in (2, 8):
+                if can_implement(m, cfg.hidden, E, K, (torch.bfloat16,), s):
+                    cyc = itertools.cycle(ws)
+                    r[f"kernel_s{s}_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter, splits=s))
+            r["counter_zero_after_replays"] = int(counter.item()) == 0
+            r["ok"] = r["ok"] and r["counter_zero_after_replays"]
+            del ws
+        out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    for row in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
