@@ -102,6 +102,15 @@ def enter():
 
 
 @cute.jit
+def wait():
+    """Step 2 alone: a kernel that releases its successor later (router_mma: only once its
+    grid has finished streaming, so the successor's waiting CTAs do not take the SMs the
+    other stream's kernels still need) calls release() there; nothing when the chain is off."""
+    if cutlass.const_expr(chain_on()):
+        cute.arch.griddepcontrol_wait()
+
+
+@cute.jit
 def release():
     """Release the next kernel only (a kernel outside the chain whose successor may start
     prefetching now: it never reads before its own wait); nothing when the chain is off."""

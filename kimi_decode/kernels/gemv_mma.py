@@ -214,11 +214,12 @@ class GemvMma:
 
     @cute.jit
     def tile_partials(self, mX: cute.Tensor, mW: cute.Tensor, red: cute.Tensor, tile: Int32,
-                      tidx: Int32, warp: Int32, lane: Int32):
+                      tidx: Int32, warp: Int32, lane: Int32, release: cutlass.Constexpr[bool] = True):
         """The CTA's 16 × M partial products over its K range: round 0's weights before the
         chain's wait, then (SiTU prologue: staged after the wait) every round's loads and mma;
         each warp's accumulators land in red[warp, lane, :] and the CTA meets at a barrier.
-        mX: x as [M, K / 8, 4] words, or h [M, 2K / 8, 8] bf16 with the SiTU prologue."""
+        mX: x as [M, K / 8, 4] words, or h [M, 2K / 8, 8] bf16 with the SiTU prologue.
+        `release=False`: the chain's wait only; the caller releases the next kernel later."""
         n, m, U = self.cfg.n, self.cfg.rows, self.u
         g = lane // 4
         t = lane - g * 4
@@ -231,7 +232,10 @@ class GemvMma:
         xv = cute.make_rmem_tensor(cute.make_layout((U, 4), stride=(4, 1)), Int32)
         # round 0: its weights before the chain's wait (weights are never written by the step)
         self.load_round(mX, mW, wv, xv, Int32(0), U, warp, t, row_lo, row_hi, xrow, False)
-        chain.enter()
+        if cutlass.const_expr(release):
+            chain.enter()
+        else:
+            chain.wait()
         if cutlass.const_expr(self.cfg.situ):
             k = self.cfg.k
             smem = cutlass.memory.SmemAllocator()

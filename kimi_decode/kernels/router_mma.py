@@ -29,9 +29,12 @@ replays find it zero). S = 4 at K3 (224 CTAs instead of gemv_mma's 56: more of t
 stream the 12.8 MB).
 
 PDL chain (kernels/chain.py): launched with PDL when the chain is on; tile_partials loads its
-first round of weights before the wait. FC1 (the next kernel on the stream) waits before it
-reads the ids (moe_experts.ExpertsFC1), and FC2 reads them only once FC1's CTAs have all
-passed their wait, i.e. after this kernel has completed.
+first round of weights before the wait, and every CTA releases the next kernel only after its
+counter bump (not right after the wait, as the other chained kernels do): FC1 then becomes
+resident while the last CTA runs the tail instead of filling the SMs with waiting CTAs while
+the grid and the other stream's GEMVs still stream. FC1 waits before it reads the ids
+(moe_experts.ExpertsFC1), and FC2 reads them only once FC1's CTAs have all passed their wait,
+i.e. after this kernel has completed.
 
 Check on the GPU (against stock's GEMM + routing op, gemv_mma's logits + that op, router_fast
 and the float64 reference; times stock's two kernels, gemv_mma + stock routing and this one
@@ -70,6 +73,9 @@ class RouterMmaConfig:
     rows: int
     scaling: float = 1.0
     splits: int = SPLITS
+    # False: the last CTA only re-zeroes the counter (no sum, no top-k): the check times this
+    # build to split the kernel's time into the GEMV grid and the one-CTA tail
+    tail: bool = True
 
 
 def can_implement(m: int, hidden: int, experts: int, top_k: int, dtypes: tuple[torch.dtype, ...],
@@ -130,7 +136,7 @@ class RouterMma:
         selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
         # this CTA's K slice
         self.mma.tile_partials(mX[None, split, None, None], mW[None, split, None, None], red, tile, tidx,
-                               warp, lane)
+                               warp, lane, release=False)
         if tidx < gm.TILE * 8:
             c, r, tot = self.mma.tile_sum(red, tidx)
             col = tile * gm.TILE + c
@@ -145,24 +151,45 @@ class RouterMma:
             old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
             flag[0] = old
         cute.arch.sync_threads()
+        # the chain's release, only now: FC1 (next on the stream) becomes resident as the grid
+        # drains and during the last CTA's tail, not while the grid and the other stream's
+        # latent_down / shared expert still need the SMs (released at the wait, FC1's waiting
+        # CTAs filled them: router 37 us in the 6c936ea step vs 17 alone)
+        chain.release()
         if flag[0] == self.tiles * S - 1:               # CTA-uniform: the last CTA
             cute.arch.fence_acq_rel_gpu()
-            n_l = m * E
-            for i in cutlass.range_constexpr((n_l + WARPS * 32 - 1) // (WARPS * 32)):
-                t = tidx + i * (WARPS * 32)
-                if t < n_l:
-                    r_ = t // E
-                    e_ = t - r_ * E
-                    s = mP[0, r_, e_]
-                    for sp in cutlass.range_constexpr(1, S):
-                        s = s + mP[sp, r_, e_]
-                    mP[S, r_, e_] = s
-            cute.arch.sync_threads()                    # the summed logits, seen by every warp
-            mL = mP[S, None, None]
-            for row in range(warp, m, rf.WARPS):        # warp-uniform: warps 0 .. M-1
-                self.sel.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
+            if cutlass.const_expr(self.cfg.tail):
+                self.sum_slices(mP, tidx)
+                cute.arch.sync_threads()                # the summed logits, seen by every warp
+                mL = mP[S, None, None]
+                for row in range(warp, m, rf.WARPS):    # warp-uniform: warps 0 .. M-1
+                    self.sel.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
+
+    @cute.jit
+    def sum_slices(self, mP: cute.Tensor, tidx: Int32):
+        """logits = Σ_s part[s] in slice order into slot S, by the last CTA: every thread issues
+        all its loads before its first store (the stores could alias the loads for the
+        compiler, which would otherwise keep one L2 round trip per element), indices clamped
+        instead of branched."""
+        E, m, S = self.cfg.experts, self.cfg.rows, self.cfg.splits
+        n_l = m * E
+        per = (n_l + WARPS * 32 - 1) // (WARPS * 32)
+        vals = cute.make_rmem_tensor(cute.make_layout(per), Float32)
+        for i in cutlass.range_constexpr(per):
+            t = cutlass.min(tidx + i * (WARPS * 32), Int32(n_l - 1))
+            r_ = t // E
+            e_ = t - r_ * E
+            v = mP[0, r_, e_]
+            for sp in cutlass.range_constexpr(1, S):
+                v = v + mP[sp, r_, e_]
+            vals[i] = v
+        for i in cutlass.range_constexpr(per):
+            t = tidx + i * (WARPS * 32)
+            if t < n_l:
+                r_ = t // E
+                mP[S, r_, t - r_ * E] = vals[i]
 
 
 def compile_for(cfg: RouterMmaConfig) -> object:
@@ -176,16 +203,17 @@ def compile_for(cfg: RouterMmaConfig) -> object:
 
 
 def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          counter: torch.Tensor, splits: int = SPLITS) -> tuple[torch.Tensor, torch.Tensor]:
+          counter: torch.Tensor, splits: int = SPLITS, tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """router.route's contract for 2 ≤ M ≤ 8: y [M, D] bf16, w_gate [E, D] bf16, bias [E]
     fp32, counter a zeroed int32 [1] buffer (left zeroed). Returns (ids [M, k] int64,
-    weights [M, k] fp32), ordered by biased score, descending."""
+    weights [M, k] fp32), ordered by biased score, descending. `tail=False` (timing only):
+    the GEMV grid alone, ids and weights left unwritten."""
     m, d = y.shape
     e = w_gate.shape[0]
     if (not can_implement(m, d, e, top_k, (y.dtype, w_gate.dtype), splits) or w_gate.shape[1] != d
             or bias.dtype != torch.float32 or bias.numel() != e or not y.is_contiguous()):
         raise ValueError(f"router_mma cannot run M={m} D={d} E={e} k={top_k} splits={splits}")
-    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits)
+    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail)
     part = torch.empty(splits + 1, m, e, dtype=torch.float32, device=y.device)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)
@@ -214,7 +242,9 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
     logits, router_fast; its own repeat bit-equal (the sums have a fixed order); router.route's dtypes and shapes, ids in
     descending key order, the counter zero after calls and CUDA-graph replays. With timing (cold
     weights, the calls cycling through copies ≥ 160 MB): stock_us (GEMM + routing op),
-    mma_stock_us (gemv_mma's logits + the routing op, the step before this kernel), kernel_us."""
+    mma_stock_us (gemv_mma's logits + the routing op, the step before this kernel), kernel_us,
+    grid_only_us (the build without the one-CTA tail: the GEMV grid's share), kernel_s2_us (2
+    K slices instead of 4)."""
     import itertools
 
     from kimi_decode import stock_ops
@@ -286,6 +316,8 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
                                                         bias, K, sc))
             cyc = itertools.cycle(ws)
             r["kernel_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter))
+            cyc = itertools.cycle(ws)
+            r["grid_only_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter, tail=False))
             for s in (2, 8):
                 if can_implement(m, cfg.hidden, E, K, (torch.bfloat16,), s):
                     cyc = itertools.cycle(ws)
