@@ -126,7 +126,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # ninth round: checked at 644406b (2026-12-03 09:00 UTC)
                                     "moe_up_grid",
                                     # tenth round: checked at 41febc2 (09:38 UTC; bit-equal to FC2 v2)
-                                    "experts_v2_async"})
+                                    "experts_v2_async",
+                                    # eleventh round: checked at 6c936ea (gemv_mma_situ, router_mma)
+                                    # and 0561ccb (router_mma again), 2026-12-03 13:00-13:08 UTC
+                                    "gemv_mma_situ", "router_mma"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -140,7 +143,11 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   141.3 at M = 8) but slower in the chained step: FC2 took 90-95 us at B = 1, k = 7 (72 with
 #   the rolled staging) and the layers 271.3 / 280.9 us (KDA / MLA) against 247.2 / 256.7
 #   (bench/fused_runs.md); why is not known.
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
+# - router_mma (the router at 2 ≤ M ≤ 8 in one launch, one kernel fewer per layer): 16.0-18.0
+#   us cold in its check against 7.5 for its GEMV grid alone, so its one-CTA top-k tail costs as
+#   much as stock's Triton routing kernel; in the step FC1 started later (B = 1, k = 7 layers
+#   258.5-259.2 / 261.9-262.0 us KDA / MLA with it and gemv_mma_situ, bench/fused_runs.md).
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
