@@ -200,8 +200,12 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   GEMM: in_proj 16.6 vs 17.4 us, latent_down 17.4 vs 17.9, q_b 3.7 vs 5.5, router (fp32
 #   logits) 8.0 vs 11.9, qkv_a 13.6 vs 13.2 (the one shape it does not win alone; kept: in the
 #   step a Triton GEMM beside a gemv_mma grid waits for SMs, bench/fused_runs.md).
+# - kda_multi: T ≥ 2 up to M = 8 (B = 1, k = 7: the shape the bench runs; its check also
+#   covers B = 8, k = 7), the T-token kernel with the per-token prelude done for all tokens at
+#   once (kernels/kda_multi.py) in place of stock's four kernels.
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
-            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1}
+            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1,
+            "kda_multi": 8}
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -394,6 +398,7 @@ class KDAAttention(stock.KDAAttention):
     ar_slots = False                               # o_proj writes its all-reduce slot
     split_scratch: object | None = None            # kernels/kda_split.py's buffers (kda_split or kda_fast)
     use_fast = False                               # kda_fast is on and the shape is B = 1, T = 1
+    use_kda_multi = False                          # kda_multi is on and T ≥ 2 (kernels/kda_multi.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Slots:
         if not (self.use_kernel or self.use_gemv or self.ar_slots):
@@ -407,7 +412,11 @@ class KDAAttention(stock.KDAAttention):
             with op_range("kda_recurrence"):
                 kcfg = KDAConfig(H, d, cfg.tokens_per_seq, cfg.in_proj_rows, cfg.gate_lower_bound,
                                  1e-6, cfg.rms_eps)
-                if self.use_fast and z.shape[0] == 1:   # B = 1, T = 1 (kernels/kda_fast.py)
+                if self.use_kda_multi:                   # T ≥ 2 (kernels/kda_multi.py)
+                    from kimi_decode.kernels.kda_multi import kda_decode_multi
+                    o = kda_decode_multi(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias,
+                                         self.a_log, self.rec_state, self.o_norm, kcfg, self.split_scratch)
+                elif self.use_fast and z.shape[0] == 1:   # B = 1, T = 1 (kernels/kda_fast.py)
                     from kimi_decode.kernels.kda_fast import kda_decode_fast
                     o = kda_decode_fast(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias,
                                         self.a_log, self.rec_state, self.o_norm, kcfg, self.split_scratch)
@@ -884,11 +893,17 @@ class FusedDecoder(StockDecoder):
                 res.use_gather = ag_slots
                 res.use_mc = {"attn_res", "attn_res_mc"} <= on
             if isinstance(layer.attn, KDAAttention):
-                layer.attn.use_kernel = bool({"kda", "kda_split", "kda_fast"} & on) and cfg.rows <= MAX_ROWS["kda"]
+                from kimi_decode.kernels import kda_multi as k_kdam
+                multi = ("kda_multi" in on and cfg.tokens_per_seq >= 2 and cfg.rows <= MAX_ROWS["kda_multi"]
+                         and k_kdam.can_implement(cfg.kda_local_heads, cfg.kda_head_dim, cfg.conv_kernel,
+                                                  cfg.in_proj_rows, cfg.tokens_per_seq, (cfg.torch_dtype,)))
+                layer.attn.use_kda_multi = multi
+                layer.attn.use_kernel = multi or (bool({"kda", "kda_split", "kda_fast"} & on)
+                                                  and cfg.rows <= MAX_ROWS["kda"])
                 layer.attn.split_scratch = None
                 layer.attn.use_fast = ("kda_fast" in on and layer.attn.use_kernel
                                        and cfg.batch == 1 and cfg.tokens_per_seq == 1)
-                if ("kda_split" in on and layer.attn.use_kernel) or layer.attn.use_fast:
+                if ("kda_split" in on and layer.attn.use_kernel) or layer.attn.use_fast or multi:
                     from kimi_decode.kernels.kda_decode import KDAConfig
                     from kimi_decode.kernels.kda_split import make_scratch
                     kcfg = KDAConfig(cfg.kda_local_heads, cfg.kda_head_dim, cfg.tokens_per_seq,

@@ -1,0 +1,284 @@
+"""kda_split for T ≥ 2 tokens per sequence (speculative decode, k = T − 1) with everything that
+does not depend on the recurrent state done for all T tokens at once (kernel "kda_multi";
+KIMI_K3.md §1.4; same math, grid, scratch and ownership as kimi_decode.kernels.kda_split,
+whose docstring this module assumes).
+
+Why: at B = 1, k = 7 the fused step still ran stock's four Triton kernels between in_proj and
+o_proj (f_b projection 2.5 µs, conv 3.5, recurrence 12.0, gated norm 2.8 in the a40ffe1 trace:
+23.4 µs from in_proj's end to o_proj's start), because kda_split, the one-launch kernel, took
+28.4-29.4 µs there (bench/fused_correctness.md): it runs its whole per-token body T times in
+sequence — the z loads, the conv, two norm reductions, the 128-term gate dot product (its f_b
+row re-read from L1), 5 barriers — and the last CTA then normalises the T output rows one
+after the other, each with its own L2 round trip (the o row written by the other CTAs) and
+barrier. But only the delta rule itself is sequential in t: the conv of token t depends on
+the inputs alone (the history is the previous tokens' inputs), the L2 norms, the gate and β
+on token t alone.
+
+This kernel, per CTA (one (b, h) and C value columns, 128 threads):
+1. before the PDL chain's wait: the state slice, the q/k/v conv history and weights, the
+   thread's f_b row (16 × 128-bit loads into registers), dt_bias, A_log, o_norm;
+2. after it: every z value the CTA needs for all T tokens in one batch of independent loads
+   (q, k channel of the thread, f_a[tid] into shared memory, the v channel on tid < C, β, the
+   output gate);
+3. for t = 0..T−1, registers only: conv update + SiLU of q, k (and v), q̂, k̂ norm partials
+   per warp into shared memory (T slots, no barrier between tokens);
+4. one barrier; the T gates of key tid as T interleaved 128-term dot products (f_b from
+   registers, f_a[t] from shared memory, each in key order as kda_split); one barrier;
+5. the recurrence, token by token: kda_split's decay + k̂ᵀS and update + q̂ᵀS (two barriers per
+   token, the only per-token synchronisation left), o columns to the scratch;
+6. arrival as kda_split; the last CTA loads all T o rows at once, T warp sums, ONE barrier,
+   then the T normalised, gated output rows.
+Barriers: 2·T + 4 instead of kda_split's 5·T + T + 2; dependent global round trips: 3 (the
+state, z, the last CTA's o rows) instead of kda_split's T + 3.
+
+Numerics: every value is computed by the same fp32 operations in the same order as in
+kda_split (conv taps, SiLU, the warp-then-warp-order norm sums, the gate's key-order sum and
+its bf16 rounding, kᵀS / q̂ᵀS shuffles and partial order, the last CTA's Σo² order), so the
+expectation is bit-identity with kda_split; the check reports it ("bit_identical") and holds
+the kernel to kda_split's own tolerances against the stock ops and float64.
+
+Check on the GPU (B = 1 and 8 at k = 7, 3 steps with state carried; against the stock ops,
+float64 and kda_split; times the stock ops, kda_split and this kernel):
+    python -m kimi_decode.kernels.kda_multi
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from kimi_decode.kernels import chain
+from kimi_decode.kernels._common import sigmoid
+from kimi_decode.kernels.kda_decode import CONV, KDAConfig
+from kimi_decode.kernels.kda_split import (THREADS, VEC, WARPS, KDAScratch, KDASplit, KDASplitConfig,
+                                           compile_kernel, launch)
+from kimi_decode.kernels.kda_split import can_implement as split_can_implement
+
+MAX_TOKENS = 16    # T·d·4 B of shared memory per buffer (5 of them), and T registers per z value
+
+
+def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
+                  dtypes: tuple[torch.dtype, ...], splits: int = 16) -> bool:
+    """kda_split's limits, and 2 ≤ T ≤ MAX_TOKENS tokens per sequence."""
+    return 2 <= tokens <= MAX_TOKENS and split_can_implement(heads, head_dim, conv_kernel, in_proj_rows,
+                                                             dtypes, splits)
+
+
+class KDAMulti(KDASplit):
+    """See the module docstring (T ≥ 2). kda_split's @cute.jit blocks (indices, state and conv
+    loads, q/k conv, norm partials, l2 scales, kᵀS, update and q̂ᵀS, arrival, q/k history) are
+    reused on per-token slices of T-deep shared buffers."""
+
+    def __init__(self, cfg: KDASplitConfig) -> None:
+        super().__init__(cfg)
+        if not 2 <= self.T <= MAX_TOKENS:
+            raise ValueError(f"kda_multi is the 2 ≤ T ≤ {MAX_TOKENS} kernel, not T = {self.T}")
+
+    @cute.jit
+    def __call__(self, z: cute.Pointer, f_b: cute.Pointer, conv_w: cute.Pointer,
+                 conv_state: cute.Pointer, dt_bias: cute.Pointer, a_log: cute.Pointer,
+                 rec_state: cute.Pointer, o_norm: cute.Pointer, out: cute.Pointer,
+                 o_buf: cute.Pointer, counter: cute.Pointer, batch: Int32, stream: cuda.CUstream):
+        self.kernel_multi(*self.views(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, out,
+                                      o_buf, counter, batch)).launch(
+            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
+
+    @cute.kernel
+    def kernel_multi(self, mZ: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor, mCs: cute.Tensor,
+                     mDt: cute.Tensor, mA: cute.Tensor, mS: cute.Tensor, mOn: cute.Tensor,
+                     mOut: cute.Tensor, mOb: cute.Tensor, mC: cute.Tensor):
+        d, P, T, C = self.d, self.P, self.T, self.C
+        kc = self.k
+        tid, sp, h, b, lane, warp, c, kr, c0 = self.indices()
+        smem = cutlass.memory.SmemAllocator()
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
+        s_k = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
+        s_eg = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))    # exp(g) per key
+        s_fa = smem.allocate_tensor(Float32, cute.make_layout((T, d // VEC, VEC), stride=(d, VEC, 1)),
+                                    byte_alignment=16)
+        s_v = smem.allocate_tensor(Float32, cute.make_layout((T, C), stride=(C, 1)))
+        s_beta = smem.allocate_tensor(Float32, cute.make_layout(T))
+        s_n = smem.allocate_tensor(Float32, cute.make_layout((T, 2, WARPS), stride=(2 * WARPS, WARPS, 1)))
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((T, WARPS), stride=(WARPS, 1)))
+        s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+
+        # 1. State, conv history and weights, the f_b row, constants: what no kernel of this
+        #    step writes (before the PDL chain's wait).
+        S, gq, gk, gv = self.load_slice(mS, tid, h, b, c, kr, c0)
+        hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
+        if tid < C:
+            self.load_conv_v(mCs, mCw, b, gv, hv, wv)
+        fb = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
+        for vi in cutlass.range_constexpr(d // VEC):
+            cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
+        dt = mDt[h * d + tid]
+        decay = cute.math.exp(mA[h])
+        wn = mOn[tid].to(Float32)
+        chain.enter()
+        # 2. Every z value of the T tokens (in_proj's output), one batch of independent loads.
+        xq = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+        xk = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+        xv = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+        zg = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+        for t in cutlass.range_constexpr(T):
+            row = b * T + t
+            xq[t] = mZ[row, gq].to(Float32)
+            xk[t] = mZ[row, gk].to(Float32)
+            s_fa[t, tid // VEC, tid % VEC] = mZ[row, 4 * P + tid].to(Float32)
+            zg[t] = mZ[row, 3 * P + h * d + tid].to(Float32)
+            xv[t] = Float32(0.0)
+            if tid < C:
+                xv[t] = mZ[row, gv].to(Float32)
+            if tid == 0:
+                s_beta[t] = sigmoid(mZ[row, 4 * P + d + h].to(Float32))
+        # 3. Conv + SiLU and the norm partials of every token (the history advances in order).
+        for t in cutlass.range_constexpr(T):
+            aq, ak = self.conv_qk(xq[t], xk[t], xq[t] * wq[CONV - 1], xk[t] * wk[CONV - 1], hq, hk, wq, wk,
+                                  s_q[t, None], s_k[t, None], tid)
+            if tid < C:
+                yv = xv[t] * wv[CONV - 1]
+                for j in cutlass.range_constexpr(CONV - 1):
+                    yv += hv[j] * wv[j]
+                for j in cutlass.range_constexpr(CONV - 2):
+                    hv[j] = hv[j + 1]
+                hv[CONV - 2] = xv[t]
+                s_v[t, tid] = yv * sigmoid(yv)
+            self.norm_partials(aq, ak, s_n[t, None, None], lane, warp)
+        cute.arch.sync_threads()                        # s_fa, s_q, s_k, s_v, s_n, s_beta
+        # 4. The T gates of key tid: T interleaved dot products, each in key order.
+        acc = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+        acc.fill(0.0)
+        fav = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        for vi in cutlass.range_constexpr(d // VEC):
+            for t in cutlass.range_constexpr(T):
+                cute.autovec_copy(s_fa[t, vi, None], fav)
+                for j in cutlass.range_constexpr(VEC):
+                    acc[t] += fb[vi, j].to(Float32) * fav[j]
+        for t in cutlass.range_constexpr(T):
+            gr = acc[t].to(BFloat16).to(Float32) + dt
+            g = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
+            s_eg[t, tid] = cute.math.exp(g)
+        cute.arch.sync_threads()                        # s_eg
+        # 5. The delta rule, token by token (kda_split's blocks on the token's slices).
+        for t in range(T):
+            row = b * T + t
+            q_scale, k_scale = self.l2_scales(s_n[t, None, None])
+            kS = self.decay_and_kS(S, s_eg[t, None], s_k[t, None], s_part, k_scale, tid, lane, warp, c, kr)
+            u = s_beta[t] * (s_v[t, c] - kS)
+            self.update_and_o(S, s_k[t, None], s_q[t, None], s_part, k_scale, q_scale, u, mOb, row, tid, h,
+                              lane, warp, c, kr, c0)
+        # 6. Arrival; the last CTA of (b, h) normalises the T rows with one barrier.
+        self.arrive(mS, mCs, mC, S, hv, s_flag, tid, h, b, c, kr, c0, gv)
+        if s_flag[0] == self.VS - 1:                    # CTA-uniform: the last CTA of (b, h)
+            self.write_qk_history(mCs, hq, hk, b, gq, gk)
+            o_r = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+            for t in cutlass.range_constexpr(T):
+                o_r[t] = mOb[b * T + t, h * d + tid]
+            for t in cutlass.range_constexpr(T):
+                so = cute.arch.warp_reduction_sum(o_r[t] * o_r[t])
+                if lane == 0:
+                    s_o[t, warp] = so
+            cute.arch.sync_threads()
+            for t in cutlass.range_constexpr(T):
+                on = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    on += s_o[t, w]
+                rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
+                mOut[b * T + t, h * d + tid] = (o_r[t] * rs * wn * sigmoid(zg[t])).to(BFloat16)
+            if tid == 0:
+                mC[b * self.H + h] = Int32(0)
+
+
+def compile_for(cfg: KDASplitConfig) -> object:
+    """The compiled kernel for `cfg` (cached)."""
+    return compile_kernel(KDAMulti, "kda_multi", cfg)
+
+
+def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
+                     conv_state: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                     rec_state: torch.Tensor, o_norm: torch.Tensor, kcfg: KDAConfig,
+                     scratch: KDAScratch, splits: int | None = None) -> torch.Tensor:
+    """kda_split.kda_decode_split's contract for 2 ≤ T ≤ MAX_TOKENS (kcfg.tokens): conv_state
+    and rec_state advance in place by T tokens; scratch from kda_split.make_scratch. Returns
+    out [B·T, P] bf16."""
+    return launch("kda_decode_multi", compile_for,
+                  lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
+                                                kcfg.in_proj_rows, kcfg.tokens, dts, vs),
+                  z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits)
+
+
+@torch.no_grad()
+def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k: torch.Tensor,
+             batch: int) -> dict:
+    """µs per call in CUDA-graph replays, on one in_proj output: the stock ops (what the step
+    runs at k = 7 without this kernel), kda_split and this kernel (each on its own state)."""
+    from kimi_decode.kernels import kda_split as ks
+    from kimi_decode.kernels.checks import time_us
+    cfg = mod.cfg
+    z = mod.k.linear(torch.randn(cfg.rows, cfg.hidden, device=rec_k.device).bfloat16(), mod.in_proj)
+    conv_s, rec_s = conv_k.clone(), rec_k.clone()
+    sc_m, sc_s = ks.make_scratch(kcfg, batch, rec_k.device), ks.make_scratch(kcfg, batch, rec_k.device)
+    return {"stock_us": time_us(lambda: ks._stock_core(mod, z)),
+            "kda_split_us": time_us(lambda: ks.kda_decode_split(
+                z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s, mod.o_norm, kcfg, sc_s)),
+            "kernel_us": time_us(lambda: kda_decode_multi(
+                z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm, kcfg, sc_m))}
+
+
+def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), spec: int = 7, steps: int = 3) -> list[dict]:
+    """kda_fast.check's harness at k = spec: the kernel vs the stock KDAAttention ops on the
+    module's own tensors, `steps` steps with state carried, vs the float64 reference on the
+    same pre-step state, and vs kda_split on the same inputs and state ("bit_identical"). `ok`
+    is kda_split's acceptance (kda_split.check_row); B = 1 is where fused.py uses it, B = 8
+    (V_SPLIT = 8) covers a second column width. Timing: stock ops, kda_split, this kernel."""
+    from kimi_decode.kernels import kda_split as ks
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel
+    dev = torch.device(DEVICE)
+    out = []
+    for b in batches:
+        _, mod, kcfg = ks.check_module(b, spec, dev)
+        sc_m, sc_s = ks.make_scratch(kcfg, b, dev), ks.make_scratch(kcfg, b, dev)
+        conv_m, rec_m = mod.conv_state.clone(), mod.rec_state.clone()
+        conv_s, rec_s = mod.conv_state.clone(), mod.rec_state.clone()
+        e = {"out": 0.0, "out_f64": 0.0, "stock_f64": 0.0, "rec": 0.0, "vs_split": 0.0}
+        conv_equal, same = True, True
+        for step in range(steps):
+            z = ks.check_input(mod, step, dev)
+            with torch.no_grad():
+                ref, _, _ = ks.reference(z, mod.f_b, mod.conv_w, mod.conv_state, mod.dt_bias, mod.a_log,
+                                         mod.rec_state, mod.o_norm, kcfg)
+                o_st = ks._stock_core(mod, z)
+                o_m = kda_decode_multi(z, mod.f_b, mod.conv_w, conv_m, mod.dt_bias, mod.a_log, rec_m,
+                                       mod.o_norm, kcfg, sc_m)
+                o_p = ks.kda_decode_split(z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s,
+                                          mod.o_norm, kcfg, sc_s)
+            _sync()
+            e["out"] = max(e["out"], rel(o_m, o_st))
+            e["out_f64"] = max(e["out_f64"], rel(o_m, ref))
+            e["stock_f64"] = max(e["stock_f64"], rel(o_st, ref))
+            e["rec"] = max(e["rec"], rel(rec_m, mod.rec_state))
+            e["vs_split"] = max(e["vs_split"], rel(o_m, o_p))
+            conv_equal &= torch.equal(conv_m, mod.conv_state)
+            same &= torch.equal(o_m, o_p) and torch.equal(rec_m, rec_s) and torch.equal(conv_m, conv_s)
+            for t in (conv_m, conv_s):           # continue from stock's state, like for like
+                t.copy_(mod.conv_state)
+            for t in (rec_m, rec_s):
+                t.copy_(mod.rec_state)
+        r = ks.check_row("kda_multi", b, spec, e, conv_equal, sc_m,
+                         rel_out_vs_kda_split=e["vs_split"], bit_identical=same)
+        if timing:
+            r.update(_timings(mod, kcfg, conv_m, rec_m, b))
+        out.append(r)
+        del mod
+    return out
+
+
+if __name__ == "__main__":
+    for row in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})

@@ -1,0 +1,131 @@
+"""kda_multi on the CPU: it compiles to sm_90a PTX at the K3 TP16 shapes with T = 8 (B = 1 and
+8) with the structure its docstring claims (one arrival atomic, no local memory, the f_b row
+as 128-bit loads, far fewer barriers than kda_split; chained: only state, weights and
+constants before griddepcontrol.wait), its limits, fused's dispatch, and check()'s harness
+passes with kda_split's thread-level emulation standing in for both kernels (kda_multi's math
+is kda_split's) and fails on a wrong one.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+from kimi_decode.kernels import chain  # noqa: E402
+from kimi_decode.kernels import kda_multi as km  # noqa: E402
+from kimi_decode.kernels.kda_split import KDASplit, make_scratch  # noqa: E402
+from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
+from tests.kimi_decode.test_kernel_kda_split import _fake_split, _wrong_split, k3_kcfg, ptx_of  # noqa: E402
+
+bf = torch.bfloat16
+
+
+@pytest.mark.parametrize("splits", [16, 8])
+def test_compiles(tmp_path: Path, splits: int) -> None:
+    kcfg = k3_kcfg(7)
+    assert km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 8, (bf,), splits)
+    ptx = ptx_of(tmp_path, kcfg, splits, km.KDAMulti)
+    assert ".target sm_90a" in ptx
+    assert ptx.count("atom.global") == 1 and "atom.global.acq_rel.add" in ptx
+    assert "ld.acquire" not in ptx                                  # no poll loop
+    assert ptx.count("ld.global.v4") >= 16                          # the f_b row, 16 × 128 bit
+    assert ptx.count("ld.shared.v4") >= 2 * 16 * 8                  # f_a of 8 tokens as vectors
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 255 and spills == 0, (regs, spills)
+
+
+def test_fewer_barriers_than_kda_split(tmp_path: Path) -> None:
+    """Static barriers: kda_split's T-token loop body holds 5 (plus the last CTA's row loop);
+    kda_multi's token loop holds 2 (kᵀS, q̂ᵀS) and the last CTA one for all T rows."""
+    kcfg = k3_kcfg(7)
+    split = ptx_of(tmp_path / "s", kcfg, 16, KDASplit)
+    multi = ptx_of(tmp_path / "m", kcfg, 16, km.KDAMulti)
+    assert multi.count("bar.sync") == 7 and split.count("bar.sync") == 9, (multi.count("bar.sync"),
+                                                                            split.count("bar.sync"))
+
+
+def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
+    """PDL chain on: the state slice, conv history and weights, the f_b row, dt_bias, A_log and
+    o_norm load before griddepcontrol.wait; every z value after it; the release follows the
+    wait."""
+    chain.set_chain(True, 0)
+    try:
+        ptx = ptx_of(tmp_path, k3_kcfg(7), 16, km.KDAMulti)
+    finally:
+        chain.set_chain(False, chain.DEFAULT_BUDGET)
+    lines = [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
+    wait = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+    assert lines[wait + 1].startswith("griddepcontrol.launch_dependents")
+    before = [s for s in lines[:wait] if s.startswith("ld.global")]
+    after = [s for s in lines[wait:] if s.startswith("ld.global")]
+    # S slice 8 + conv q, k history 6 + v history 3 (b16) + conv weights q, k, v (one v4 each)
+    # + f_b row 16 (v4) + dt_bias, A_log, o_norm
+    assert len(before) == 8 + 6 + 3 + 3 + 16 + 3, before
+    assert sum("v4" in s for s in before) == 3 + 16
+    # z of 8 tokens: q, k, f_a, the output gate, v, β per token, and the last CTA's 8 o rows
+    assert len(after) >= 8 * 6 + 8
+    assert not any(s.startswith("bar.sync") for s in lines[:wait])
+
+
+def test_limits_and_wrapper() -> None:
+    kcfg = k3_kcfg(7)
+    for t in (2, 8, km.MAX_TOKENS):
+        assert km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, t, (bf,))
+    assert not km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 1, (bf,))      # kda_fast's
+    assert not km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, km.MAX_TOKENS + 1, (bf,))
+    k1 = k3_kcfg(0)
+    p = k1.heads * k1.head_dim
+    with pytest.raises(ValueError, match="kda_decode_multi cannot run"):
+        km.kda_decode_multi(torch.zeros(1, k1.in_proj_rows, dtype=bf), torch.zeros(p, 128, dtype=bf),
+                            torch.zeros(3 * p, 4), torch.zeros(1, 3 * p, 3, dtype=bf), torch.zeros(p),
+                            torch.zeros(k1.heads), torch.zeros(1, k1.heads, 128, 128), torch.ones(128, dtype=bf),
+                            k1, make_scratch(k1, 1, "cpu"))
+
+
+def test_registered_for_the_device_check() -> None:
+    from kimi_decode.kernels import CHECK_MODULES, KERNELS, checks
+    assert "kda_multi" in KERNELS and CHECK_MODULES["kda_multi"] == "kda_multi"
+    assert "kda_multi" in checks.CHECKS
+
+
+def test_check_harness_on_cpu_with_emulated_kernels(monkeypatch) -> None:
+    """kda_multi.check() (stock module at k = 7, steps with state carried, reference, kda_split
+    side by side, counters) runs on the CPU with the thread-level emulation for both launches,
+    passes and reports bit identity; a wrong gate lower bound fails it."""
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels import kda_split as ks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(km, "kda_decode_multi", _fake_split)
+    monkeypatch.setattr(ks, "kda_decode_split", _fake_split)
+    rows = km.check(timing=False, batches=(1,), steps=2)
+    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["bit_identical"], rows
+    assert rows[0]["kernel"] == "kda_multi" and rows[0]["k"] == 7 and rows[0]["counter_zero"]
+    monkeypatch.setattr(km, "kda_decode_multi", _wrong_split)
+    row = km.check(timing=False, batches=(1,), steps=1)[0]
+    assert not row["ok"] and not row["bit_identical"]
+
+
+def test_fused_dispatch(monkeypatch) -> None:
+    """fused.KDAAttention.forward calls kda_decode_multi when use_kda_multi is set (enable(): kernel
+    on, T ≥ 2, M ≤ MAX_ROWS["kda_multi"]) and the stock ops otherwise."""
+    from kimi_decode import fused
+    from kimi_decode.config import k3_tp16
+    calls: list[int] = []
+    monkeypatch.setattr(km, "kda_decode_multi", lambda z, *a, **kw: calls.append(z.shape[0]) or z[:, :768])
+    monkeypatch.setattr(fused, "_project_and_reduce", lambda mod, o: o)
+    cfg = k3_tp16(batch=1, spec_tokens=7)
+    attn = SimpleNamespace(cfg=cfg, k=SimpleNamespace(), use_kernel=True, use_gemv=False, ar_slots=False,
+                           use_kda_multi=True, use_fast=False, split_scratch=object(), in_proj=None,
+                           f_b=None, conv_w=None, conv_state=None, dt_bias=None, a_log=None, rec_state=None,
+                           o_norm=None)
+    monkeypatch.setattr(fused, "_linear", lambda x, w, g, k: torch.zeros(8, cfg.in_proj_rows, dtype=bf))
+    fused.KDAAttention.forward(attn, torch.zeros(8, cfg.hidden, dtype=bf))
+    assert calls == [8]
+    assert fused.MAX_ROWS["kda_multi"] == 8
