@@ -21,8 +21,10 @@ and the kernel is in `VERIFIED`):
   `f_b_proj`, `conv`, `o_norm` disappear. `kda_split` (kernels/kda_split.py) spreads it over
   (value-column groups × heads × sequences) CTAs, the last CTA of a head normalising its row;
   `kda_fast` (kernels/kda_fast.py) is the same kernel at B = 1, T = 1 with every global load
-  issued up front (a shorter dependency chain); `kda` (kernels/kda_decode.py, one CTA per
-  head) is the fallback.
+  issued up front (a shorter dependency chain); `kda_multi` (kernels/kda_multi.py) the same for
+  T ≥ 2 tokens (speculative decode) with the conv, norms and gates of all T tokens done before
+  the recurrence (B = 1, k = 7: 16.6 us in its check vs 28.4 for kda_split; stock's four
+  kernels before); `kda` (kernels/kda_decode.py, one CTA per head) is the fallback.
 - Collectives finished inside kernels (tp_sim only; `Slots`, comm.SimComm.ar_slots): o_proj
   writes this rank's all-reduce slot (GEMV `out=` or cuBLAS `torch.mm(out=)`) and the
   `mlp_res` AttnRes kernel sums the slots (`attn_res_ar`): o_proj + all-reduce + AttnRes +
@@ -41,7 +43,11 @@ and the kernel is in `VERIFIED`):
   router on the main stream (stock joins the side stream before the router starts) and the
   routed experts, which wait only for latent_down's event (_mark / _wait_mark; the tail joins
   the shared expert); at M = 1 its SiTU GLU is the down GEMV's prologue (`gemv_variants`:
-  gemv_situ), above it stock's SiTU kernel then the down projection.
+  gemv_situ), at 2 ≤ M ≤ 8 gemv_mma's (`gemv_mma_situ`), above it stock's SiTU kernel then
+  the down projection.
+- Router at 2 ≤ M ≤ 8 (`router_mma`, opt-in: OPT_IN): gemv_mma's fp32 logits split over K and
+  router_fast's top-k in the last CTA, one launch instead of the logits + stock's routing
+  kernel; slower in the step (see OPT_IN).
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
@@ -127,9 +133,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "moe_up_grid",
                                     # tenth round: checked at 41febc2 (09:38 UTC; bit-equal to FC2 v2)
                                     "experts_v2_async",
-                                    # eleventh round: checked at 6c936ea (gemv_mma_situ, router_mma)
-                                    # and 0561ccb (router_mma again), 2026-12-03 13:00-13:08 UTC
-                                    "gemv_mma_situ", "router_mma"})
+                                    # eleventh round: checked at 6c936ea (gemv_mma_situ, router_mma),
+                                    # 0561ccb (router_mma again) and ba774df (kda_multi), 2026-12-03
+                                    # 13:00-13:20 UTC (bench/fused_correctness.md)
+                                    "gemv_mma_situ", "router_mma", "kda_multi"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -159,7 +166,8 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   router_fast 50 us, router.py's top-k mode 60+ us.
 # - kda_split, kda: M = 1 (kda_split 8.2-8.3 us, stock's f_b + conv + recurrence + o_norm 8.1
 #   us: a tie, kept for the launch count, 1 vs 4); at T = 8 or B = 8, 64 stock's Triton ops win
-#   (B=1 k=7: 29.4 vs 19.7 us; B=8: 10.3 vs 9.3; B=64: 33.1 vs 21.8).
+#   (B=1 k=7: 29.4 vs 19.7 us; B=8: 10.3 vs 9.3; B=64: 33.1 vs 21.8). At T = 8 kda_multi
+#   (below) replaces both.
 # - moe_up: M = 1 (5.5 us vs stock tail 9.8 + up 13.8 us); at M = 8 it re-sums the slots per
 #   row in every CTA: 49 us vs 28.6. M = 2 too: in the 644406b check (moe_up_grid's, which
 #   compares the two kernels: equal outputs) moe_up took 5.9 us there against 6.9 for
@@ -201,8 +209,10 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 #   logits) 8.0 vs 11.9, qkv_a 13.6 vs 13.2 (the one shape it does not win alone; kept: in the
 #   step a Triton GEMM beside a gemv_mma grid waits for SMs, bench/fused_runs.md).
 # - kda_multi: T ≥ 2 up to M = 8 (B = 1, k = 7: the shape the bench runs; its check also
-#   covers B = 8, k = 7), the T-token kernel with the per-token prelude done for all tokens at
-#   once (kernels/kda_multi.py) in place of stock's four kernels.
+#   covers B = 8, k = 7: 23.6 us vs kda_split's 47.9), the T-token kernel with the per-token
+#   prelude done for all tokens at once (kernels/kda_multi.py) in place of stock's four
+#   kernels: in the B = 1, k = 7 step the KDA attention part (AttnRes to AttnRes) 46.8-48.2 ->
+#   38.8-40.2 us, 6 kernels -> 3 (ba774df, bench/fused_runs.md). Larger M not measured.
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8}
