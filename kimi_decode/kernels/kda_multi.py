@@ -217,18 +217,25 @@ def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
 def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k: torch.Tensor,
              batch: int) -> dict:
     """µs per call in CUDA-graph replays, on one in_proj output: the stock ops (what the step
-    runs at k = 7 without this kernel), kda_split and this kernel (each on its own state)."""
+    runs at k = 7 without this kernel), kda_split and this kernel (each on its own state), and
+    this kernel at the other V_SPLIT values (kernel_us_vs{n})."""
     from kimi_decode.kernels import kda_split as ks
     from kimi_decode.kernels.checks import time_us
     cfg = mod.cfg
     z = mod.k.linear(torch.randn(cfg.rows, cfg.hidden, device=rec_k.device).bfloat16(), mod.in_proj)
     conv_s, rec_s = conv_k.clone(), rec_k.clone()
     sc_m, sc_s = ks.make_scratch(kcfg, batch, rec_k.device), ks.make_scratch(kcfg, batch, rec_k.device)
-    return {"stock_us": time_us(lambda: ks._stock_core(mod, z)),
-            "kda_split_us": time_us(lambda: ks.kda_decode_split(
-                z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s, mod.o_norm, kcfg, sc_s)),
-            "kernel_us": time_us(lambda: kda_decode_multi(
-                z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm, kcfg, sc_m))}
+    r = {"stock_us": time_us(lambda: ks._stock_core(mod, z)),
+         "kda_split_us": time_us(lambda: ks.kda_decode_split(
+             z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s, mod.o_norm, kcfg, sc_s)),
+         "kernel_us": time_us(lambda: kda_decode_multi(
+             z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm, kcfg, sc_m))}
+    for vs in (8, 16, 32):                          # the V_SPLIT alternatives (state outputs discarded)
+        if vs != ks.splits_for(batch):
+            conv_a, rec_a = conv_k.clone(), rec_k.clone()
+            r[f"kernel_us_vs{vs}"] = time_us(lambda vs=vs: kda_decode_multi(
+                z, mod.f_b, mod.conv_w, conv_a, mod.dt_bias, mod.a_log, rec_a, mod.o_norm, kcfg, sc_m, splits=vs))
+    return r
 
 
 def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), spec: int = 7, steps: int = 3) -> list[dict]:

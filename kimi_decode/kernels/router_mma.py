@@ -76,6 +76,8 @@ class RouterMmaConfig:
     # False: the last CTA only re-zeroes the counter (no sum, no top-k): the check times this
     # build to split the kernel's time into the GEMV grid and the one-CTA tail
     tail: bool = True
+    # False (timing only, with tail): the last CTA sums the slices but runs no top-k
+    topk: bool = True
 
 
 def can_implement(m: int, hidden: int, experts: int, top_k: int, dtypes: tuple[torch.dtype, ...],
@@ -161,9 +163,10 @@ class RouterMma:
             if cutlass.const_expr(self.cfg.tail):
                 self.sum_slices(mP, tidx)
                 cute.arch.sync_threads()                # the summed logits, seen by every warp
-                mL = mP[S, None, None]
-                for row in range(warp, m, rf.WARPS):    # warp-uniform: warps 0 .. M-1
-                    self.sel.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
+                if cutlass.const_expr(self.cfg.topk):
+                    mL = mP[S, None, None]
+                    for row in range(warp, m, rf.WARPS):    # warp-uniform: warps 0 .. M-1
+                        self.sel.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
 
@@ -203,17 +206,19 @@ def compile_for(cfg: RouterMmaConfig) -> object:
 
 
 def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          counter: torch.Tensor, splits: int = SPLITS, tail: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          counter: torch.Tensor, splits: int = SPLITS, tail: bool = True,
+          topk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """router.route's contract for 2 ≤ M ≤ 8: y [M, D] bf16, w_gate [E, D] bf16, bias [E]
     fp32, counter a zeroed int32 [1] buffer (left zeroed). Returns (ids [M, k] int64,
     weights [M, k] fp32), ordered by biased score, descending. `tail=False` (timing only):
-    the GEMV grid alone, ids and weights left unwritten."""
+    the GEMV grid alone, ids and weights left unwritten; `topk=False` (timing only): the grid
+    and the last CTA's slice sums, no top-k."""
     m, d = y.shape
     e = w_gate.shape[0]
     if (not can_implement(m, d, e, top_k, (y.dtype, w_gate.dtype), splits) or w_gate.shape[1] != d
             or bias.dtype != torch.float32 or bias.numel() != e or not y.is_contiguous()):
         raise ValueError(f"router_mma cannot run M={m} D={d} E={e} k={top_k} splits={splits}")
-    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail)
+    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail, topk)
     part = torch.empty(splits + 1, m, e, dtype=torch.float32, device=y.device)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)
@@ -243,8 +248,9 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
     descending key order, the counter zero after calls and CUDA-graph replays. With timing (cold
     weights, the calls cycling through copies ≥ 160 MB): stock_us (GEMM + routing op),
     mma_stock_us (gemv_mma's logits + the routing op, the step before this kernel), kernel_us,
-    grid_only_us (the build without the one-CTA tail: the GEMV grid's share), kernel_s2_us (2
-    K slices instead of 4)."""
+    grid_only_us (the build without the one-CTA tail: the GEMV grid's share), sum_only_us (the
+    grid and the slice sums, no top-k), routing_op_us (stock's routing op alone on warm
+    logits), kernel_s2_us (2 K slices instead of 4)."""
     import itertools
 
     from kimi_decode import stock_ops
@@ -318,6 +324,12 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
             r["kernel_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter))
             cyc = itertools.cycle(ws)
             r["grid_only_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter, tail=False))
+            cyc = itertools.cycle(ws)
+            r["sum_only_us"] = time_us(lambda: route(y, next(cyc), bias, K, sc, counter, topk=False))
+            # the top-k alone on the summed logits, as a standalone router_fast-style pass: the
+            # routing op the step would keep if the tail moved out of this kernel
+            lg = gm.gemv_mma(y, w_gate, out_dtype=torch.float32)
+            r["routing_op_us"] = time_us(lambda: ops.route(lg, bias, K, sc))
             for s in (2, 8):
                 if can_implement(m, cfg.hidden, E, K, (torch.bfloat16,), s):
                     cyc = itertools.cycle(ws)
