@@ -154,7 +154,7 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   us cold in its check against 7.5 for its GEMV grid alone, so its one-CTA top-k tail costs as
 #   much as stock's Triton routing kernel; in the step FC1 started later (B = 1, k = 7 layers
 #   258.5-259.2 / 261.9-262.0 us KDA / MLA with it and gemv_mma_situ, bench/fused_runs.md).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma"})
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
@@ -299,18 +299,35 @@ def _restate(module: nn.Module, cls: type) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _on_side(rt: Runtime, *inputs: torch.Tensor) -> Iterator[torch.cuda.Stream | None]:
-    """Issue the block on the aux stream after the main stream's work so far, WITHOUT joining
-    at the end (call `_join` where the main stream first needs the results)."""
+def _on_side(rt: Runtime, *inputs: torch.Tensor,
+             after: torch.cuda.Event | None = None) -> Iterator[torch.cuda.Stream | None]:
+    """Issue the block on the aux stream after the main stream's work so far (or only after
+    the main-stream event `after`, from `_fork`), WITHOUT joining at the end (call `_join`
+    where the main stream first needs the results)."""
     side = rt.aux.stream
     if side is None:
         yield None
         return
-    side.wait_stream(torch.cuda.current_stream())
+    if after is not None:
+        side.wait_event(after)
+    else:
+        side.wait_stream(torch.cuda.current_stream())
     for t in inputs:
         t.record_stream(side)
     with torch.cuda.stream(side):
         yield side
+
+
+def _fork(rt: Runtime) -> torch.cuda.Event | None:
+    """An event recorded on the main stream now: an `_on_side(after=...)` block issued later
+    starts from this point, not after main-stream work issued in between (the router issued
+    before the side stream's GEMVs, so its CTAs are placed first, without the side stream
+    waiting for it)."""
+    if rt.aux.stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream())
+    return ev
 
 
 def _join(rt: Runtime, *outputs: torch.Tensor) -> None:
@@ -593,11 +610,9 @@ class LatentMoE(stock.LatentMoE):
         if self.use_router_fast and y.shape[0] <= MAX_ROWS["router_fast"]:
             from kimi_decode.kernels.router_fast import route as route_fast
             return route_fast(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
-        if self.use_router_mma and y.shape[0] >= 2:
+        if self._router_mma_applies(y):
             from kimi_decode.kernels import router_mma as k_rm
-            if y.is_contiguous() and k_rm.can_implement(y.shape[0], y.shape[1], self.router.shape[0], cfg.top_k,
-                                                        (y.dtype, self.router.dtype)):
-                return k_rm.route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
+            return k_rm.route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter)
         if self.use_router_kernel and y.shape[0] <= MAX_ROWS["router_kernel"]:
             from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
             # past the GEMV rows the logits come from the stock path's router GEMM
@@ -606,6 +621,14 @@ class LatentMoE(stock.LatentMoE):
                          logits=logits)
         logits = self._router_logits(y)
         return self.fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)
+
+    def _router_mma_applies(self, y: torch.Tensor) -> bool:
+        """router_mma (one launch: logits + top-k) at 2 ≤ M ≤ 8 where it is enabled."""
+        if not (self.use_router_mma and y.shape[0] >= 2 and y.is_contiguous()):
+            return False
+        from kimi_decode.kernels import router_mma as k_rm
+        return k_rm.can_implement(y.shape[0], y.shape[1], self.router.shape[0], self.cfg.top_k,
+                                  (y.dtype, self.router.dtype))
 
     def _router_logits(self, y: torch.Tensor) -> torch.Tensor:
         """y @ routerᵀ in fp32: gemv_mma at 2 ≤ M ≤ 8 where it is switched on (the stock
@@ -684,15 +707,23 @@ class LatentMoE(stock.LatentMoE):
         else:
             # latent_down then the shared expert on the side stream, the router on the main one;
             # the routed experts wait for latent_down only (its event), so the shared expert's
-            # SiTU and down GEMV overlap them; the tail joins the shared expert
-            with _on_side(self.rt, y):
+            # SiTU and down GEMV overlap them; the tail joins the shared expert. router_mma is
+            # issued first (its 224 CTAs placed before the side stream's chained GEMVs take the
+            # SMs), the side stream forked from before it
+            router_first = self._router_mma_applies(y)
+            fork = _fork(self.rt) if router_first else None
+            if router_first:
+                with op_range("router"):
+                    idx, w = self._route(y)                                            # [M, K]
+            with _on_side(self.rt, y, after=fork):
                 with op_range("latent_down"):
                     z = _linear(y, self.down, self.use_gemv, self.k)                   # [M, L]
                 z_ready = _mark(self.rt)
                 with op_range("shared_expert"):
                     sh = self._shared(y)                                               # [M, D] partial
-            with op_range("router"):
-                idx, w = self._route(y)                                                # [M, K]
+            if not router_first:
+                with op_range("router"):
+                    idx, w = self._route(y)                                            # [M, K]
         self.last_idx, self.last_w = idx, w
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing

@@ -19,22 +19,20 @@ which also rounds them to bf16), so an expert set can differ from theirs on a ne
 
 Layout: grid (E / 16 tiles, S slices): CTA (tile, s) runs gemv_mma's tile over K_s
 (GemvMma.tile_partials on views offset by s·D/S; 8 warps, D/S/32 chunks split over them) and
-stores its 16 × M partial sums to part[s] (a [S + 1, M, E] fp32 scratch; slot S holds the
-summed logits). Then router_fast's grid completion: each storing thread fences
-(fence.acq_rel.gpu), a CTA barrier, thread 0 fences and bumps the counter (atom.add.acq_rel
-.gpu); the CTA that reads gridDim − 1 sums the S partials in slice order into slot S (all
-loads independent: one L2 round trip), a barrier, then one warp per row runs
-RouterFast.topk_row on slot S and the bias, and thread 0 re-zeroes the counter (CUDA-graph
-replays find it zero). S = 4 at K3 (224 CTAs instead of gemv_mma's 56: more of the 132 SMs
-stream the 12.8 MB).
+stores its 16 × M partial sums to part[s] (a [S, M, E] fp32 scratch). Then router_fast's grid
+completion: each storing thread fences (fence.acq_rel.gpu), a CTA barrier, thread 0 fences
+and bumps the counter (atom.add.acq_rel.gpu); the CTA that reads gridDim − 1 sums the S
+partials in slice order into shared memory (all loads independent: one L2 round trip) and
+copies the bias there, a barrier, then one warp per row runs RouterFast.topk_row on them
+(router_fast's staged path), and thread 0 re-zeroes the counter (CUDA-graph replays find it
+zero). S = 4 at K3 (224 CTAs instead of gemv_mma's 56: more of the 132 SMs stream the
+12.8 MB).
 
 PDL chain (kernels/chain.py): launched with PDL when the chain is on; tile_partials loads its
-first round of weights before the wait, and every CTA releases the next kernel only after its
-counter bump (not right after the wait, as the other chained kernels do): FC1 then becomes
-resident while the last CTA runs the tail instead of filling the SMs with waiting CTAs while
-the grid and the other stream's GEMVs still stream. FC1 waits before it reads the ids
-(moe_experts.ExpertsFC1), and FC2 reads them only once FC1's CTAs have all passed their wait,
-i.e. after this kernel has completed.
+first round of weights before the wait. It never releases the next kernel: FC1 (next on the
+stream) starts once this grid has completed, as after stock's routing kernel. FC1 waits
+before it reads the ids (moe_experts.ExpertsFC1) anyway, and FC2 reads them only once FC1's
+CTAs have all passed their wait.
 
 Check on the GPU (against stock's GEMM + routing op, gemv_mma's logits + that op, router_fast
 and the float64 reference; times stock's two kernels, gemv_mma + stock routing and this one
@@ -114,7 +112,7 @@ class RouterMma:
         mW = cute.make_tensor(cute.recast_ptr(w_gate, dtype=Int32),
                               cute.make_layout((E, S, self.ks // 8, 4), stride=(D // 2, self.ks // 2, 4, 1)))
         mB = cute.make_tensor(bias, cute.make_layout(E))
-        mP = cute.make_tensor(part, cute.make_layout((S + 1, m, E), stride=(m * E, E, 1)))
+        mP = cute.make_tensor(part, cute.make_layout((S, m, E), stride=(m * E, E, 1)))
         mC = cute.make_tensor(counter, cute.make_layout(1))
         mI = cute.make_tensor(ids, cute.make_layout((m, K), stride=(K, 1)))
         mO = cute.make_tensor(weights, cute.make_layout((m, K), stride=(K, 1)))
@@ -136,6 +134,12 @@ class RouterMma:
         cI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
         selI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
         selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
+        # the last CTA's summed logits and the bias, which its top-k reads (from shared memory:
+        # read from global the top-k took 8 us of the kernel's 18 at M = 8, bench/fused_runs.md);
+        # with the buffers above ~50 KB at M = 8 (the DSL opts every kernel into the device's
+        # dynamic shared-memory maximum)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((m, E), stride=(E, 1)), 16)
+        sB = smem.allocate_tensor(Float32, cute.make_layout(E), 16)
         # this CTA's K slice
         self.mma.tile_partials(mX[None, split, None, None], mW[None, split, None, None], red, tile, tidx,
                                warp, lane, release=False)
@@ -153,46 +157,41 @@ class RouterMma:
             old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
             flag[0] = old
         cute.arch.sync_threads()
-        # the chain's release, only now: FC1 (next on the stream) becomes resident as the grid
-        # drains and during the last CTA's tail, not while the grid and the other stream's
-        # latent_down / shared expert still need the SMs (released at the wait, FC1's waiting
-        # CTAs filled them: router 37 us in the 6c936ea step vs 17 alone)
-        chain.release()
+        # no chain release: FC1 (next on the stream) starts when this grid has completed, as it
+        # did after stock's routing kernel (released at the wait, FC1's waiting CTAs took the
+        # SMs the grid and the other stream's GEMVs needed: bench/fused_runs.md)
         if flag[0] == self.tiles * S - 1:               # CTA-uniform: the last CTA
             cute.arch.fence_acq_rel_gpu()
             if cutlass.const_expr(self.cfg.tail):
-                self.sum_slices(mP, tidx)
+                self.sum_slices(mP, mB, sL, sB, tidx)
                 cute.arch.sync_threads()                # the summed logits, seen by every warp
                 if cutlass.const_expr(self.cfg.topk):
-                    mL = mP[S, None, None]
                     for row in range(warp, m, rf.WARPS):    # warp-uniform: warps 0 .. M-1
-                        self.sel.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
+                        self.sel.topk_row(sL, sB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
 
     @cute.jit
-    def sum_slices(self, mP: cute.Tensor, tidx: Int32):
-        """logits = Σ_s part[s] in slice order into slot S, by the last CTA: every thread issues
-        all its loads before its first store (the stores could alias the loads for the
-        compiler, which would otherwise keep one L2 round trip per element), indices clamped
-        instead of branched."""
+    def sum_slices(self, mP: cute.Tensor, mB: cute.Tensor, sL: cute.Tensor, sB: cute.Tensor, tidx: Int32):
+        """logits = Σ_s part[s] in slice order into shared memory sL, and the bias into sB, by
+        the last CTA: every load independent (one L2 round trip), indices clamped instead of
+        branched."""
         E, m, S = self.cfg.experts, self.cfg.rows, self.cfg.splits
         n_l = m * E
-        per = (n_l + WARPS * 32 - 1) // (WARPS * 32)
-        vals = cute.make_rmem_tensor(cute.make_layout(per), Float32)
-        for i in cutlass.range_constexpr(per):
-            t = cutlass.min(tidx + i * (WARPS * 32), Int32(n_l - 1))
-            r_ = t // E
-            e_ = t - r_ * E
+        for i in cutlass.range_constexpr((n_l + WARPS * 32 - 1) // (WARPS * 32)):
+            t = tidx + i * (WARPS * 32)
+            tc = cutlass.min(t, Int32(n_l - 1))
+            r_ = tc // E
+            e_ = tc - r_ * E
             v = mP[0, r_, e_]
             for sp in cutlass.range_constexpr(1, S):
                 v = v + mP[sp, r_, e_]
-            vals[i] = v
-        for i in cutlass.range_constexpr(per):
-            t = tidx + i * (WARPS * 32)
             if t < n_l:
-                r_ = t // E
-                mP[S, r_, t - r_ * E] = vals[i]
+                sL[r_, e_] = v
+        for i in cutlass.range_constexpr((E + WARPS * 32 - 1) // (WARPS * 32)):
+            t = tidx + i * (WARPS * 32)
+            if t < E:
+                sB[t] = mB[t]
 
 
 def compile_for(cfg: RouterMmaConfig) -> object:
@@ -219,7 +218,7 @@ def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
             or bias.dtype != torch.float32 or bias.numel() != e or not y.is_contiguous()):
         raise ValueError(f"router_mma cannot run M={m} D={d} E={e} k={top_k} splits={splits}")
     cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail, topk)
-    part = torch.empty(splits + 1, m, e, dtype=torch.float32, device=y.device)
+    part = torch.empty(splits, m, e, dtype=torch.float32, device=y.device)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)
     compile_for(cfg)(ptr(y), ptr(w_gate), ptr(bias), ptr(part), ptr(counter), ptr(ids), ptr(weights),
