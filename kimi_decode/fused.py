@@ -150,11 +150,13 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   141.3 at M = 8) but slower in the chained step: FC2 took 90-95 us at B = 1, k = 7 (72 with
 #   the rolled staging) and the layers 271.3 / 280.9 us (KDA / MLA) against 247.2 / 256.7
 #   (bench/fused_runs.md); why is not known.
-# - router_mma (the router at 2 ≤ M ≤ 8 in one launch, one kernel fewer per layer): 16.0-18.0
-#   us cold in its check against 7.5 for its GEMV grid alone, so its one-CTA top-k tail costs as
-#   much as stock's Triton routing kernel; in the step FC1 started later (B = 1, k = 7 layers
-#   258.5-259.2 / 261.9-262.0 us KDA / MLA with it and gemv_mma_situ, bench/fused_runs.md).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
+# - router_mma (the router at 2 ≤ M ≤ 8 in one launch, one kernel fewer per layer): 11.4-14.2
+#   us cold in its check (7efa548; gemv_mma's logits + stock's routing op 33-35 there), but the
+#   step does not gain: issued first, its grid slows latent_down beside it, which then ends
+#   last (FC1 29.5-31.2 us after mlp_res's end vs 28.3-30.3 without it), and the layers came out
+#   239.7 / 256.9 us (KDA / MLA, B = 1, k = 7; 12 / 21 kernels) against 238.6 / 251.9 (13 / 22),
+#   B = 8 237.2 / 266.8 against 235.2 / 262.7 (bench/fused_runs.md, every run).
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 
