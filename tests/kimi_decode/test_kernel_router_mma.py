@@ -166,3 +166,37 @@ def test_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     moe.use_router_mma = False
     fused.LatentMoE._route(moe, torch.zeros(8, 1024, dtype=bf))
     assert calls == [8] and routed == [1, 8]
+
+
+def test_router_issued_before_the_side_stream_when_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused.LatentMoE.forward at M > 1: with router_mma applying, the router op is issued first
+    and the side stream forks from an event recorded before it (fused._fork); otherwise
+    latent_down comes first and there is no fork. The step's result equals stock either way
+    (the emulated router returns the float64 statement's choice)."""
+    from kimi_decode import fused
+    from kimi_decode.config import tiny
+    from kimi_decode.runner import build
+    from tests.kimi_decode.test_fused import run_close
+    order: list[str] = []
+    real_op_range = fused.op_range
+
+    def recording(op: str):
+        order.append(op)
+        return real_op_range(op)
+    monkeypatch.setattr(fused, "op_range", recording)
+    monkeypatch.setattr(fused, "_fork", lambda rt: order.append("fork") or None)
+    monkeypatch.setattr(rm, "route", lambda y, w, b, k, s, c: _emulate_route(y, w, b, k, s, c))
+    cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)
+    for on in (True, False):
+        stock, _ = build("stock", cfg, "cpu")
+        model = fused.FusedDecoder.from_stock(stock)
+        for layer in model.layers:
+            layer.mlp.use_router_mma = on
+            layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
+        monkeypatch.setattr(fused.LatentMoE, "_router_mma_applies", lambda self, y: self.use_router_mma)
+        order.clear()
+        run_close(stock, model, seed=5, steps=1)
+        moe = [o for o in order if o in ("fork", "router", "latent_down")]
+        per_layer = [tuple(moe[i:i + (3 if on else 2)]) for i in range(0, len(moe), 3 if on else 2)]
+        want = ("fork", "router", "latent_down") if on else ("latent_down", "router")
+        assert per_layer and all(p == want for p in per_layer), (on, per_layer)
