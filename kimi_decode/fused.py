@@ -133,9 +133,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "moe_up_grid",
                                     # tenth round: checked at 41febc2 (09:38 UTC; bit-equal to FC2 v2)
                                     "experts_v2_async",
-                                    # eleventh round: checked at 6c936ea (gemv_mma_situ, router_mma),
-                                    # 0561ccb (router_mma again) and ba774df (kda_multi), 2026-12-03
-                                    # 13:00-13:20 UTC (bench/fused_correctness.md)
+                                    # eleventh round: gemv_mma_situ checked at 6c936ea, kda_multi at
+                                    # ba774df and 8c6e2b1, router_mma at 6c936ea, 0561ccb, 8c6e2b1 and
+                                    # 7efa548, 2026-12-03 13:00-13:36 UTC (bench/fused_correctness.md)
                                     "gemv_mma_situ", "router_mma", "kda_multi"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
@@ -222,6 +222,15 @@ MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_at
 
 def _kernels_usable(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def _kda_multi_applies(cfg: KimiConfig) -> bool:
+    """kda_multi's shapes: T ≥ 2 tokens per sequence, M within the per-M table, its limits."""
+    if not (cfg.tokens_per_seq >= 2 and cfg.rows <= MAX_ROWS["kda_multi"]):
+        return False
+    from kimi_decode.kernels.kda_multi import can_implement
+    return can_implement(cfg.kda_local_heads, cfg.kda_head_dim, cfg.conv_kernel, cfg.in_proj_rows,
+                         cfg.tokens_per_seq, (cfg.torch_dtype,))
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool, k: object,
@@ -936,10 +945,7 @@ class FusedDecoder(StockDecoder):
                 res.use_gather = ag_slots
                 res.use_mc = {"attn_res", "attn_res_mc"} <= on
             if isinstance(layer.attn, KDAAttention):
-                from kimi_decode.kernels import kda_multi as k_kdam
-                multi = ("kda_multi" in on and cfg.tokens_per_seq >= 2 and cfg.rows <= MAX_ROWS["kda_multi"]
-                         and k_kdam.can_implement(cfg.kda_local_heads, cfg.kda_head_dim, cfg.conv_kernel,
-                                                  cfg.in_proj_rows, cfg.tokens_per_seq, (cfg.torch_dtype,)))
+                multi = "kda_multi" in on and _kda_multi_applies(cfg)
                 layer.attn.use_kda_multi = multi
                 layer.attn.use_kernel = multi or (bool({"kda", "kda_split", "kda_fast"} & on)
                                                   and cfg.rows <= MAX_ROWS["kda"])

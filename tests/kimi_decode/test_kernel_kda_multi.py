@@ -129,3 +129,13 @@ def test_fused_dispatch(monkeypatch) -> None:
     fused.KDAAttention.forward(attn, torch.zeros(8, cfg.hidden, dtype=bf))
     assert calls == [8]
     assert fused.MAX_ROWS["kda_multi"] == 8
+
+
+def test_applies_only_at_t_of_two_or_more_within_the_table() -> None:
+    """fused._kda_multi_applies: B = 1, k = 7 (M = 8) yes; k = 0 (T = 1) and B = 8, k = 7 (M =
+    64, past MAX_ROWS["kda_multi"]) no."""
+    from kimi_decode import fused
+    from kimi_decode.config import k3_tp16
+    assert fused._kda_multi_applies(k3_tp16(batch=1, spec_tokens=7))
+    assert not fused._kda_multi_applies(k3_tp16(batch=1, spec_tokens=0))
+    assert not fused._kda_multi_applies(k3_tp16(batch=8, spec_tokens=7))
