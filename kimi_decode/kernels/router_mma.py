@@ -5,8 +5,15 @@ Why: in the B = 1, k = 7 step the router took two kernels on the MoE front's cri
 gemv_mma's fp32 logits (17.1 µs beside latent_down and the shared gate/up in the a40ffe1
 trace), then stock's Triton routing kernel (10.3-11.4 µs for 8 rows of 896 scores), so the
 routed experts started ~5 µs after latent_down had finished. router_fast's top-k (one warp per
-row, candidate ranks, ~1 µs) finishes the GEMV grid in its last CTA; its own GEMV loses at
-M = 8 (CUDA-core FMAs: 50 µs in the step, fused.MAX_ROWS), gemv_mma's does not.
+row, candidate ranks) finishes the GEMV grid in its last CTA; its own GEMV loses at M = 8
+(CUDA-core FMAs: 50 µs in the step, fused.MAX_ROWS), gemv_mma's does not.
+
+Measured (H200, cold weights, bench/fused_correctness.md and fused_runs.md): 11.4 / 12.7 / 14.2
+µs at M = 2 / 4 / 8 (7efa548), of which the GEMV grid alone 7.4 / 9.2 / 10.1 and the slice sums
+0.8-2.3; the first form, whose top-k read the logits from global memory, took 16.0-18.4 (the
+top-k alone 8 µs). In the B = 1, k = 7 step it is not faster than gemv_mma's logits + stock's
+routing kernel: issued first it slows latent_down beside it, which then finishes last; so the
+kernel is opt-in (fused.OPT_IN).
 
 Math (as router_fast / router.py, every intermediate fp32):
     logits[m, e] = Σ_s part[s, m, e],  s = 0 .. S-1 in order,  part[s] = x[:, K_s] @ W[:, K_s]ᵀ
