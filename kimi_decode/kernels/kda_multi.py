@@ -4,8 +4,8 @@ KIMI_K3.md §1.4; same math, grid, scratch and ownership as kimi_decode.kernels.
 whose docstring this module assumes).
 
 Why: at B = 1, k = 7 the fused step still ran stock's four Triton kernels between in_proj and
-o_proj (f_b projection 2.5 µs, conv 3.5, recurrence 12.0, gated norm 2.8 in the a40ffe1 trace:
-23.4 µs from in_proj's end to o_proj's start), because kda_split, the one-launch kernel, took
+o_proj (f_b projection 2.7 µs, conv 3.7, recurrence 12.1, gated norm 2.8 in a KDA layer of the
+a40ffe1 trace: 23.4 µs from in_proj's end to o_proj's start), because kda_split, the one-launch kernel, took
 28.4-29.4 µs there (bench/fused_correctness.md): it runs its whole per-token body T times in
 sequence — the z loads, the conv, two norm reductions, the 128-term gate dot product (its f_b
 row re-read from L1), 5 barriers — and the last CTA then normalises the T output rows one
