@@ -94,6 +94,21 @@ def block_sum(val: Float32, red: cute.Tensor, slot: Int32, num_warps: cutlass.Co
 
 
 @cute.jit
+def arrive_count(mC: cute.Tensor, flag: cute.Tensor, tidx: Int32):
+    """Grid completion, the arrival (router.py's pattern, also router_fast's and router_mma's):
+    a CTA barrier, then thread 0 fences and bumps counter mC[0] (atom.add acq_rel, gpu scope)
+    and leaves the value it read in flag[0] (shared memory), then a barrier. The CTA that reads
+    gridDim − 1 is the last: every other CTA's writes are visible to it after its own fence.
+    Each thread that stored something the last CTA reads fences (fence.acq_rel.gpu) before."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
+        flag[0] = old
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def grid_arrive_and_wait(mCnt: cute.Tensor, cnt: Int32, ep: Int32, arrivals: Int32):
     """One thread per CTA (the caller's thread 0, between two CTA barriers, then a
     fence.acq_rel.gpu by every thread): a grid barrier of `arrivals` CTAs by sense reversal on
@@ -127,5 +142,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-__all__ = ["ptr", "dummy_ptr", "compile_options", "current_stream", "compiled", "block_sum", "grid_arrive_and_wait",
+__all__ = ["ptr", "dummy_ptr", "compile_options", "current_stream", "compiled", "block_sum", "arrive_count",
+           "grid_arrive_and_wait",
            "sigmoid", "Int32", "Float32"]

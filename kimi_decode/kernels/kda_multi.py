@@ -251,45 +251,7 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), spec: int = 7,
     is kda_split's acceptance (kda_split.check_row); B = 1 is where fused.py uses it, B = 8
     (V_SPLIT = 8) covers a second column width. Timing: stock ops, kda_split, this kernel."""
     from kimi_decode.kernels import kda_split as ks
-    from kimi_decode.kernels.checks import DEVICE, _sync, rel
-    dev = torch.device(DEVICE)
-    out = []
-    for b in batches:
-        _, mod, kcfg = ks.check_module(b, spec, dev)
-        sc_m, sc_s = ks.make_scratch(kcfg, b, dev), ks.make_scratch(kcfg, b, dev)
-        conv_m, rec_m = mod.conv_state.clone(), mod.rec_state.clone()
-        conv_s, rec_s = mod.conv_state.clone(), mod.rec_state.clone()
-        e = {"out": 0.0, "out_f64": 0.0, "stock_f64": 0.0, "rec": 0.0, "vs_split": 0.0}
-        conv_equal, same = True, True
-        for step in range(steps):
-            z = ks.check_input(mod, step, dev)
-            with torch.no_grad():
-                ref, _, _ = ks.reference(z, mod.f_b, mod.conv_w, mod.conv_state, mod.dt_bias, mod.a_log,
-                                         mod.rec_state, mod.o_norm, kcfg)
-                o_st = ks._stock_core(mod, z)
-                o_m = kda_decode_multi(z, mod.f_b, mod.conv_w, conv_m, mod.dt_bias, mod.a_log, rec_m,
-                                       mod.o_norm, kcfg, sc_m)
-                o_p = ks.kda_decode_split(z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s,
-                                          mod.o_norm, kcfg, sc_s)
-            _sync()
-            e["out"] = max(e["out"], rel(o_m, o_st))
-            e["out_f64"] = max(e["out_f64"], rel(o_m, ref))
-            e["stock_f64"] = max(e["stock_f64"], rel(o_st, ref))
-            e["rec"] = max(e["rec"], rel(rec_m, mod.rec_state))
-            e["vs_split"] = max(e["vs_split"], rel(o_m, o_p))
-            conv_equal &= torch.equal(conv_m, mod.conv_state)
-            same &= torch.equal(o_m, o_p) and torch.equal(rec_m, rec_s) and torch.equal(conv_m, conv_s)
-            for t in (conv_m, conv_s):           # continue from stock's state, like for like
-                t.copy_(mod.conv_state)
-            for t in (rec_m, rec_s):
-                t.copy_(mod.rec_state)
-        r = ks.check_row("kda_multi", b, spec, e, conv_equal, sc_m,
-                         rel_out_vs_kda_split=e["vs_split"], bit_identical=same)
-        if timing:
-            r.update(_timings(mod, kcfg, conv_m, rec_m, b))
-        out.append(r)
-        del mod
-    return out
+    return ks.check_beside_split("kda_multi", kda_decode_multi, _timings, timing, batches, spec, steps)
 
 
 if __name__ == "__main__":

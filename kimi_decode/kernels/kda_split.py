@@ -624,6 +624,56 @@ def check_row(kernel: str, batch: int, spec: int, e: dict, conv_equal: bool, scr
                    and e["rec"] <= 1e-3 and conv_equal and counter_zero)}
 
 
+def check_beside_split(kernel: str, launch_fn: Callable[..., torch.Tensor], timings_fn: Callable[..., dict],
+                       timing: bool, batches: tuple[int, ...], spec: int, steps: int) -> list[dict]:
+    """The check of a kernel with kda_decode_split's contract (kda_fast, kda_multi): `launch_fn`
+    vs the stock KDAAttention ops on the module's own tensors (z = the stock in_proj of fresh
+    inputs) at k = `spec`, `steps` steps with state carried, vs the float64 reference on the
+    same pre-step state, and vs kda_split on the same inputs and state ("bit_identical": out,
+    rec_state and conv_state equal; reported, not required). `ok` is kda_split's acceptance
+    (check_row). With timing, `timings_fn(mod, kcfg, conv, rec, batch)` adds its columns."""
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel
+    dev = torch.device(DEVICE)
+    out = []
+    for b in batches:
+        _, mod, kcfg = check_module(b, spec, dev)
+        sc_k, sc_s = make_scratch(kcfg, b, dev), make_scratch(kcfg, b, dev)
+        conv_k, rec_k = mod.conv_state.clone(), mod.rec_state.clone()
+        conv_s, rec_s = mod.conv_state.clone(), mod.rec_state.clone()
+        e = {"out": 0.0, "out_f64": 0.0, "stock_f64": 0.0, "rec": 0.0, "vs_split": 0.0}
+        conv_equal, same = True, True
+        for step in range(steps):
+            z = check_input(mod, step, dev)
+            with torch.no_grad():
+                ref, _, _ = reference(z, mod.f_b, mod.conv_w, mod.conv_state, mod.dt_bias, mod.a_log,
+                                      mod.rec_state, mod.o_norm, kcfg)
+                o_st = _stock_core(mod, z)
+                o_k = launch_fn(z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm,
+                                kcfg, sc_k)
+                o_p = kda_decode_split(z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s,
+                                       mod.o_norm, kcfg, sc_s)
+            _sync()
+            e["out"] = max(e["out"], rel(o_k, o_st))
+            e["out_f64"] = max(e["out_f64"], rel(o_k, ref))
+            e["stock_f64"] = max(e["stock_f64"], rel(o_st, ref))
+            e["rec"] = max(e["rec"], rel(rec_k, mod.rec_state))
+            e["vs_split"] = max(e["vs_split"], rel(o_k, o_p))
+            conv_equal &= torch.equal(conv_k, mod.conv_state)
+            same &= torch.equal(o_k, o_p) and torch.equal(rec_k, rec_s) and torch.equal(conv_k, conv_s)
+            # continue from stock's state so the steps compare like for like
+            for t in (conv_k, conv_s):
+                t.copy_(mod.conv_state)
+            for t in (rec_k, rec_s):
+                t.copy_(mod.rec_state)
+        r = check_row(kernel, b, spec, e, conv_equal, sc_k, rel_out_vs_kda_split=e["vs_split"],
+                      bit_identical=same)
+        if timing:
+            r.update(timings_fn(mod, kcfg, conv_k, rec_k, b))
+        out.append(r)
+        del mod
+    return out
+
+
 def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64),
           spec: tuple[int, ...] = (0, 7), alt_splits: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
     """Kernel vs the stock KDAAttention ops on the module's own tensors (z = the stock in_proj

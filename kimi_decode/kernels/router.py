@@ -38,7 +38,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
+from kimi_decode.kernels._common import (arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr,
+                                         sigmoid)
 
 VEC = 8
 WARPS = 8
@@ -116,12 +117,7 @@ class Router:
             self.gemv(mY, mW, mL, bidx * WARPS + warp, lane)
             smem = cutlass.memory.SmemAllocator()
             flag = smem.allocate_tensor(Int32, cute.make_layout(1))
-            cute.arch.sync_threads()
-            if tidx == 0:
-                cute.arch.fence_acq_rel_gpu()
-                old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
-                flag[0] = old
-            cute.arch.sync_threads()
+            arrive_count(mC, flag, tidx)
             if flag[0] == gdim - 1:
                 cute.arch.fence_acq_rel_gpu()
                 for row in range(warp, m, WARPS):

@@ -69,7 +69,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from kimi_decode.kernels import router as _slow
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
+from kimi_decode.kernels._common import (arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr,
+                                         sigmoid)
 
 VEC = 8
 WARPS = 8
@@ -223,12 +224,7 @@ class RouterFast:
         bump the counter runs the top-k of every row and re-zeroes the counter. With staging
         (sL, sB given) its 256 threads first copy the M×E logits and the bias to shared memory
         (coalesced, all loads independent: one L2 round trip), then the top-k reads them there."""
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
-            flag[0] = old
-        cute.arch.sync_threads()
+        arrive_count(mC, flag, tidx)
         if flag[0] == ctas - 1:                                 # CTA-uniform
             cute.arch.fence_acq_rel_gpu()
             if cutlass.const_expr(self.stage):

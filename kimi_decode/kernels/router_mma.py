@@ -62,7 +62,7 @@ from cutlass import Float32, Int32
 from kimi_decode.kernels import chain
 from kimi_decode.kernels import gemv_mma as gm
 from kimi_decode.kernels import router_fast as rf
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr
 
 WARPS = 8          # per CTA (gemv_mma's layout; the top-k uses warps 0 .. M-1)
 SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
@@ -157,13 +157,8 @@ class RouterMma:
                 if col < E:
                     mP[split, r, col] = tot
             cute.arch.fence_acq_rel_gpu()   # this thread's partials before the CTA's counter bump
-        # grid completion (router_fast.RouterFast.complete's pattern)
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            old = cute.arch.atomic_add(mC.iterator, Int32(1), sem="acq_rel", scope="gpu")
-            flag[0] = old
-        cute.arch.sync_threads()
+        # grid completion: the last CTA to arrive sums and selects
+        arrive_count(mC, flag, tidx)
         # no chain release: FC1 (next on the stream) starts when this grid has completed, as it
         # did after stock's routing kernel (released at the wait, FC1's waiting CTAs took the
         # SMs the grid and the other stream's GEMVs needed: bench/fused_runs.md)
