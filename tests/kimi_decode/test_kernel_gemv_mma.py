@@ -25,7 +25,7 @@ import kimi_decode.kernels.gemv_mma as gm  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
 from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
-from tests.kimi_decode.test_kernels_compile import common_checks  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait, common_checks  # noqa: E402
 from tests.kimi_decode.test_kernels_compile import ptx_of as compiled_ptx  # noqa: E402
 
 bf = torch.bfloat16
@@ -137,16 +137,9 @@ def test_registered_for_the_device_check() -> None:
 def test_chained_build_loads_round_zero_weights_before_the_wait(tmp_path: Path) -> None:
     """PDL chain on: the first round's weight loads (2 per chunk) precede griddepcontrol.wait,
     every x load follows it, and the successor is released right after the wait."""
-    from kimi_decode.kernels import chain
-    chain.set_chain(True, 0)
-    try:
-        n, k = SHAPES["in_proj"]
-        cfg = gm.config_for(8, n, k)
-        ptx = ptx_of(tmp_path, cfg)
-    finally:
-        chain.set_chain(False, chain.DEFAULT_BUDGET)
-    lines = [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
-    wait = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+    n, k = SHAPES["in_proj"]
+    cfg = gm.config_for(8, n, k)
+    lines, wait = chained_ptx_at_wait(lambda: ptx_of(tmp_path, cfg))
     assert lines[wait + 1].startswith("griddepcontrol.launch_dependents")
     before = [s for s in lines[:wait] if s.startswith("ld.global")]
     assert len(before) == 2 * min(gm.UNROLL, k // gm.CHUNK // cfg.warps)

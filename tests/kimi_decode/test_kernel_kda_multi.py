@@ -17,11 +17,11 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cute = pytest.importorskip("cutlass.cute")
 
-from kimi_decode.kernels import chain  # noqa: E402
 from kimi_decode.kernels import kda_multi as km  # noqa: E402
 from kimi_decode.kernels.kda_split import KDASplit, make_scratch  # noqa: E402
 from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
 from tests.kimi_decode.test_kernel_kda_split import _fake_split, _wrong_split, k3_kcfg, ptx_of  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait  # noqa: E402
 
 bf = torch.bfloat16
 
@@ -55,13 +55,7 @@ def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
     """PDL chain on: the state slice, conv history and weights, the f_b row, dt_bias, A_log and
     o_norm load before griddepcontrol.wait; every z value after it; the release follows the
     wait."""
-    chain.set_chain(True, 0)
-    try:
-        ptx = ptx_of(tmp_path, k3_kcfg(7), 16, km.KDAMulti)
-    finally:
-        chain.set_chain(False, chain.DEFAULT_BUDGET)
-    lines = [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
-    wait = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+    lines, wait = chained_ptx_at_wait(lambda: ptx_of(tmp_path, k3_kcfg(7), 16, km.KDAMulti))
     assert lines[wait + 1].startswith("griddepcontrol.launch_dependents")
     before = [s for s in lines[:wait] if s.startswith("ld.global")]
     after = [s for s in lines[wait:] if s.startswith("ld.global")]

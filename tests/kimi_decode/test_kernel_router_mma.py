@@ -26,10 +26,10 @@ import kimi_decode.kernels.gemv_mma as gm  # noqa: E402
 import kimi_decode.kernels.router_fast as rf  # noqa: E402
 import kimi_decode.kernels.router_mma as rm  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
-from kimi_decode.kernels import _common, chain  # noqa: E402
+from kimi_decode.kernels import _common  # noqa: E402
 from kimi_decode.kernels.router import reference  # noqa: E402
 from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
-from tests.kimi_decode.test_kernels_compile import common_checks, ptx_of  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait, common_checks, ptx_of  # noqa: E402
 
 bf = torch.bfloat16
 P = _common.dummy_ptr
@@ -101,13 +101,7 @@ def test_chained_build_waits_before_reading_x(tmp_path: Path) -> None:
     """PDL chain on: only weight loads (2 per chunk of round 0) precede griddepcontrol.wait;
     y, the partials, the counter and the bias are read after it; it never releases the next
     kernel (FC1 starts when it completes: released earlier, FC1's waiting CTAs took the SMs)."""
-    chain.set_chain(True, 0)
-    try:
-        ptx = k3_ptx(tmp_path, 8)
-    finally:
-        chain.set_chain(False, chain.DEFAULT_BUDGET)
-    lines = [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
-    wait = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+    lines, wait = chained_ptx_at_wait(lambda: k3_ptx(tmp_path, 8))
     assert not any(s.startswith("griddepcontrol.launch_dependents") for s in lines)
     assert next(i for i, s in enumerate(lines) if s.startswith("atom.")) > wait
     before = [s for s in lines[:wait] if s.startswith(("ld.global", "atom", "ld.shared"))]

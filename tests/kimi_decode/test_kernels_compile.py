@@ -8,6 +8,7 @@ Configurations are the K3 TP16 shapes, kept to the cheap ones (M = 1, T = 1) so 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,20 @@ def ptx_of(tmp_path: Path, kernel: object, *args: object) -> str:
     files = list(tmp_path.glob("*.ptx"))
     assert len(files) == 1, files
     return files[0].read_text()
+
+
+def chained_ptx_at_wait(build: Callable[[], str]) -> tuple[list[str], int]:
+    """PTX built with the PDL chain on (kernels/chain.py, no prefetch budget), as its
+    instruction lines (comments and blanks dropped), and the index of its griddepcontrol.wait:
+    what the chained kernels' tests split into before / after the wait."""
+    from kimi_decode.kernels import chain
+    chain.set_chain(True, 0)
+    try:
+        ptx = build()
+    finally:
+        chain.set_chain(False, chain.DEFAULT_BUDGET)
+    lines = [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
+    return lines, next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
 
 
 def common_checks(ptx: str) -> None:
