@@ -607,6 +607,7 @@ class LatentMoE(stock.LatentMoE):
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     up_grid_scratch = None       # kernels/moe_up_grid.py at 2 ≤ M ≤ 8 (made by enable())
     use_experts_async = False    # FC2 v2 stages its activations with cp.async (experts_v2_async)
+    use_experts_rows = False     # at M ≥ 2 FC2 as a resident grid (kernels/moe_fc2_rows.py)
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
                                  # kernel reads the all-gather slots; kernel "attn_res_ag")
@@ -695,9 +696,13 @@ class LatentMoE(stock.LatentMoE):
             shape = (z.shape[0], idx.shape[1], z.shape[1], self.w2.shape[-1], (z.dtype,))
             v2 = self.use_experts_v2 and can_implement_v2(*shape, inter=inter)
             if v2 or (self.use_experts_kernel and can_implement(*shape, inter=inter)):
+                rows = 0
+                if v2 and self.use_experts_rows:
+                    from kimi_decode.kernels import moe_fc2_rows as k_rows
+                    rows = k_rows.STEP_BUFFERS if k_rows.can_implement(*shape, inter=inter) else 0
                 return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
                                inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"], v2=v2,
-                               stage_async=v2 and self.use_experts_async)
+                               stage_async=v2 and self.use_experts_async and not rows, rows=rows)
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 
@@ -991,6 +996,7 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_experts_kernel = "experts" in on
                 layer.mlp.use_experts_v2 = "experts_v2" in on
                 layer.mlp.use_experts_async = "experts_v2_async" in on
+                layer.mlp.use_experts_rows = "experts_rows" in on
                 layer.mlp.use_experts_one = "experts_one" in on
                 if "experts_one" in on and not hasattr(layer.mlp, "experts_counters"):
                     # ticket / completion / exit counters of the one-launch experts; it re-zeroes them

@@ -39,7 +39,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # last CTA (one launch); the shared expert's SiTU GLU as gemv_mma's prologue
            "router_mma", "gemv_mma_situ",
            # the KDA decode kernel for T ≥ 2 tokens per sequence, the per-token prelude batched
-           "kda_multi")
+           "kda_multi",
+           # twelfth round (M = 2..8): FC2 of the routed experts as a resident grid, one row per
+           # CTA walking column blocks (no per-CTA prologue per 24 KB)
+           "experts_rows")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -49,7 +52,8 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "mla_attend_uv": "mla_attend", "kda_fast": "kda_fast", "experts_one": "moe_experts_one",
                  "gemv_tuned": "gemv", "pdl_chain": "chain_check",
                  "gemv_mma": "gemv_mma", "moe_up_grid": "moe_up_grid", "experts_v2_async": "moe_experts",
-                 "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma", "kda_multi": "kda_multi"}
+                 "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma", "kda_multi": "kda_multi",
+                 "experts_rows": "moe_fc2_rows"}
 
 
 def applicable(name: str, cfg: object) -> bool:

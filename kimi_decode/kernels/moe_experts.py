@@ -377,25 +377,34 @@ class ExpertsFC2:
 
 
 @cute.jit
-def v2_issue(mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor, sW: cute.Tensor, ev: cute.Tensor,
-             wv: cute.Tensor, row: Int32, cc: Int32, r: Int32, grp: Int32, tidx: Int32,
-             K: cutlass.Constexpr[int], E: cutlass.Constexpr[int], kpg: cutlass.Constexpr[int],
-             nsl: cutlass.Constexpr[int]):
-    """FC2 v2, before the wait: the lane's group's K/4 expert ids (ev), all its w2 slices of
-    column cc in flight (wv) and the row's K routing weights in shared memory (sW). Shared by
-    ExpertsFC2v2.kernel and moe_experts_one.ExpertsOne.fc2_item."""
-    # the group's K/4 ids; an id outside [0, E) reads expert 0 and weighs 0
+def v2_ids(mIdx: cute.Tensor, ev: cute.Tensor, row: Int32, grp: Int32, E: cutlass.Constexpr[int],
+           kpg: cutlass.Constexpr[int]):
+    """The lane's group's K/4 expert ids of `row` (ev); an id outside [0, E) reads expert 0
+    (and weighs 0, v2_weights)."""
     for t in cutlass.range_constexpr(kpg):
         e = mIdx[row, grp + t * V2_GROUPS].to(Int32)
         if e < 0 or e >= E:
             e = Int32(0)
         ev[t] = e
-    # K/4 experts x I/64 slices: 12 loads of 16 B per lane at K3, every lane busy; one
-    # warp instruction reads 4 experts' 128 contiguous bytes (a whole line each)
+
+
+@cute.jit
+def v2_loads(mW2: cute.Tensor, ev: cute.Tensor, wv: cute.Tensor, cc: Int32, r: Int32,
+             kpg: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int]):
+    """All the lane's w2 slices of column cc in flight (wv): K/4 experts x I/64 slices, 12
+    loads of 16 B per lane at K3, every lane busy; one warp instruction reads 4 experts' 128
+    contiguous bytes (a whole line each)."""
     for t in cutlass.range_constexpr(kpg):
         for i in cutlass.range_constexpr(nsl):
             cute.autovec_copy(mW2[ev[t], cc, r + i * V2_GROUP_LANES, None], wv[None, i, t])
-    if tidx < K:                             # the row's weights, 0 for an invalid id
+
+
+@cute.jit
+def v2_weights(mIdx: cute.Tensor, mWt: cute.Tensor, sW: cute.Tensor, row: Int32, tidx: Int32,
+               K: cutlass.Constexpr[int], E: cutlass.Constexpr[int]):
+    """The row's K routing weights in shared memory (sW; 0 for an invalid id), written by
+    threads 0..K-1 (read after the staging barrier)."""
+    if tidx < K:
         e = mIdx[row, tidx].to(Int32)
         wj = mWt[row, tidx]
         if e < 0 or e >= E:
@@ -404,20 +413,28 @@ def v2_issue(mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor, sW: cute.Ten
 
 
 @cute.jit
-def v2_finish(mA: cute.Tensor, mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor, av: cute.Tensor,
-              wv: cute.Tensor, ex: cute.Tensor, row: Int32, col: Int32, r: Int32, grp: Int32,
-              tidx: Int32, lane: Int32, K: cutlass.Constexpr[int], L: cutlass.Constexpr[int],
-              kpg: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
-              stage_async: cutlass.Constexpr[bool] = False):
-    """FC2 v2, after the wait: stage the row's `a` in shared memory, each group's K/4 dot
-    products and 8-lane butterflies, the j-ordered weighted sum, out[row, col] (bf16). Shared
-    by ExpertsFC2v2.kernel and moe_experts_one.ExpertsOne.fc2_item."""
-    # `a` (columns < I) staged in shared memory after the wait, with or without PDL:
-    # 8 threads per activation row, as the groups read it (thread t: row t // 8 (+ 16·n),
-    # slices t % 8 + 8·i). Default: one 128-bit slice at a time (a rolled loop: 4 registers
-    # beside the 48 of w2 in flight), so nsl dependent L2 round trips. `stage_async`
-    # (ExpertsConfig.stage_async): every slice as one cp.async global -> shared copy, all in
-    # flight at once and no register held, then one wait: one round trip.
+def v2_issue(mIdx: cute.Tensor, mWt: cute.Tensor, mW2: cute.Tensor, sW: cute.Tensor, ev: cute.Tensor,
+             wv: cute.Tensor, row: Int32, cc: Int32, r: Int32, grp: Int32, tidx: Int32,
+             K: cutlass.Constexpr[int], E: cutlass.Constexpr[int], kpg: cutlass.Constexpr[int],
+             nsl: cutlass.Constexpr[int]):
+    """FC2 v2, before the wait: the lane's group's K/4 expert ids (ev), all its w2 slices of
+    column cc in flight (wv) and the row's K routing weights in shared memory (sW). Shared by
+    ExpertsFC2v2.kernel and moe_experts_one.ExpertsOne.fc2_item (moe_fc2_rows uses the parts)."""
+    v2_ids(mIdx, ev, row, grp, E, kpg)
+    v2_loads(mW2, ev, wv, cc, r, kpg, nsl)
+    v2_weights(mIdx, mWt, sW, row, tidx, K, E)
+
+
+@cute.jit
+def v2_stage(mA: cute.Tensor, sA: cute.Tensor, av: cute.Tensor, row: Int32, r: Int32, tidx: Int32,
+             K: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+             stage_async: cutlass.Constexpr[bool] = False):
+    """FC2 v2, after the wait: the row's `a` (columns < I) staged in shared memory, then a
+    barrier. 8 threads per activation row, as the groups read it (thread t: row t // 8
+    (+ 16·n), slices t % 8 + 8·i). Default: one 128-bit slice at a time (a rolled loop: 4
+    registers beside the 48 of w2 in flight), so nsl dependent L2 round trips. `stage_async`
+    (ExpertsConfig.stage_async): every slice as one cp.async global -> shared copy, all in
+    flight at once and no register held, then one wait: one round trip."""
     jr = tidx // V2_GROUP_LANES
     if cutlass.const_expr(stage_async):
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mA.element_type, num_bits_per_copy=128)
@@ -436,8 +453,17 @@ def v2_finish(mA: cute.Tensor, mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
     cute.arch.sync_threads()
-    # each group's K/4 dot products (a lane: its slices in order, then an 8-lane
-    # butterfly, after which every lane of the group holds the same sum), rounded to bf16
+
+
+@cute.jit
+def v2_dots(mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor, av: cute.Tensor, wv: cute.Tensor,
+            ex: cute.Tensor, row: Int32, col: Int32, r: Int32, grp: Int32, lane: Int32,
+            K: cutlass.Constexpr[int], L: cutlass.Constexpr[int], kpg: cutlass.Constexpr[int],
+            nsl: cutlass.Constexpr[int]):
+    """FC2 v2's arithmetic on the w2 slices in wv and the staged `a`: each group's K/4 dot
+    products (a lane: its slices in order, then an 8-lane butterfly, after which every lane
+    of the group holds the same sum), rounded to bf16; the j-ordered weighted sum (e_j from
+    group j % 4: a uniform source lane, every lane shuffles); lane 0 stores out[row, col]."""
     for t in cutlass.range_constexpr(kpg):
         s = Float32(0.0)
         for i in cutlass.range_constexpr(nsl):
@@ -446,14 +472,25 @@ def v2_finish(mA: cute.Tensor, mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor
                 s = s + wv[u, i, t].to(Float32) * av[u].to(Float32)
         ex[t] = cute.arch.warp_reduction_sum(s, threads_in_group=V2_GROUP_LANES).to(
             mO.element_type).to(Float32)
-    # weighted in j order, as ExpertsFC2: e_j comes from group j % 4 (a uniform source
-    # lane; every lane shuffles)
     acc = Float32(0.0)
     for j in cutlass.range_constexpr(K):
         ej = cute.arch.shuffle_sync(ex[j // V2_GROUPS], offset=(j % V2_GROUPS) * V2_GROUP_LANES)
         acc = acc + sW[j] * ej
     if lane == 0 and col < L:
         mO[row, col] = acc.to(mO.element_type)
+
+
+@cute.jit
+def v2_finish(mA: cute.Tensor, mO: cute.Tensor, sA: cute.Tensor, sW: cute.Tensor, av: cute.Tensor,
+              wv: cute.Tensor, ex: cute.Tensor, row: Int32, col: Int32, r: Int32, grp: Int32,
+              tidx: Int32, lane: Int32, K: cutlass.Constexpr[int], L: cutlass.Constexpr[int],
+              kpg: cutlass.Constexpr[int], nsl: cutlass.Constexpr[int], threads: cutlass.Constexpr[int],
+              stage_async: cutlass.Constexpr[bool] = False):
+    """FC2 v2, after the wait: stage the row's `a` in shared memory (v2_stage), then the dot
+    products and out[row, col] (v2_dots). Shared by ExpertsFC2v2.kernel and
+    moe_experts_one.ExpertsOne.fc2_item."""
+    v2_stage(mA, sA, av, row, r, tidx, K, nsl, threads, stage_async)
+    v2_dots(mO, sA, sW, av, wv, ex, row, col, r, grp, lane, K, L, kpg, nsl)
 
 
 class ExpertsFC2v2:
@@ -577,7 +614,7 @@ def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
             inter: int | None = None, pdl: bool = False, v2: bool = False,
-            stage_async: bool = False) -> torch.Tensor:
+            stage_async: bool = False, rows: int = 0) -> torch.Tensor:
     """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
     z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
     dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
@@ -586,14 +623,20 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
     waits for FC1 before reading FC1's output; results are identical). `v2`: FC2 is
     ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2); `stage_async` (with v2,
-    kernel `experts_v2_async`): its `a` staged by cp.async, bit-identical. Returns out [M, L]."""
+    kernel `experts_v2_async`): its `a` staged by cp.async, bit-identical. `rows` (1 or 2,
+    with v2, kernel `experts_rows`): at M ≥ 2 FC2 is moe_fc2_rows.ExpertsFC2Rows with that
+    many register buffers, bit-identical to FC2 v2 (M = 1 keeps FC2 v2). Returns out [M, L]."""
     (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
                                                      can_implement_v2 if v2 else can_implement,
                                                      "experts kernel")
     fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
-    fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
+    if rows and v2 and not stage_async and m >= 2:
+        from kimi_decode.kernels import moe_fc2_rows
+        moe_fc2_rows.launch_fc2(act, idx, w, w2, out, ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), m, rows)
+    else:
+        fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
     return out
 
 

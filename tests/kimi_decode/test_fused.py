@@ -510,32 +510,42 @@ def test_mla_positions_hoisted_once_per_step() -> None:
     ({"experts", "experts_v2"}, False, False),  # v2's shape rules refuse: the old kernels
     ({"experts_v2"}, False, None),              # ... and without `experts`: the stock op
     ({"experts_v2", "experts_v2_async"}, True, True),   # v2 with cp.async staging
+    ({"experts_v2", "experts_rows"}, True, True),       # v2 with FC2 as the resident grid
+    ({"experts", "experts_rows"}, False, False),        # no v2: no rows either
+    ({"experts_v2", "experts_v2_async", "experts_rows"}, True, True),   # rows wins over async
 ])
 def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expected: bool | None) -> None:
     """enable() switches LatentMoE._experts to FC2 v2 (kernels/moe_experts.py, `v2=True`) when
     kernel `experts_v2` is enabled and can_implement_v2 holds, to the verified kernels
     (`v2=False`) when only `experts` is, to the stock op otherwise. The kernels are the torch
     statement of their contract (stock's grouped experts), so the step still matches stock;
-    every MoE layer of every step makes one call, with the expected `v2`. VERIFIED and the
-    device test are patched: the lead adds experts_v2 to VERIFIED after its device check."""
+    every MoE layer of every step makes one call, with the expected `v2`. With
+    `experts_rows` the v2 calls ask for FC2 as the resident grid (rows = STEP_BUFFERS, never
+    with the cp.async staging). VERIFIED and the device test are patched: the lead adds a
+    kernel to VERIFIED after its device check."""
     pytest.importorskip("cutlass")
     import kimi_decode.fused as fused_mod
     import kimi_decode.kernels as kernels_pkg
     import kimi_decode.kernels.moe_experts as k_ex
+    import kimi_decode.kernels.moe_fc2_rows as k_rows
     from kimi_decode import stock_ops as ops
     calls: list[bool] = []
     staged: list[bool] = []
+    rows_asked: list[int] = []
 
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
-                stage_async=False):
+                stage_async=False, rows=0):
         calls.append(v2)
         staged.append(stage_async)
+        rows_asked.append(rows)
         r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)
     monkeypatch.setattr(k_ex, "experts", experts)
     monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
     monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: v2_fits)
-    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2", "experts_v2_async"})
+    monkeypatch.setattr(k_rows, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2", "experts_v2_async",
+                                                                     "experts_rows"})
     monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
     monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
@@ -547,7 +557,9 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     assert moe_layers == 6
     assert calls == ([] if expected is None else [expected] * (2 * moe_layers))
     # cp.async staging only with v2 and its own kernel name (experts_v2_async)
-    assert staged == [bool(expected) and "experts_v2_async" in enabled] * len(calls)
+    rows = bool(expected) and "experts_rows" in enabled
+    assert staged == [bool(expected) and "experts_v2_async" in enabled and not rows] * len(calls)
+    assert rows_asked == [k_rows.STEP_BUFFERS if rows else 0] * len(calls)
 
 
 def _emulate_fold_kernels(monkeypatch, cfg, calls: list) -> None:
@@ -775,7 +787,7 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
     calls: list = []
 
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
-                stage_async=False):
+                stage_async=False, rows=0):
         calls.append(v2)
         r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)
