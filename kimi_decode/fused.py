@@ -136,7 +136,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # eleventh round: gemv_mma_situ checked at 6c936ea, kda_multi at
                                     # ba774df and 8c6e2b1, router_mma at 6c936ea, 0561ccb, 8c6e2b1 and
                                     # 7efa548, 2026-12-03 13:00-13:36 UTC (bench/fused_correctness.md)
-                                    "gemv_mma_situ", "router_mma", "kda_multi"})
+                                    "gemv_mma_situ", "router_mma", "kda_multi",
+                                    # twelfth round: experts_rows checked at 530c2da (2026-12-03
+                                    # 14:26 UTC: bit-equal to FC2 v2 at M = 2 and 8)
+                                    "experts_rows"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
