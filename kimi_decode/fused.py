@@ -162,6 +162,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
+# The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
+# router instead of after latent_down: the front then streams latent_down and the router's
+# weights only, and the shared expert's 11 MB run beside the routed experts.
+SHARED_AFTER_ROUTER = False
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -601,6 +605,7 @@ class LatentMoE(stock.LatentMoE):
     use_router_kernel = False
     use_router_fast = False      # kernels/router_fast.py (M ≤ 8)
     use_router_mma = False       # kernels/router_mma.py (2 ≤ M ≤ 8): logits on the tensor cores + top-k
+    use_router_topk = False      # kernels/router_topk.py (2 ≤ M ≤ 8): the selection from the logits
     use_mma_situ = False         # shared down at 2 ≤ M ≤ 8 with the SiTU prologue (gemv_mma_situ)
     use_gemv = False
     use_gemv_situ = False        # shared down GEMV with the SiTU GLU prologue
@@ -635,6 +640,11 @@ class LatentMoE(stock.LatentMoE):
             return route(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling, self.router_counter,
                          logits=logits)
         logits = self._router_logits(y)
+        if self.use_router_topk and logits.dtype == torch.float32 and logits.is_contiguous():
+            # 2 ≤ M ≤ 8: the selection in one CUDA block instead of stock's Triton kernel
+            from kimi_decode.kernels import router_topk as k_tk
+            if k_tk.can_implement(logits.shape[0], logits.shape[1], cfg.top_k):
+                return k_tk.route_logits(logits, self.bias, cfg.top_k, cfg.routed_scaling)
         return self.fx["route"](logits, self.bias, cfg.top_k, cfg.routed_scaling)
 
     def _router_mma_applies(self, y: torch.Tensor) -> bool:
@@ -734,15 +744,22 @@ class LatentMoE(stock.LatentMoE):
             if router_first:
                 with op_range("router"):
                     idx, w = self._route(y)                                            # [M, K]
+            defer = SHARED_AFTER_ROUTER and not router_first
             with _on_side(self.rt, y, after=fork):
                 with op_range("latent_down"):
                     z = _linear(y, self.down, self.use_gemv, self.k)                   # [M, L]
                 z_ready = _mark(self.rt)
-                with op_range("shared_expert"):
-                    sh = self._shared(y)                                               # [M, D] partial
+                if not defer:
+                    with op_range("shared_expert"):
+                        sh = self._shared(y)                                           # [M, D] partial
             if not router_first:
                 with op_range("router"):
                     idx, w = self._route(y)                                            # [M, K]
+            if defer:
+                # the shared expert after the routing (beside the routed experts), so the
+                # front streams only latent_down and the router's weights
+                with _on_side(self.rt, y), op_range("shared_expert"):
+                    sh = self._shared(y)                                               # [M, D] partial
         self.last_idx, self.last_w = idx, w
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing
@@ -995,6 +1012,7 @@ class FusedDecoder(StockDecoder):
                 layer.mlp.use_gemv = "gemv" in on
                 layer.mlp.use_gemv_situ = {"gemv", "gemv_variants"} <= on
                 layer.mlp.use_router_mma = "router_mma" in on
+                layer.mlp.use_router_topk = "router_topk" in on
                 layer.mlp.use_mma_situ = "gemv_mma_situ" in on
                 layer.mlp.use_experts_kernel = "experts" in on
                 layer.mlp.use_experts_v2 = "experts_v2" in on

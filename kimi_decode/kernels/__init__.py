@@ -42,7 +42,9 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            "kda_multi",
            # twelfth round (M = 2..8): FC2 of the routed experts as a resident grid, one row per
            # CTA walking column blocks (no per-CTA prologue per 24 KB)
-           "experts_rows")
+           "experts_rows",
+           # the router's selection from gemv_mma's logits in one CTA (stock's Triton kernel out)
+           "router_topk")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -53,7 +55,7 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "gemv_tuned": "gemv", "pdl_chain": "chain_check",
                  "gemv_mma": "gemv_mma", "moe_up_grid": "moe_up_grid", "experts_v2_async": "moe_experts",
                  "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma", "kda_multi": "kda_multi",
-                 "experts_rows": "moe_fc2_rows"}
+                 "experts_rows": "moe_fc2_rows", "router_topk": "router_topk"}
 
 
 def applicable(name: str, cfg: object) -> bool:

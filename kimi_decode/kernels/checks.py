@@ -113,13 +113,20 @@ def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...]
     return out
 
 
+def stock_router(cfg: object, w_gate: torch.Tensor, bias: torch.Tensor
+                 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The stock path's router as the fused LatentMoE falls back to it (eager ops): the router
+    GEMM with fp32 output, then the routing op. The router checks time their kernels against
+    it (a plain function: the fused module's methods need a whole LatentMoE)."""
+    from kimi_decode import stock_ops
+    ops = stock_ops.OpSet(cfg)
+    return lambda y: stock_ops.route(ops.linear(y, w_gate, torch.float32), bias, cfg.top_k, cfg.routed_scaling)
+
+
 def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -> list[dict]:
     """Kernel vs the stock routing op (stock_ops.route) on the same fp32 logits (the stock
     skinny GEMM's output; for M > 16 the fused path hands the kernel exactly those logits)."""
-    from types import SimpleNamespace
-
     from kimi_decode import stock_ops
-    from kimi_decode.fused import LatentMoE as FusedMoE
     from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
     cfg = k3_tp16()
     dev = torch.device(DEVICE)
@@ -127,9 +134,8 @@ def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -
     w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
     bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    # the stock router GEMM + routing as the fused LatentMoE's fallback issues them (eager ops)
-    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False, use_router_fast=False,
-                          k=stock_ops.OpSet(cfg), fx={"route": stock_ops.route})
+    stock_route = stock_router(cfg, w_gate, bias)
+    ops = stock_ops.OpSet(cfg)
     out = []
     for m in rows:
         y = torch.randn(m, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(m), device=dev)
@@ -149,9 +155,9 @@ def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -
              "rows_same_experts": agree, "max_weight_err": werr, "counter_zero": int(counter.item()) == 0,
              "ok": agree >= 0.99 and werr <= 1e-3 and int(counter.item()) == 0}
         if timing:  # stock: router GEMM + routing ops (eager torch); kernel: one launch (+ GEMM above 16)
-            r["stock_us"] = time_us(lambda: FusedMoE._route(moe, y))
+            r["stock_us"] = time_us(lambda: stock_route(y))
             r["kernel_us"] = time_us(lambda: route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling, counter,
-                                                   logits=None if m <= GEMV_MAX_ROWS else moe.k.linear(y, w_gate, torch.float32)))
+                                                   logits=None if m <= GEMV_MAX_ROWS else ops.linear(y, w_gate, torch.float32)))
         out.append(r)
     return out
 

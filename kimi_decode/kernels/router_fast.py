@@ -415,17 +415,28 @@ def emulate_select(key: torch.Tensor, s: torch.Tensor, top_k: int, scaling: floa
     return sel, w / total * scaling, int(cand.numel())
 
 
+def agreement(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor,
+              w_b: torch.Tensor) -> tuple[float, float]:
+    """Two routings of the same rows compared: (the fraction of rows with the same expert
+    set, the largest weight difference of an expert over those rows; 0 when none agree).
+    Shared by the router checks (router_fast, router_mma, router_topk)."""
+    ids_b, w_b = ids_b.to(ids_a.device), w_b.to(ids_a.device)
+    same = (ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1)
+    e = int(max(int(ids_a.max()), int(ids_b.max()))) + 1
+    da = torch.zeros(ids_a.shape[0], e, device=ids_a.device, dtype=torch.float64).scatter_(1, ids_a, w_a.double())
+    db = torch.zeros(ids_a.shape[0], e, device=ids_a.device, dtype=torch.float64).scatter_(1, ids_b, w_b.double())
+    err = float((da - db)[same].abs().max()) if bool(same.any()) else 0.0
+    return float(same.float().mean()), err
+
+
 def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     """GPU check in the style of checks.check_router: kernel vs the stock routing ops on the
     stock GEMM's fp32 logits (rows_same_experts ≥ 0.99, max_weight_err ≤ 1e-3, counter back
     to 0), the float64 reference (expert sets), and router.route; times stock, router.route
     and this kernel (CUDA-graph replays)."""
-    from types import SimpleNamespace
-
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
-    from kimi_decode.fused import LatentMoE as FusedMoE
-    from kimi_decode.kernels.checks import DEVICE, _sync, time_us
+    from kimi_decode.kernels.checks import DEVICE, _sync, stock_router, time_us
     from kimi_decode.weights import Seeder
     cfg = k3_tp16()
     dev = torch.device(DEVICE)
@@ -434,8 +445,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     counter_slow = torch.zeros(1, dtype=torch.int32, device=dev)
-    moe = SimpleNamespace(cfg=cfg, router=w_gate, bias=bias, use_router_kernel=False, use_router_fast=False,
-                          k=stock_ops.OpSet(cfg), fx={"route": stock_ops.route})
+    stock_route = stock_router(cfg, w_gate, bias)
     out = []
     for m in rows:
         y = torch.randn(m, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(m), device=dev)
@@ -449,20 +459,12 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
         ids_r, w_r, _ = reference(y.cpu(), w_gate.cpu(), bias.cpu(), cfg.top_k, cfg.routed_scaling)
         ids_r, w_r = ids_r.to(dev), w_r.to(dev)
 
-        def agree_err(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor,
-                      w_b: torch.Tensor) -> tuple[float, float]:
-            same = (ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1)
-            da = torch.zeros(m, cfg.num_experts, device=dev, dtype=torch.float64).scatter_(1, ids_a, w_a.double())
-            db = torch.zeros(m, cfg.num_experts, device=dev, dtype=torch.float64).scatter_(1, ids_b, w_b.double())
-            err = float((da - db)[same].abs().max()) if bool(same.any()) else 0.0
-            return float(same.float().mean()), err
-
         with torch.no_grad():
             ids_p, w_p = _slow.route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling, counter_slow, logits=given)
         _sync()
-        agree, werr = agree_err(ids_k, w_k, ids_s, w_s)
-        agree_f64, werr_f64 = agree_err(ids_k, w_k, ids_r, w_r)
-        agree_py, werr_py = agree_err(ids_k, w_k, ids_p, w_p)
+        agree, werr = agreement(ids_k, w_k, ids_s, w_s)
+        agree_f64, werr_f64 = agreement(ids_k, w_k, ids_r, w_r)
+        agree_py, werr_py = agreement(ids_k, w_k, ids_p, w_p)
         # drop-in: router.route's dtypes and shapes, and its order (biased score descending)
         dropin = (ids_k.dtype == ids_p.dtype and w_k.dtype == w_p.dtype and ids_k.shape == ids_p.shape
                   and w_k.shape == w_p.shape)
@@ -475,7 +477,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
              "dropin_types": dropin, "descending": descending, "counter_zero": czero,
              "ok": agree >= 0.99 and werr <= 1e-3 and czero and dropin and descending}
         if timing:
-            r["stock_us"] = time_us(lambda: FusedMoE._route(moe, y))
+            r["stock_us"] = time_us(lambda: stock_route(y))
             r["router_py_us"] = time_us(lambda: _slow.route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling,
                                                             counter_slow, logits=given))
             r["kernel_us"] = time_us(lambda: route(y, w_gate, bias, cfg.top_k, cfg.routed_scaling, counter,

@@ -282,19 +282,10 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
         _sync()
         ids_r, w_r, key_r = reference(y.cpu(), w_gate.cpu(), bias.cpu(), K, sc)
 
-        def agree_err(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor,
-                      w_b: torch.Tensor) -> tuple[float, float]:
-            ids_b, w_b = ids_b.to(dev), w_b.to(dev)
-            same = (ids_a.sort(-1).values == ids_b.sort(-1).values).all(-1)
-            da = torch.zeros(m, E, device=dev, dtype=torch.float64).scatter_(1, ids_a, w_a.double())
-            db = torch.zeros(m, E, device=dev, dtype=torch.float64).scatter_(1, ids_b, w_b.double())
-            err = float((da - db)[same].abs().max()) if bool(same.any()) else 0.0
-            return float(same.float().mean()), err
-
-        agree, werr = agree_err(ids_k, w_k, ids_s, w_s)
-        agree_g, werr_g = agree_err(ids_k, w_k, ids_g, w_g)
-        agree_r, werr_r = agree_err(ids_k, w_k, ids_r, w_r)
-        agree_f, werr_f = agree_err(ids_k, w_k, ids_f, w_f)
+        agree, werr = rf.agreement(ids_k, w_k, ids_s, w_s)
+        agree_g, werr_g = rf.agreement(ids_k, w_k, ids_g, w_g)
+        agree_r, werr_r = rf.agreement(ids_k, w_k, ids_r, w_r)
+        agree_f, werr_f = rf.agreement(ids_k, w_k, ids_f, w_f)
         # rows whose 16th and 17th reference keys are within fp32 summation noise may differ
         top17 = key_r.topk(K + 1, dim=-1).values
         near_tie = int(((top17[:, K - 1] - top17[:, K]) < 1e-5).sum())

@@ -151,7 +151,7 @@ def test_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     routed: list[int] = []
     moe = SimpleNamespace(cfg=cfg, router=torch.zeros(64, 1024, dtype=bf), bias=torch.zeros(64),
                           router_counter=torch.zeros(1, dtype=torch.int32), use_router_fast=False,
-                          use_router_kernel=False, use_router_mma=True,
+                          use_router_kernel=False, use_router_mma=True, use_router_topk=False,
                           _router_logits=lambda y: torch.zeros(y.shape[0], 64),
                           fx={"route": lambda lg, b, k, s: routed.append(lg.shape[0]) or (None, None)})
     moe._router_mma_applies = lambda y: fused.LatentMoE._router_mma_applies(moe, y)
