@@ -165,7 +165,7 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
 # router instead of after latent_down: the front then streams latent_down and the router's
 # weights only, and the shared expert's 11 MB run beside the routed experts.
-SHARED_AFTER_ROUTER = False
+SHARED_AFTER_ROUTER = True
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device

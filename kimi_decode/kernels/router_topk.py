@@ -13,11 +13,13 @@ the logits stay gemv_mma's and only the selection changes.
 Math: router_fast's selection, unchanged (RouterFast.topk_row, module docstring there):
     s = σ(logits), key = s + bias; ids = top-k by key, descending (ties → lower index);
     w = s[ids] / Σ_j s[ids_j] · routed_scaling (j in output order); all fp32.
-Layout: one CTA of 8 warps. Before the chain's wait it copies the bias (a weight: no kernel
-of the step writes it) into shared memory; after the wait its 256 threads copy the M × E
-logits there (all loads independent: one L2 round trip), a barrier, then warp r < M runs
-topk_row on row r. Shared memory ~50 KB at M = 8 (the DSL opts every kernel into the
-device's dynamic maximum).
+Layout: M CTAs of one warp, CTA r for row r (as Triton's kernel: one program per row, so
+the rows run on M SMs). Before the chain's wait the warp copies the bias (a weight: no kernel
+of the step writes it) into shared memory; after the wait the row's E logits (all loads
+independent: one L2 round trip), then topk_row. ~9 KB of shared memory per CTA.
+The first build ran the M rows as the 8 warps of one CTA (~50 KB of shared memory): 6.5 µs
+alone at M = 8 (stock's op 26.1 in the same check, eager), but 21.3 µs in the step beside the
+side stream's GEMVs (f8ea401 trace), twice stock's Triton kernel there.
 
 PDL chain (kernels/chain.py): launched with PDL when the chain is on, it waits but never
 releases: FC1 (next on the stream) starts when this kernel has completed, as after stock's
@@ -45,9 +47,7 @@ from kimi_decode.kernels import chain
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 
-MIN_ROWS, MAX_ROWS = 2, rf.WARPS    # M = 1 keeps router_fast (GEMV + top-k in one launch)
-THREADS = rf.WARPS * 32
-SMEM_LIMIT = 200 << 10              # bytes of shared memory the kernel may ask for (H200: 227 KB)
+MIN_ROWS, MAX_ROWS = 2, 8    # M = 1 keeps router_fast (GEMV + top-k in one launch); 8: verified
 
 
 @dataclass(frozen=True)
@@ -60,17 +60,11 @@ class RouterTopKConfig:
     scaling: float = 1.0
 
 
-def smem_bytes(m: int, experts: int) -> int:
-    """Shared memory the kernel allocates: the logits, the bias, router_fast's candidate and
-    winner buffers (8 warps x CAP keys and ids, 8 x 32 ids and scores)."""
-    return 4 * (m * experts + experts + 2 * rf.WARPS * rf.CAP + 2 * rf.WARPS * 32)
-
-
 def can_implement(m: int, experts: int, top_k: int) -> bool:
-    """2 ≤ M ≤ 8 (one warp per row), router_fast's selection limits (E a multiple of 32 up to
-    2048, 1 ≤ k ≤ 32, k ≤ E), the shared memory within SMEM_LIMIT."""
+    """2 ≤ M ≤ 8, router_fast's selection limits (E a multiple of 32 up to 2048, 1 ≤ k ≤ 32,
+    k ≤ E)."""
     return (MIN_ROWS <= m <= MAX_ROWS and experts % 32 == 0 and 1 <= experts // 32 <= 64
-            and 1 <= top_k <= 32 and top_k <= experts and smem_bytes(m, experts) <= SMEM_LIMIT)
+            and 1 <= top_k <= 32 and top_k <= experts)
 
 
 class RouterTopK:
@@ -90,37 +84,31 @@ class RouterTopK:
         mB = cute.make_tensor(bias, cute.make_layout(E))
         mI = cute.make_tensor(ids, cute.make_layout((m, K), stride=(K, 1)))
         mO = cute.make_tensor(weights, cute.make_layout((m, K), stride=(K, 1)))
-        self.kernel(mL, mB, mI, mO).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream,
+        self.kernel(mL, mB, mI, mO).launch(grid=[m, 1, 1], block=[32, 1, 1], stream=stream,
                                            use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mL: cute.Tensor, mB: cute.Tensor, mI: cute.Tensor, mO: cute.Tensor):
         E, m = self.cfg.experts, self.cfg.rows
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        row, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
+        warp = Int32(0)                                 # topk_row's buffer index: one warp per CTA
         smem = cutlass.memory.SmemAllocator()
-        cK = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
-        cI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
-        selI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
-        selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
-        sL = smem.allocate_tensor(Float32, cute.make_layout((m, E), stride=(E, 1)), 16)
+        cK = smem.allocate_tensor(Float32, cute.make_layout((1, rf.CAP), stride=(rf.CAP, 1)), 16)
+        cI = smem.allocate_tensor(Int32, cute.make_layout((1, rf.CAP), stride=(rf.CAP, 1)), 16)
+        selI = smem.allocate_tensor(Int32, cute.make_layout((1, 32), stride=(32, 1)), 16)
+        selS = smem.allocate_tensor(Float32, cute.make_layout((1, 32), stride=(32, 1)), 16)
+        # this row's logits: an [M, E] view with row stride 0 (topk_row indexes it by `row`)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((m, E), stride=(0, 1)), 16)
         sB = smem.allocate_tensor(Float32, cute.make_layout(E), 16)
-        for i in cutlass.range_constexpr((E + THREADS - 1) // THREADS):     # before the wait
-            t = tidx + i * THREADS
-            if t < E:
-                sB[t] = mB[t]
+        for i in cutlass.range_constexpr(E // 32):      # before the wait (E % 32 == 0)
+            sB[lane + i * 32] = mB[lane + i * 32]
         # the logits are the previous kernel's output: after the wait (no release, see above)
         chain.wait()
-        n_l = m * E
-        for i in cutlass.range_constexpr((n_l + THREADS - 1) // THREADS):
-            t = tidx + i * THREADS
-            if t < n_l:
-                r_ = t // E
-                sL[r_, t - r_ * E] = mL[r_, t - r_ * E]
-        cute.arch.sync_threads()
-        if warp < m:                                    # warp-uniform: warps 0 .. M-1, one row each
-            self.sel.topk_row(sL, sB, mI, mO, cK, cI, selI, selS, warp, warp, lane)
+        for i in cutlass.range_constexpr(E // 32):
+            sL[row, lane + i * 32] = mL[row, lane + i * 32]
+        cute.arch.sync_warp()
+        self.sel.topk_row(sL, sB, mI, mO, cK, cI, selI, selS, row, warp, lane)
 
 
 def compile_for(cfg: RouterTopKConfig) -> object:
