@@ -45,14 +45,21 @@ and the kernel is in `VERIFIED`):
   the shared expert); at M = 1 its SiTU GLU is the down GEMV's prologue (`gemv_variants`:
   gemv_situ), at 2 ≤ M ≤ 8 gemv_mma's (`gemv_mma_situ`), above it stock's SiTU kernel then
   the down projection.
-- Router at 2 ≤ M ≤ 8 (`router_mma`, opt-in: OPT_IN): gemv_mma's fp32 logits split over K and
-  router_fast's top-k in the last CTA, one launch instead of the logits + stock's routing
-  kernel; slower in the step (see OPT_IN).
+  With SHARED_AFTER_ROUTER (default) the shared expert is issued after the router, so the
+  front streams latent_down and the router's weights only and the shared expert runs beside
+  the routed experts.
+- Router at 2 ≤ M ≤ 8: gemv_mma's fp32 logits, then `router_topk` (kernels/router_topk.py:
+  router_fast's selection, one warp-CTA per row) instead of stock's Triton routing kernel;
+  `router_mma` (opt-in: OPT_IN): the logits split over K and the top-k in the last CTA, one
+  launch; slower in the step (see OPT_IN).
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
   launch (MAX_ROWS["experts_pdl"]), so its weight loads start while FC1 finishes. With
-  `experts_v2` FC2 is ExpertsFC2v2 (one wave, every lane loading: 23.5 vs 26.0 us at M = 1).
+  `experts_v2` FC2 is ExpertsFC2v2 (one wave, every lane loading: 23.5 vs 26.0 us at M = 1);
+  with `experts_rows` at 2 ≤ M ≤ 8 FC2 is moe_fc2_rows.ExpertsFC2Rows (the same arithmetic,
+  bit-equal, as a resident grid: one row per CTA walking column blocks; 131.1 vs 141.3 us for
+  FC1 + FC2 at M = 8 cold, B = 1, k = 7 layers 238.6 / 251.9 -> 227.2 / 242.0 us).
   `experts_one` (kernels/moe_experts_one.py, opt-in: OPT_IN): FC1 + FC2 v2 as work items of
   one persistent launch (FC2 items wait on a grid-wide completion counter), bit-equal to the
   two kernels, at M ≤ MAX_ROWS["experts_one"]; one kernel fewer per layer, but slower.
@@ -138,8 +145,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # 7efa548, 2026-12-03 13:00-13:36 UTC (bench/fused_correctness.md)
                                     "gemv_mma_situ", "router_mma", "kda_multi",
                                     # twelfth round: experts_rows checked at 530c2da (2026-12-03
-                                    # 14:26 UTC: bit-equal to FC2 v2 at M = 2 and 8)
-                                    "experts_rows"})
+                                    # 14:26 UTC: bit-equal to FC2 v2 at M = 2 and 8), router_topk
+                                    # at f8ea401 (one CTA) and 588963f (M CTAs, its present form)
+                                    "experts_rows", "router_topk"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -222,6 +230,14 @@ SHARED_AFTER_ROUTER = True
 #   prelude done for all tokens at once (kernels/kda_multi.py) in place of stock's four
 #   kernels: in the B = 1, k = 7 step the KDA attention part (AttnRes to AttnRes) 46.8-48.2 ->
 #   38.8-40.2 us, 6 kernels -> 3 (ba774df, bench/fused_runs.md). Larger M not measured.
+# - experts_rows (FC2 as a resident grid, kernels/moe_fc2_rows.py): 2 ≤ M ≤ 8 (its own
+#   MIN_ROWS: at M = 1 FC2 v2's 896 CTAs are already one wave); M = 2 40.3 vs 41.9 us, M = 8
+#   131.1 vs 141.3 us for FC1 + FC2 cold (530c2da); in the B = 1, k = 7 step FC2's end comes
+#   44-45 us after FC1's instead of ~55 at ba774df (ncu, cold: 46 us for 165 MB, 75 % of the DRAM peak).
+# - router_topk (the selection from gemv_mma's logits): 2 ≤ M ≤ 8 (M = 1 keeps router_fast's
+#   one launch); 6.0 us alone at M = 8, 7.6 us in the B = 1, k = 7 step against 10.6-12.1 for
+#   stock's Triton kernel, but the layers do not move beyond the run-to-run spread (the front
+#   then waits for latent_down; bench/fused_runs.md); kept for the Triton kernel it removes.
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8}

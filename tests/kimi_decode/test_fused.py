@@ -814,3 +814,27 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
     assert len(moe) == 6 and all(hasattr(m, "experts_counters") == ("experts_one" in enabled) for m in moe)
     run_close(stock, fused, seed=90, steps=2)
     assert calls == ([] if expected is None else [expected] * (2 * len(moe)))
+
+
+@pytest.mark.parametrize("after", [True, False])
+def test_shared_expert_issued_after_the_router(monkeypatch, after: bool) -> None:
+    """fused.SHARED_AFTER_ROUTER: at M > 1 the MoE issues latent_down, the router, then the
+    shared expert (on the side stream, after the routing); off: the shared expert right after
+    latent_down, before the router. The step matches stock either way."""
+    import kimi_decode.fused as fused_mod
+    order: list[str] = []
+    real_op_range = fused_mod.op_range
+
+    def recording(op: str):
+        order.append(op)
+        return real_op_range(op)
+    monkeypatch.setattr(fused_mod, "op_range", recording)
+    monkeypatch.setattr(fused_mod, "SHARED_AFTER_ROUTER", after)
+    cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    run_close(stock, fused, seed=7, steps=1)
+    moe = [o for o in order if o in ("latent_down", "router", "shared_expert")]
+    want = ("latent_down", "router", "shared_expert") if after else ("latent_down", "shared_expert", "router")
+    per_layer = [tuple(moe[i:i + 3]) for i in range(0, len(moe), 3)]
+    assert per_layer and all(p == want for p in per_layer), per_layer
