@@ -429,6 +429,23 @@ def agreement(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor,
     return float(same.float().mean()), err
 
 
+def selection_facts(ids: torch.Tensor, w: torch.Tensor, ids2: torch.Tensor, w2: torch.Tensor,
+                    key_ref: torch.Tensor, top_k: int) -> dict:
+    """What the router checks (router_mma, router_topk) assert of a kernel's routing besides
+    its agreement: `near_ties_f64`, the rows whose k-th and (k+1)-th float64 reference keys
+    are within 1e-5 (fp32 summation noise may choose either: a near-tie row may differ);
+    `repeat_equal`, a second call bit-equal; `dropin_types`, router.route's dtypes and shapes;
+    `descending`, ids in descending reference-key order (1e-5 slack)."""
+    m = ids.shape[0]
+    top = key_ref.topk(top_k + 1, dim=-1).values
+    key_k = key_ref.to(ids.device).gather(1, ids)
+    return {"near_ties_f64": int(((top[:, top_k - 1] - top[:, top_k]) < 1e-5).sum()),
+            "repeat_equal": bool(torch.equal(ids, ids2) and torch.equal(w, w2)),
+            "dropin_types": ids.dtype == torch.int64 and w.dtype == torch.float32
+                            and tuple(ids.shape) == (m, top_k) and tuple(w.shape) == (m, top_k),
+            "descending": bool((key_k[:, :-1] >= key_k[:, 1:] - 1e-5).all())}
+
+
 def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     """GPU check in the style of checks.check_router: kernel vs the stock routing ops on the
     stock GEMM's fp32 logits (rows_same_experts ≥ 0.99, max_weight_err ≤ 1e-3, counter back

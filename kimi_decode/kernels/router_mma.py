@@ -286,21 +286,13 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
         agree_g, werr_g = rf.agreement(ids_k, w_k, ids_g, w_g)
         agree_r, werr_r = rf.agreement(ids_k, w_k, ids_r, w_r)
         agree_f, werr_f = rf.agreement(ids_k, w_k, ids_f, w_f)
-        # rows whose 16th and 17th reference keys are within fp32 summation noise may differ
-        top17 = key_r.topk(K + 1, dim=-1).values
-        near_tie = int(((top17[:, K - 1] - top17[:, K]) < 1e-5).sum())
-        key_k = key_r.to(dev).gather(1, ids_k)
         r = {"kernel": "router_mma", "M": m, "rows_same_experts": agree, "max_weight_err": werr,
              "rows_same_as_mma_logits": agree_g, "max_weight_err_vs_mma_logits": werr_g,
              "rows_same_experts_f64": agree_r, "max_weight_err_f64": werr_r,
              "rows_same_as_router_fast": agree_f, "max_weight_err_vs_router_fast": werr_f,
-             "near_ties_f64": near_tie,
-             "repeat_equal": bool(torch.equal(ids_k, ids_k2) and torch.equal(w_k, w_k2)),
-             "dropin_types": ids_k.dtype == torch.int64 and w_k.dtype == torch.float32
-                             and tuple(ids_k.shape) == (m, K) and tuple(w_k.shape) == (m, K),
-             "descending": bool((key_k[:, :-1] >= key_k[:, 1:] - 1e-5).all()),
+             **rf.selection_facts(ids_k, w_k, ids_k2, w_k2, key_r, K),
              "counter_zero": int(counter.item()) == 0}
-        floor = 1.0 - near_tie / m - 1e-9       # every row but a near-tie agrees
+        floor = 1.0 - r["near_ties_f64"] / m - 1e-9       # every row but a near-tie agrees
         r["ok"] = bool(agree_r >= floor and werr_r <= 1e-3 and agree >= floor and werr <= 1e-3
                        and r["repeat_equal"] and r["dropin_types"] and r["descending"] and r["counter_zero"])
         if timing:
