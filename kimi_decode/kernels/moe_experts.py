@@ -128,7 +128,7 @@ VEC = 8          # bf16 per 128-bit load
 WARPS = 8        # warps per CTA (both kernels)
 MAX_ROWS = 8     # M
 MAX_PAIRS = 128  # M·K
-FC1_UNROLL = 14  # slices of the L loop in flight per lane (L / 256 = 14 at K3: one round)
+FC1_UNROLL = 7   # slices of the L loop in flight per lane (L / 256 = 14 at K3: two rounds)
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
