@@ -128,7 +128,8 @@ VEC = 8          # bf16 per 128-bit load
 WARPS = 8        # warps per CTA (both kernels)
 MAX_ROWS = 8     # M
 MAX_PAIRS = 128  # M·K
-FC1_UNROLL = 7   # slices of the L loop in flight per lane (L / 256 = 14 at K3: two rounds)
+FC1_UNROLL = 7   # slices of the L loop in flight per lane (L / 256 = 14 at K3: two rounds; 14
+                 # measured ~7 us faster per M = 8 layer, not yet landed: bench/fused_runs.md)
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
