@@ -113,6 +113,14 @@ def check_attn_res(rows: tuple[int, ...] = (1, 8, 64, 512), nbs: tuple[int, ...]
     return out
 
 
+def router_weights(cfg: object, dev: torch.device, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router checks' K3 router: W_gate [E, D] bf16 (scale D^-1/2) and the correction bias
+    [E] fp32, seeded by `tag` (check_router, router_fast, router_mma, router_topk)."""
+    seed = Seeder(cfg, dev).sub(tag)
+    w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
+    return w_gate, seed.replicated("bias", (cfg.num_experts,), 0.02)
+
+
 def stock_router(cfg: object, w_gate: torch.Tensor, bias: torch.Tensor
                  ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """The stock path's router as the fused LatentMoE falls back to it (eager ops): the router
@@ -130,9 +138,7 @@ def check_router(rows: tuple[int, ...] = (1, 8, 64, 512), timing: bool = True) -
     from kimi_decode.kernels.router import GEMV_MAX_ROWS, route
     cfg = k3_tp16()
     dev = torch.device(DEVICE)
-    seed = Seeder(cfg, dev).sub("check.router")
-    w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
-    bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
+    w_gate, bias = router_weights(cfg, dev, "check.router")
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     stock_route = stock_router(cfg, w_gate, bias)
     ops = stock_ops.OpSet(cfg)

@@ -377,6 +377,23 @@ class ExpertsFC2:
             cute.arch.sync_threads()                 # sA is rewritten by the next row
 
 
+def v2_tensors(mA: cute.Tensor, mW2: cute.Tensor, K: int, nq: int, kpg: int, nsl: int) -> tuple:
+    """FC2 v2's buffers, allocated inside the calling kernel (plain Python, run while it
+    traces): sA, the row's K activation rows (nq 128-bit slices each) in shared memory; sW,
+    its K routing weights; the registers wv (the lane's w2 slices), av (one staged slice), ev
+    (its group's expert ids) and ex (its group's rounded dot products). Shared by
+    ExpertsFC2v2.kernel and moe_fc2_rows.ExpertsFC2Rows.kernel."""
+    smem = cutlass.memory.SmemAllocator()
+    sA = smem.allocate_tensor(mA.element_type, cute.make_layout((K, nq, VEC), stride=(nq * VEC, VEC, 1)),
+                              byte_alignment=16)
+    sW = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
+    wv = cute.make_rmem_tensor(cute.make_layout((VEC, nsl, kpg)), mW2.element_type)
+    av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
+    ev = cute.make_rmem_tensor(cute.make_layout(kpg), Int32)
+    ex = cute.make_rmem_tensor(cute.make_layout(kpg), Float32)
+    return sA, sW, wv, av, ev, ex
+
+
 @cute.jit
 def v2_ids(mIdx: cute.Tensor, ev: cute.Tensor, row: Int32, grp: Int32, E: cutlass.Constexpr[int],
            kpg: cutlass.Constexpr[int]):
@@ -540,14 +557,7 @@ class ExpertsFC2v2:
         cc = col
         if col >= L:
             cc = L - 1
-        smem = cutlass.memory.SmemAllocator()
-        sA = smem.allocate_tensor(mA.element_type, cute.make_layout((K, nq, VEC), stride=(nq * VEC, VEC, 1)),
-                                  byte_alignment=16)
-        sW = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
-        wv = cute.make_rmem_tensor(cute.make_layout((VEC, nsl, kpg)), mW2.element_type)
-        av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
-        ev = cute.make_rmem_tensor(cute.make_layout(kpg), Int32)
-        ex = cute.make_rmem_tensor(cute.make_layout(kpg), Float32)
+        sA, sW, wv, av, ev, ex = v2_tensors(mA, mW2, K, nq, kpg, nsl)
         v2_issue(mIdx, mWt, mW2, sW, ev, wv, row, cc, r, grp, tidx, K, E, kpg, nsl)
         # all w2 loads are issued before this: the scheduling fence of ExpertsFC2 and, with
         # PDL, the point past which FC1's `a` is complete and visible

@@ -52,7 +52,8 @@ from cutlass import Float32, Int32
 from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 from kimi_decode.kernels.moe_experts import (V2_GROUP_LANES, V2_WARPS, VEC, ExpertsConfig, can_implement_v2,
-                                             fc2_views, v2_dots, v2_ids, v2_loads, v2_stage, v2_weights)
+                                             fc2_views, v2_dots, v2_ids, v2_loads, v2_stage, v2_tensors,
+                                             v2_weights)
 
 MIN_ROWS = 2        # M = 1: FC2 v2's 896 CTAs are already one wave
 BLOCKS_PER_SM = {1: 7, 2: 4}   # CTAs per SM by register buffers: ≤ 72 / ≤ 128 registers
@@ -116,14 +117,7 @@ class ExpertsFC2Rows:
         c0 = bidx // m                       # the CTA's first column block (< per_row ≤ nblk)
         row = bidx - c0 * m
         cnt = (nblk - c0 + per_row - 1) // per_row   # its column blocks: c0 + n·per_row, n < cnt
-        smem = cutlass.memory.SmemAllocator()
-        sA = smem.allocate_tensor(mA.element_type, cute.make_layout((K, nq, VEC), stride=(nq * VEC, VEC, 1)),
-                                  byte_alignment=16)
-        sW = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
-        wv = cute.make_rmem_tensor(cute.make_layout((VEC, nsl, kpg)), mW2.element_type)
-        av = cute.make_rmem_tensor(cute.make_layout(VEC), mA.element_type)
-        ev = cute.make_rmem_tensor(cute.make_layout(kpg), Int32)
-        ex = cute.make_rmem_tensor(cute.make_layout(kpg), Float32)
+        sA, sW, wv, av, ev, ex = v2_tensors(mA, mW2, K, nq, kpg, nsl)
         v2_ids(mIdx, ev, row, grp, E, kpg)
         v2_loads(mW2, ev, wv, self.column(c0, warp, L), r, kpg, nsl)
         v2_weights(mIdx, mWt, sW, row, tidx, K, E)

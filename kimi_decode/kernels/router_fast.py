@@ -453,13 +453,10 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
     and this kernel (CUDA-graph replays)."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
-    from kimi_decode.kernels.checks import DEVICE, _sync, stock_router, time_us
-    from kimi_decode.weights import Seeder
+    from kimi_decode.kernels.checks import DEVICE, _sync, router_weights, stock_router, time_us
     cfg = k3_tp16()
     dev = torch.device(DEVICE)
-    seed = Seeder(cfg, dev).sub("check.router")
-    w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
-    bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
+    w_gate, bias = router_weights(cfg, dev, "check.router")
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     counter_slow = torch.zeros(1, dtype=torch.int32, device=dev)
     stock_route = stock_router(cfg, w_gate, bias)

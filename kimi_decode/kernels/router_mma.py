@@ -256,15 +256,12 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
 
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
-    from kimi_decode.kernels.checks import DEVICE, _sync, time_us
+    from kimi_decode.kernels.checks import DEVICE, _sync, router_weights, time_us
     from kimi_decode.kernels.router import reference
-    from kimi_decode.weights import Seeder
     cfg = k3_tp16()
     dev = torch.device(DEVICE)
     ops = stock_ops.OpSet(cfg)
-    seed = Seeder(cfg, dev).sub("check.router_mma")
-    w_gate = seed.replicated("gate", (cfg.num_experts, cfg.hidden), cfg.hidden ** -0.5).bfloat16()
-    bias = seed.replicated("bias", (cfg.num_experts,), 0.02)
+    w_gate, bias = router_weights(cfg, dev, "check.router_mma")
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     counter_rf = torch.zeros(1, dtype=torch.int32, device=dev)
     K, sc, E = cfg.top_k, cfg.routed_scaling, cfg.num_experts
