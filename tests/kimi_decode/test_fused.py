@@ -140,6 +140,20 @@ def assert_state_close(stock, fused) -> None:
             assert float((buf - bufs_f[name]).norm() / buf.norm().clamp_min(1e-30)) < 1e-5, name
 
 
+def record_ops(monkeypatch) -> list[str]:
+    """The op names the fused step opens (fused.op_range), in issue order, into the returned
+    list: the tests of what the MoE issues first."""
+    import kimi_decode.fused as fused_mod
+    order: list[str] = []
+    real_op_range = fused_mod.op_range
+
+    def recording(op: str):
+        order.append(op)
+        return real_op_range(op)
+    monkeypatch.setattr(fused_mod, "op_range", recording)
+    return order
+
+
 def run_close(stock, fused, seed: int, steps: int) -> None:
     """`steps` steps side by side from the same inputs: outputs, AttnRes blocks and then the
     decode state agree within float32 rounding (the kernels are float64 torch emulations)."""
@@ -822,13 +836,7 @@ def test_shared_expert_issued_after_the_router(monkeypatch, after: bool) -> None
     shared expert (on the side stream, after the routing); off: the shared expert right after
     latent_down, before the router. The step matches stock either way."""
     import kimi_decode.fused as fused_mod
-    order: list[str] = []
-    real_op_range = fused_mod.op_range
-
-    def recording(op: str):
-        order.append(op)
-        return real_op_range(op)
-    monkeypatch.setattr(fused_mod, "op_range", recording)
+    order = record_ops(monkeypatch)
     monkeypatch.setattr(fused_mod, "SHARED_AFTER_ROUTER", after)
     cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)
     stock = StockDecoder(cfg)

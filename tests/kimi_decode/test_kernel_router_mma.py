@@ -170,14 +170,8 @@ def test_router_issued_before_the_side_stream_when_it_applies(monkeypatch: pytes
     from kimi_decode import fused
     from kimi_decode.config import tiny
     from kimi_decode.runner import build
-    from tests.kimi_decode.test_fused import run_close
-    order: list[str] = []
-    real_op_range = fused.op_range
-
-    def recording(op: str):
-        order.append(op)
-        return real_op_range(op)
-    monkeypatch.setattr(fused, "op_range", recording)
+    from tests.kimi_decode.test_fused import record_ops, run_close
+    order = record_ops(monkeypatch)
     monkeypatch.setattr(fused, "_fork", lambda rt: order.append("fork") or None)
     monkeypatch.setattr(rm, "route", lambda y, w, b, k, s, c: _emulate_route(y, w, b, k, s, c))
     cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)
