@@ -23,9 +23,9 @@ the result is bit-identical to reading them, and 25% fewer bytes are read. With 
 Kernel 1 (ExpertsFC1): one warp per (pair p, output column c < I); grid = P·I / 8 CTAs of 8
 warps (warp g = p·I + c, so a CTA covers 8 consecutive rows of one expert). The warp computes
 both gate row c and up row Ip + c of w13[e] (so the GLU is local): lane l reads the 128-bit
-slices l, l+32, ... of both rows (coalesced 512-byte warp loads; the loop unrolled 7 deep,
-of which ptxas keeps ~2 slices = 4 weight loads in flight per lane, as in gemv.py, measured at
-4.6 TB/s) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
+slices l, l+32, ... of both rows (coalesced 512-byte warp loads; the loop unrolled 14 deep at
+K3, one trip: 36 registers and no spill, where 7 deep took 40 and spilled 12 B, ~7 us slower
+per M = 8 layer in the step, bench/fused_runs.md) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
 finish the dots, every lane computes SiTU, lane 0 writes a[p, c] to a [P, Ip] bf16 scratch
 (columns ≥ I are never written and never read).
 Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8 warps. For
@@ -128,8 +128,8 @@ VEC = 8          # bf16 per 128-bit load
 WARPS = 8        # warps per CTA (both kernels)
 MAX_ROWS = 8     # M
 MAX_PAIRS = 128  # M·K
-FC1_UNROLL = 7   # slices of the L loop in flight per lane (L / 256 = 14 at K3: two rounds; 14
-                 # measured ~7 us faster per M = 8 layer, not yet landed: bench/fused_runs.md)
+FC1_UNROLL = 14  # slices of the L loop in flight per lane (L / 256 = 14 at K3: one round; 7 ran
+                 # ~7 us slower per M = 8 layer with 40 registers and a spill: bench/fused_runs.md)
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
@@ -222,10 +222,12 @@ def fc2_views(cfg: ExpertsConfig, act: cute.Pointer, idx: cute.Pointer, w: cute.
 class ExpertsFC1:
     """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
 
-    def __init__(self, cfg: ExpertsConfig) -> None:
+    def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL) -> None:
+        """`unroll`: slices of the L loop per trip (FC1_UNROLL; experts_one builds its FC1
+        items at its own depth and compares them with this kernel at that depth)."""
         self.cfg = cfg
         self.slices = cfg.latent // (VEC * 32)
-        self.unroll = FC1_UNROLL if self.slices % FC1_UNROLL == 0 else 1
+        self.unroll = unroll if self.slices % unroll == 0 else 1
 
     @cute.jit
     def __call__(self, z: cute.Pointer, idx: cute.Pointer, w13: cute.Pointer, act: cute.Pointer,

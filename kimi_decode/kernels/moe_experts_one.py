@@ -77,7 +77,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
-from kimi_decode.kernels.moe_experts import (FC1_UNROLL, V2_GROUP_LANES, V2_GROUPS, VEC, ExpertsConfig,
+from kimi_decode.kernels.moe_experts import (V2_GROUP_LANES, V2_GROUPS, VEC, ExpertsConfig,
                                              can_implement_v2, fc1_warp, prepare, v2_finish, v2_issue)
 
 ONE_WARPS = 4          # warps per CTA (FC2v2's CTA; an FC1 item is 4 of FC1's warps)
@@ -87,6 +87,9 @@ ONE_WARPS = 4          # warps per CTA (FC2v2's CTA; an FC1 item is 4 of FC1's w
 COUNTERS = 64          # int32 words of the counter buffer (256 bytes)
 TICKET, EXITED, DONE = 0, 1, 32
 ONE_CTAS = 7
+ONE_FC1_UNROLL = 7     # FC1 items' L-loop slices per trip. ExpertsFC1 runs all 14 in one trip
+                       # (moe_experts.FC1_UNROLL); this opt-in kernel was measured at 7, and at
+                       # 14 its FC1 branch holds the butterflies outside any loop
 
 
 def ctas_per_sm(cfg: ExpertsConfig) -> int:
@@ -101,7 +104,7 @@ class ExpertsOne:
     def __init__(self, cfg: ExpertsConfig) -> None:
         self.cfg = cfg
         self.fc1_slices = cfg.latent // (VEC * 32)
-        self.fc1_unroll = FC1_UNROLL if self.fc1_slices % FC1_UNROLL == 0 else 1
+        self.fc1_unroll = ONE_FC1_UNROLL if self.fc1_slices % ONE_FC1_UNROLL == 0 else 1
         self.per_group = cfg.top_k // V2_GROUPS
         self.slices = cfg.inter // (VEC * V2_GROUP_LANES)
         self.min_blocks = ctas_per_sm(cfg)

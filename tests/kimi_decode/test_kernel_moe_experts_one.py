@@ -190,9 +190,11 @@ def _float_ops(lines: list[str]) -> list[str]:
 def test_items_run_the_two_kernels_arithmetic(tmp_path: Path) -> None:
     """Bit-equality with FC1 + FC2v2, on the CPU: the FC1 item's code (from its first weight
     load to the completion atomic) has ExpertsFC1's float/convert/shuffle instruction sequence
-    (from its first weight load), and the FC2 item's (from griddepcontrol.wait to the next
-    ticket) ExpertsFC2v2's (from its wait): same FMAs in the same order, same roundings."""
+    (from its first weight load, built at the item's unroll depth), and the FC2 item's (from
+    griddepcontrol.wait to the next ticket) ExpertsFC2v2's (from its wait): same FMAs in the
+    same order, same roundings."""
     from kimi_decode.kernels.moe_experts import ExpertsFC1, ExpertsFC2v2
+    from kimi_decode.kernels.moe_experts_one import ONE_FC1_UNROLL
     (tmp_path / "one").mkdir()
     one = [s.strip() for s in ptx_of(tmp_path / "one", K3_CFG).splitlines()]
 
@@ -201,7 +203,7 @@ def test_items_run_the_two_kernels_arithmetic(tmp_path: Path) -> None:
         d.mkdir()
         cute.compile(kernel, *args, _common.current_stream(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
         return [s.strip() for s in next(d.glob("*.ptx")).read_text().splitlines()]
-    fc1 = kernel_ptx("fc1", ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+    fc1 = kernel_ptx("fc1", ExpertsFC1(K3_CFG, unroll=ONE_FC1_UNROLL), P(bf), P(i64), P(bf), P(bf), Int32(1), Float32(4.0), Float32(25.0))
     fc2 = kernel_ptx("fc2", ExpertsFC2v2(K3_CFG), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
     atom = [i for i, s in enumerate(one) if s.startswith("atom.")]
     wait = next(i for i, s in enumerate(one) if s.startswith("griddepcontrol.wait"))
