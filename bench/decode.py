@@ -47,10 +47,11 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times[3:])
 
 
-def time_replays(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
-    """Microseconds of each of `reps` back-to-back replays (one event pair each)."""
+def time_replays(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5) -> list[float]:
+    """Microseconds of each of `reps` back-to-back replays (one event pair each), after
+    `warmup` untimed ones."""
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for _ in range(5):
+    for _ in range(warmup):
         graph.replay()
     for a, b in evs:
         a.record()

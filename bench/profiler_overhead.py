@@ -7,6 +7,9 @@ profiler slows the step it records. This script answers it per configuration, in
 and on one captured graph (the bundled traces' config: K3 TP16 rank 0, layers 4-7, tp_sim,
 the op groups compiled):
 
+- `first`: CUDA events around the first FIRST (10) replays right after the graph is captured, no
+  profiler and no warm-up: the state the captures profiled before tracer/capture.py's
+  graph warm-up; then the graph is warmed as the capture now does (`warm_graph`), and:
 - `none`: CUDA events around each of `reps` back-to-back replays, no profiler (bench/decode.py's
   `time_replays`, the figure bench/decode.md reports per layer);
 - `cpu`: the same events inside torch.profiler with CPU activity only (no CUPTI);
@@ -35,6 +38,7 @@ MD_PATH = Path(__file__).with_name("profiler_overhead.md")
 LAYERS = (4, 5, 6, 7)
 SHAPES = ((1, 0), (1, 7), (8, 0))
 MODES = ("none", "cpu", "cupti")
+FIRST = 10          # replays timed right after capture
 
 
 def replay_spans_ns(trace: dict[str, Any]) -> list[int]:
@@ -68,6 +72,7 @@ def measure(variant: str, batch: int, spec: int, kernels: frozenset[str] | None,
     from kimi_decode.config import k3_tp16
     from kimi_decode.device_job import probe_grouped_mm
     from kimi_decode.runner import build, prepare
+    from tracer.capture import warm_graph
 
     if kernels is not None:
         fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels
@@ -77,8 +82,10 @@ def measure(variant: str, batch: int, spec: int, kernels: frozenset[str] | None,
     inputs = model.make_inputs()
     prepare(model, inputs, graph=False, warmup=3)
     step = prepare(model, inputs, graph=True, warmup=0)
+    first = time_replays(step.graph, FIRST, warmup=0)
     out: dict[str, Any] = {"variant": variant, "batch": batch, "spec_tokens": spec,
-                           "kernel_set": None if kernels is None else sorted(kernels)}
+                           "kernel_set": None if kernels is None else sorted(kernels),
+                           "first_ns": [round(u * 1000) for u in first], "warm_replays": warm_graph(step)}
     acts = {"cpu": [torch.profiler.ProfilerActivity.CPU],
             "cupti": [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]}
     for mode in MODES:
@@ -133,8 +140,9 @@ def render(data: dict[str, Any]) -> str:
         f"- torch {data['torch']} (CUDA {data['cuda']}); {data['reps']} replays per mode; K3 TP16 rank 0,"
         f" layers {', '.join(map(str, data['layers']))}, tp_sim, op groups compiled",
         "",
-        "| variant | B | k | kernels | no profiler µs | CPU-only profiler µs | CUPTI profiler µs | CUPTI / none | trace span µs | span / none |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | B | k | kernels | first 3 replays after capture µs | warmed, no profiler µs | CPU-only profiler µs "
+        "| CUPTI profiler µs | CUPTI / no profiler | trace span µs | span / no profiler |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     default = set(data["default_kernels"])
     for r in data["rows"]:
@@ -143,7 +151,8 @@ def render(data: dict[str, Any]) -> str:
             "default - " + ", ".join(sorted(default - set(r["kernel_set"]))))
         none, cpu, cupti = _med_us(r["none_ns"]), _med_us(r["cpu_ns"]), _med_us(r["cupti_ns"])
         span = _med_us(r["trace_spans_ns"]) if r.get("trace_spans_ns") else float("nan")
-        lines.append(f"| {r['variant']} | {r['batch']} | {r['spec_tokens']} | {ks} | {none:.1f} | {cpu:.1f} | "
+        first = _med_us(r["first_ns"][:3])
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['spec_tokens']} | {ks} | {first:.1f} | {none:.1f} | {cpu:.1f} | "
                      f"{cupti:.1f} | {cupti / none:.3f} | {span:.1f} | {span / none:.3f} |")
     lines.append("")
     lines.append(f"<!-- profiler-overhead-data\n{json.dumps(data)}\n-->")

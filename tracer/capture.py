@@ -20,6 +20,7 @@ import platform
 import re
 import subprocess
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,13 @@ from kimi_decode.runner import Step, build, eager_step, prepare
 
 LAYER_RE = re.compile(r"^L\d+\.(kda|mla|dense)$")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+# Graph mode replays the captured step for this long (and at least GRAPH_WARMUP_MIN_REPLAYS
+# times) before the profiled steps. Measured (bench/profiler_overhead.md, H200): right after
+# capture the fused step graph ran its first ~8-13 ms of replays 6-8 % slower than its steady
+# state (stock's did not), and the traces used to profile exactly the first 3 replays, so
+# they ran 5-9 % above the CUDA-event figures taken in steady state.
+GRAPH_WARMUP_S = 0.05
+GRAPH_WARMUP_MIN_REPLAYS = 10
 
 
 def git_commit() -> str | None:
@@ -69,6 +77,21 @@ def profile_trace(step: Step, n: int, cuda: bool) -> dict[str, Any]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         return json.loads(path.read_text())
+
+
+def warm_graph(step: Step, seconds: float = GRAPH_WARMUP_S, min_replays: int = GRAPH_WARMUP_MIN_REPLAYS) -> int:
+    """Replay a captured step graph for `seconds` of wall time (and at least `min_replays`
+    times), waiting for the device every 8 replays so the time is GPU time, not queueing;
+    returns the number of replays (recorded in the trace's metadata)."""
+    assert step.graph is not None, "warm_graph needs a graph step"
+    n, t0 = 0, time.perf_counter()
+    while n < min_replays or time.perf_counter() - t0 < seconds:
+        step.graph.replay()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return n
 
 
 def _events(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -148,6 +171,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
     model, rt = build(variant, cfg, device)
     inputs = model.make_inputs()
     notes: list[str] = []
+    graph_warmup = 0
     cmap: list[dict[str, Any]] = []
     eager_kernels: list[dict[str, Any]] = []
     if graph:
@@ -158,6 +182,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
         cmap = [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"],
                  "op": k["op"]} for i, k in enumerate(eager_kernels)]
         step = prepare(model, inputs, graph=True, warmup=0)
+        graph_warmup = warm_graph(step)
     else:
         step = prepare(model, inputs, graph=False, warmup=warmup)
     trace = profile(step, steps, cuda)
@@ -205,6 +230,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
         "graph_capture_map_matched": matched,
         "steps": steps,
         "warmup_steps": warmup,
+        "graph_warmup_replays": graph_warmup,
         "world_size": getattr(comm, "tp", 1) if not getattr(comm, "simulated", False) else 1,
         "captured_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "torch_comm_stream": ({"stream_id": comm.side.stream.stream_id, "cuda_stream": comm.side.stream.cuda_stream}

@@ -29,7 +29,7 @@ def test_replay_spans_are_integer_ns_per_launch() -> None:
 
 
 def test_render_names_the_kernel_sets_and_ratios() -> None:
-    row = {"batch": 1, "spec_tokens": 7, "none_ns": [200000, 202000, 201000], "cpu_ns": [201000] * 3,
+    row = {"batch": 1, "spec_tokens": 7, "first_ns": [230000, 215000, 216000, 201000], "none_ns": [200000, 202000, 201000], "cpu_ns": [201000] * 3,
            "cupti_ns": [220000] * 3, "trace_spans_ns": [210000, 212000, 211000]}
     data = {"date": "2026-12-03T00:00:00+00:00", "commit": "abc", "gpu": "H200", "torch": "2.11", "cuda": "13.0",
             "reps": 3, "layers": [4, 5, 6, 7], "default_kernels": ["gemv", "pdl_chain"],
@@ -37,7 +37,7 @@ def test_render_names_the_kernel_sets_and_ratios() -> None:
                      dict(row, variant="fused", kernel_set=["gemv", "pdl_chain"]),
                      dict(row, variant="fused", kernel_set=["gemv"])]}
     md = render(data)
-    assert "| stock | 1 | 7 | stock | 201.0 | 201.0 | 220.0 | 1.095 | 211.0 | 1.050 |" in md
-    assert "| fused | 1 | 7 | default | 201.0 |" in md
-    assert "| fused | 1 | 7 | default - pdl_chain | 201.0 |" in md
+    assert "| stock | 1 | 7 | stock | 216.0 | 201.0 | 201.0 | 220.0 | 1.095 | 211.0 | 1.050 |" in md
+    assert "| fused | 1 | 7 | default | 216.0 | 201.0 |" in md
+    assert "| fused | 1 | 7 | default - pdl_chain | 216.0 | 201.0 |" in md
     assert "profiler-overhead-data" in md

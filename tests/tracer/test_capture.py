@@ -26,6 +26,7 @@ def test_capture_cpu_tiny_writes_annotated_trace(tmp_path):
     assert KEYS <= set(meta)
     assert meta["variant"] == "stock" and meta["graph_mode"] is False and meta["tp_sim"] is False
     assert meta["steps"] == 2 and meta["graph_capture_map"] == []
+    assert meta["graph_warmup_replays"] == 0          # eager: no graph to warm
     assert meta["config"]["layers"] == [2, 3, 4] and meta["config"]["batch"] == 2
     assert meta["config"]["layer_kinds"] == ["kda", "mla", "kda"]   # tiny: MLA at 1-indexed 4
     anns = sorted((e for e in trace["traceEvents"] if e.get("cat") == "user_annotation"),
@@ -114,3 +115,31 @@ def test_capture_on_cuda_without_a_gpu_is_one_error_line(tmp_path):
     assert res.exit_code == BAD_INPUT
     assert res.output.strip().splitlines() == ["error: --device cuda: no CUDA GPU on this machine (use --device cpu)"]
     assert not out.exists()
+
+
+def test_warm_graph_replays_for_the_time_and_at_least_the_minimum(monkeypatch):
+    """The graph warm-up before the profiled steps (tracer/capture.py GRAPH_WARMUP_S) replays
+    until both the wall time and the replay minimum are reached, syncing every 8 replays and
+    at the end: a fake clock that advances 1 ms per replay gives exactly 50 replays for
+    50 ms, and the minimum wins when the time is short."""
+    import torch
+
+    from kimi_decode.runner import Step
+    from tracer import capture as cap
+    now = [0.0]
+    syncs = []
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+            now[0] += 0.001
+
+    monkeypatch.setattr(cap.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(Graph.replays))
+    step = Step(lambda: None, Graph())
+    assert cap.warm_graph(step, seconds=0.05, min_replays=10) == Graph.replays == 50
+    assert syncs[:3] == [8, 16, 24] and syncs[-1] == 50
+    Graph.replays, now[0] = 0, 0.0
+    assert cap.warm_graph(step, seconds=0.002, min_replays=10) == 10
