@@ -47,12 +47,17 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     return 2 * nbytes / statistics.median(times[3:])
 
 
-def time_replays(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5) -> list[float]:
+def time_replays(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5,
+                 warmup_s: float | None = None) -> list[float]:
     """Microseconds of each of `reps` back-to-back replays (one event pair each), after
-    `warmup` untimed ones."""
+    untimed ones: at least `warmup` and `warmup_s` seconds of them (default
+    tracer.capture.GRAPH_WARMUP_S: with 5 replays only, the first layer timed after the
+    profiled eager step ran ~8 % above the others, bench/profiler_overhead.md)."""
+    from tracer.capture import GRAPH_WARMUP_S, warm_graph
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for _ in range(warmup):
-        graph.replay()
+    seconds = GRAPH_WARMUP_S if warmup_s is None else warmup_s
+    if warmup or seconds:
+        warm_graph(graph, seconds, warmup)
     for a, b in evs:
         a.record()
         graph.replay()

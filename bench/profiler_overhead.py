@@ -82,10 +82,10 @@ def measure(variant: str, batch: int, spec: int, kernels: frozenset[str] | None,
     inputs = model.make_inputs()
     prepare(model, inputs, graph=False, warmup=3)
     step = prepare(model, inputs, graph=True, warmup=0)
-    first = time_replays(step.graph, FIRST, warmup=0)
+    first = time_replays(step.graph, FIRST, warmup=0, warmup_s=0)
     out: dict[str, Any] = {"variant": variant, "batch": batch, "spec_tokens": spec,
                            "kernel_set": None if kernels is None else sorted(kernels),
-                           "first_ns": [round(u * 1000) for u in first], "warm_replays": warm_graph(step)}
+                           "first_ns": [round(u * 1000) for u in first], "warm_replays": warm_graph(step.graph)}
     acts = {"cpu": [torch.profiler.ProfilerActivity.CPU],
             "cupti": [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]}
     for mode in MODES:

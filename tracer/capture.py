@@ -35,10 +35,11 @@ from kimi_decode.runner import Step, build, eager_step, prepare
 LAYER_RE = re.compile(r"^L\d+\.(kda|mla|dense)$")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # Graph mode replays the captured step for this long (and at least GRAPH_WARMUP_MIN_REPLAYS
-# times) before the profiled steps. Measured (bench/profiler_overhead.md, H200): right after
-# capture the fused step graph ran its first ~8-13 ms of replays 6-8 % slower than its steady
-# state (stock's did not), and the traces used to profile exactly the first 3 replays, so
-# they ran 5-9 % above the CUDA-event figures taken in steady state.
+# times) before the profiled steps. Measured (bench/profiler_overhead.md, H200): after the
+# CPU-only stretch of a capture, the first ~8-13 ms of replays ran 2-8 % slower than steady
+# state, in some processes and not others; the traces used to profile exactly the first 3
+# replays and ran 5-9 % above the CUDA-event figures, and bench/decode.py's first timed
+# layer of each configuration ran ~8 % above the others.
 GRAPH_WARMUP_S = 0.05
 GRAPH_WARMUP_MIN_REPLAYS = 10
 
@@ -79,14 +80,14 @@ def profile_trace(step: Step, n: int, cuda: bool) -> dict[str, Any]:
         return json.loads(path.read_text())
 
 
-def warm_graph(step: Step, seconds: float = GRAPH_WARMUP_S, min_replays: int = GRAPH_WARMUP_MIN_REPLAYS) -> int:
-    """Replay a captured step graph for `seconds` of wall time (and at least `min_replays`
+def warm_graph(graph: Any, seconds: float = GRAPH_WARMUP_S, min_replays: int = GRAPH_WARMUP_MIN_REPLAYS) -> int:
+    """Replay a captured CUDA graph for `seconds` of wall time (and at least `min_replays`
     times), waiting for the device every 8 replays so the time is GPU time, not queueing;
-    returns the number of replays (recorded in the trace's metadata)."""
-    assert step.graph is not None, "warm_graph needs a graph step"
+    returns the number of replays (recorded in the trace's metadata). bench/decode.py warms
+    each graph it times the same way."""
     n, t0 = 0, time.perf_counter()
     while n < min_replays or time.perf_counter() - t0 < seconds:
-        step.graph.replay()
+        graph.replay()
         n += 1
         if n % 8 == 0:
             torch.cuda.synchronize()
@@ -182,7 +183,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
         cmap = [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"],
                  "op": k["op"]} for i, k in enumerate(eager_kernels)]
         step = prepare(model, inputs, graph=True, warmup=0)
-        graph_warmup = warm_graph(step)
+        graph_warmup = warm_graph(step.graph)
     else:
         step = prepare(model, inputs, graph=False, warmup=warmup)
     trace = profile(step, steps, cuda)

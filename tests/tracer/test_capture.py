@@ -124,7 +124,6 @@ def test_warm_graph_replays_for_the_time_and_at_least_the_minimum(monkeypatch):
     50 ms, and the minimum wins when the time is short."""
     import torch
 
-    from kimi_decode.runner import Step
     from tracer import capture as cap
     now = [0.0]
     syncs = []
@@ -138,8 +137,7 @@ def test_warm_graph_replays_for_the_time_and_at_least_the_minimum(monkeypatch):
 
     monkeypatch.setattr(cap.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(Graph.replays))
-    step = Step(lambda: None, Graph())
-    assert cap.warm_graph(step, seconds=0.05, min_replays=10) == Graph.replays == 50
+    assert cap.warm_graph(Graph(), seconds=0.05, min_replays=10) == Graph.replays == 50
     assert syncs[:3] == [8, 16, 24] and syncs[-1] == 50
     Graph.replays, now[0] = 0, 0.0
-    assert cap.warm_graph(step, seconds=0.002, min_replays=10) == 10
+    assert cap.warm_graph(Graph(), seconds=0.002, min_replays=10) == 10
