@@ -135,6 +135,8 @@ def render(data: dict[str, Any]) -> str:
         "",
         "`python -m bench.profiler_overhead` (its docstring says what each mode is). One process per",
         "run, one captured step graph per row; µs are medians of the replays, computed from integer ns.",
+        "What the runs showed, and what changed because of it (the capture and bench/decode.py warm",
+        "each graph before timing it): bench/fused_runs.md, session 8.",
         "",
         f"- **date**: {data['date']}  **commit**: {data['commit']}  **GPU**: {data['gpu']}",
         f"- torch {data['torch']} (CUDA {data['cuda']}); {data['reps']} replays per mode; K3 TP16 rank 0,"

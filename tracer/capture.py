@@ -36,7 +36,7 @@ LAYER_RE = re.compile(r"^L\d+\.(kda|mla|dense)$")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # Graph mode replays the captured step for this long (and at least GRAPH_WARMUP_MIN_REPLAYS
 # times) before the profiled steps. Measured (bench/profiler_overhead.md, H200): after the
-# CPU-only stretch of a capture, the first ~8-13 ms of replays ran 2-8 % slower than steady
+# CPU-only stretch of a capture, the first ~8-13 ms of replays ran 3-8 % slower than steady
 # state, in some processes and not others; the traces used to profile exactly the first 3
 # replays and ran 5-9 % above the CUDA-event figures, and bench/decode.py's first timed
 # layer of each configuration ran ~8 % above the others.
