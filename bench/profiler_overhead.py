@@ -42,25 +42,15 @@ FIRST = 10          # replays timed right after capture
 
 
 def replay_spans_ns(trace: dict[str, Any]) -> list[int]:
-    """Per cudaGraphLaunch in `trace`: last kernel end - first kernel start, integer ns
-    (Kineto writes µs with ns decimals; rounded once, here)."""
-    launches: dict[int, str] = {}
-    kernels = []
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X":
-            continue
-        cat, args = e.get("cat"), e.get("args", {})
-        if cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
-            launches[args["correlation"]] = e["name"]
-        elif cat == "kernel":
-            kernels.append(e)
-    per: dict[int, list[tuple[int, int]]] = {}
-    for k in kernels:
-        corr = k.get("args", {}).get("correlation")
-        if "GraphLaunch" in launches.get(corr, ""):
-            start = round(float(k["ts"]) * 1000)
-            per.setdefault(corr, []).append((start, start + round(float(k["dur"]) * 1000)))
-    return [max(e for _, e in iv) - min(s for s, _ in iv) for _, iv in sorted(per.items(), key=lambda x: min(x[1]))]
+    """Per cudaGraphLaunch in `trace` (tracer.capture's grouping): last kernel end - first
+    kernel start, integer ns (Kineto writes µs with ns decimals; rounded once, here)."""
+    from tracer.capture import graph_replays, kernels_with_ops
+    spans = []
+    for replay in graph_replays(kernels_with_ops(trace)):
+        starts = [round(k["ts"] * 1000) for k in replay]
+        ends = [s + round(k["dur"] * 1000) for s, k in zip(starts, replay)]
+        spans.append(max(ends) - min(starts))
+    return spans
 
 
 def measure(variant: str, batch: int, spec: int, kernels: frozenset[str] | None, reps: int) -> dict[str, Any]:

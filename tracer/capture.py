@@ -133,7 +133,7 @@ def kernels_with_ops(trace: dict[str, Any]) -> list[dict[str, Any]]:
                     layer = a["name"]
                 elif a["name"] in OPS:
                     op = a["name"]
-        out.append({"name": k["name"], "ts": float(k["ts"]), "stream": args.get("stream"),
+        out.append({"name": k["name"], "ts": float(k["ts"]), "dur": float(k.get("dur", 0)), "stream": args.get("stream"),
                     "correlation": args.get("correlation"),
                     "launch": launch["name"] if launch else None,
                     "step": step, "layer": layer, "op": op})
