@@ -130,8 +130,6 @@ MAX_ROWS = 8     # M
 MAX_PAIRS = 128  # M·K
 FC1_UNROLL = 14  # slices of the L loop in flight per lane (L / 256 = 14 at K3: one round; 7 ran
                  # ~7 us slower per M = 8 layer with 40 registers and a spill: bench/fused_runs.md)
-FC1_MIN_BLOCKS = 0  # CTAs per SM asked of ptxas for FC1 (0: none; 36 registers = 6 CTAs of 8 warps,
-                    # registers being allocated 256 per warp; 8 caps it at 32 with an 8 B spill)
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
@@ -242,8 +240,7 @@ class ExpertsFC1:
         mA = cute.make_tensor(act, cute.make_layout((m * K, Ip), stride=(Ip, 1)))
         self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
             grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
-            use_pdl=chain.chain_on(),
-            **({"min_blocks_per_mp": FC1_MIN_BLOCKS, "preferred_smem_carveout": -1} if FC1_MIN_BLOCKS else {}))
+            use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor,
