@@ -26,7 +26,9 @@ def layers_option(text: str) -> tuple[int, ...]:
 @click.option("--layers", default="4-7", show_default=True, help="0-indexed layers, e.g. 4-7 (KDA,KDA,KDA,MLA).")
 @click.option("--graph/--eager", default=True, show_default=True, help="Replay a CUDA graph or run eagerly.")
 @click.option("--steps", type=int, default=3, show_default=True, help="Profiled steps (after warm-up).")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=3, show_default=True,
+              help="Eager steps before profiling; graph mode then also replays the captured graph "
+                   "for 50 ms (a fresh graph's first replays can run 3-8 % slow).")
 @click.option("--tp-sim/--no-tp-sim", default=None, help="Simulate TP collectives (default: on when tp > 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="cuda or cpu (default: cuda when present).")
