@@ -239,7 +239,7 @@ SHARED_AFTER_ROUTER = True
 #   stock's Triton kernel, but the layers do not move beyond the run-to-run spread (the front
 #   then waits for latent_down; bench/fused_runs.md); kept for the Triton kernel it removes.
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
-            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 1, "mla_norm_fold": 1, "experts_one": 1,
+            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8}
 
 

@@ -22,9 +22,15 @@ Layout (grid = n / warps CTAs of `warps` warps, as moe_up: warp = one output col
      arrives on the counter; the last re-zeroes the counter and bumps the epoch, the others poll
      it). Every CTA must be resident: n / warps = 56 CTAs at K3 TP16, far below one per SM, and
      with the PDL chain no successor can launch before every CTA has passed its wait;
-  4. rstd[m] = rsqrt(Σ_w wss[m·L/256 + w] / L + eps), the warps' partials added in order
-     (thread m < M), then per chunk of ≤ 2 rows: r read back from rbuf (L2), xn = bf16(r · rstd ·
-     norm) into shared memory, and moe_up's dot products and epilogue (+ shared, bf16 out).
+  4. all M rows in one pass (moe_up works in chunks of 2 rows because it keeps r in registers;
+     here r is read back, so nothing limits the chunk but shared memory: M · L · 2 B ≤ 56 KB):
+     each thread issues the loads of its r vectors of every row (rbuf, L2) and of the norm
+     weight together with thread m < M's loads of row m's warp partials, then rstd[m] =
+     rsqrt(Σ_w wss[m·L/256 + w] / L + eps) (the partials added in order), one barrier, xn =
+     bf16(r · rstd · norm) into shared memory, one barrier, moe_up's dot products for the M
+     rows and its epilogue (+ shared, bf16 out). The first build did moe_up's 4 chunks of 2 rows
+     after the barrier, each its own L2 round trip and barrier: 12.4 µs at M = 8 in the
+     check, 13.4 in the step (expected 7-8).
 Rounding points are moe_up's (r, shared, xn, y, out); only Σ r²'s fp32 order differs (per thread
 8 elements, a warp butterfly, the warps in order, vs moe_up's per-thread + CTA sum), so rstd may
 move in its last bits and an xn element by one bf16 ulp now and then: within the checks' 1e-2 of
@@ -100,6 +106,9 @@ class MoeUpGrid(k_up.MoeUp):
         self.wpr = self.nv // 32                         # warp partials per row
         assert self.nv % 32 == 0 and self.ctas * self.threads >= self.items, cfg
         assert MIN_ROWS <= cfg.rows <= MAX_ROWS and self.ctas <= MAX_CTAS, cfg
+        # step 4 takes every row at once (xn of M ≤ 8 rows: ≤ 56 KB of shared memory at
+        # L = 3584), not moe_up's chunks of 2: r is read back from rbuf, not held in registers
+        self.chunk, self.chunks = cfg.rows, 1
 
     @cute.jit
     def __call__(self, r_slots: cute.Pointer, sh_slots: cute.Pointer, sh_full: cute.Pointer,
@@ -175,33 +184,36 @@ class MoeUpGrid(k_up.MoeUp):
         # 3. every CTA's r and partials are written
         self.grid_barrier(mSy, tidx)
 
-        # 4. rstd per row (the warps' partials in order), then moe_up's chunks on r read back
+        # 4. all M rows in one pass: this thread's vectors of r (read back from rbuf) and of
+        #    the norm weight issued together with the rstd partials' loads (one L2 round trip),
+        #    rstd per row (the warps' partials in order), xn = bf16(r · rstd · norm) into
+        #    shared memory, one barrier, then moe_up's dot products for every row
+        rv = cute.make_rmem_tensor(cute.make_layout((M, self.it, VEC), stride=(self.it * VEC, VEC, 1)), bf16)
+        nbuf = cute.make_rmem_tensor(cute.make_layout((self.it, VEC), stride=(VEC, 1)), mN.element_type)
+        for i in cutlass.range_constexpr(self.it):
+            c = tidx + i * self.threads
+            if c < nv:
+                cute.autovec_copy(mN[c, None], nbuf[i, None])
+                for j in cutlass.range_constexpr(M):
+                    cute.autovec_copy(mRb[j, c, None], rv[j, i, None])
         if tidx < M:
             tot = Float32(0.0)
             for w in cutlass.range_constexpr(self.wpr):
                 tot += mWs[tidx * self.wpr + w]
             sRstd[tidx] = cute.math.rsqrt(tot / Float32(self.cfg.latent) + eps)
         cute.arch.sync_threads()
-        nbuf = cute.make_rmem_tensor(cute.make_layout(VEC), mN.element_type)
         xb = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
+        for j in cutlass.range_constexpr(M):
+            rstd = sRstd[j]
+            for i in cutlass.range_constexpr(self.it):
+                c = tidx + i * self.threads
+                if c < nv:
+                    for e in cutlass.range_constexpr(VEC):
+                        xb[e] = (rv[j, i, e].to(Float32) * rstd * nbuf[i, e].to(Float32)).to(bf16)
+                    cute.autovec_copy(xb, sX[j, c, None])
+        cute.arch.sync_threads()
         acc = cute.make_rmem_tensor(cute.make_layout(C), Float32)
-        for ch in cutlass.range_constexpr(self.chunks):
-            m0 = ch * C
-            rows = min(C, M - m0)
-            if cutlass.const_expr(ch > 0):
-                cute.arch.sync_threads()     # every warp has finished reading the previous chunk's xn
-            for j in cutlass.range_constexpr(rows):
-                rstd = sRstd[m0 + j]
-                for i in cutlass.range_constexpr(self.it):
-                    c = tidx + i * self.threads
-                    if c < nv:
-                        cute.autovec_copy(mRb[m0 + j, c, None], buf)
-                        cute.autovec_copy(mN[c, None], nbuf)
-                        for e in cutlass.range_constexpr(VEC):
-                            xb[e] = (buf[e].to(Float32) * rstd * nbuf[e].to(Float32)).to(bf16)
-                        cute.autovec_copy(xb, sX[j, c, None])
-            cute.arch.sync_threads()
-            self.dots_and_store(mO, wv, sX, shp, acc, xb, m0, rows, col, lane)
+        self.dots_and_store(mO, wv, sX, shp, acc, xb, 0, M, col, lane)
 
 
 def compile_for(cfg: k_up.MoeUpConfig) -> object:
