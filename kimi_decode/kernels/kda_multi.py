@@ -18,22 +18,35 @@ This kernel, per CTA (one (b, h) and C value columns, 128 threads):
 1. before the PDL chain's wait: the state slice, the q/k/v conv history and weights, the
    thread's f_b row (16 × 128-bit loads into registers), dt_bias, A_log, o_norm;
 2. after it: every z value the CTA needs for all T tokens in one batch of independent loads
-   (q, k channel of the thread, f_a[tid] into shared memory, the v channel on tid < C, β, the
-   output gate);
+   (q, k channel of the thread, f_a (the mma's B fragments, or f_a[tid] into shared memory),
+   the v channel on tid < C, β, the output gate);
 3. for t = 0..T−1, registers only: conv update + SiLU of q, k (and v), q̂, k̂ norm partials
    per warp into shared memory (T slots, no barrier between tokens);
-4. one barrier; the T gates of key tid as T interleaved 128-term dot products (f_b from
-   registers, f_a[t] from shared memory, each in key order as kda_split); one barrier;
+4. the T gates. On the tensor cores (GATE_MMA, T ≤ 8): raw gate [key, token] = Σ_j
+   f_b[h·d + key, j] · f_a[token, j] is a [128 × 128] · [128 × T] product, i.e. per warp two
+   16-key tiles × 4 k chunks × 2 mma.m16n8k16 (A = f_b rows, fragments loaded before the wait
+   as gemv_mma loads weight rows; B = f_a straight from z, 4 128-bit loads per lane with step
+   2's loads), 16 mma per warp in place of 1,024 FMAs and 256 shared-memory vector loads per
+   thread; each lane then finishes the 4 (key, token) gates of its C fragment into s_eg before
+   step 3, so step 3's barrier covers them. Why: ncu on the B = 1, k = 7 step (9e42f27, cold)
+   had this kernel at 20.3 µs with one warp per scheduler issuing every 7.2 cycles: ~4.5 K
+   instructions per warp in one dependent stream, ~1.4 K of them the gate dot products. The
+   first build (GATE_MMA False, and T > 8): one barrier, the gates of key tid as T interleaved
+   128-term dot products (f_b from registers, f_a[t] from shared memory, each in key order as
+   kda_split), one barrier;
 5. the recurrence, token by token: kda_split's decay + k̂ᵀS and update + q̂ᵀS (two barriers per
    token, the only per-token synchronisation left), o columns to the scratch;
 6. arrival as kda_split; the last CTA loads all T o rows at once, T warp sums, ONE barrier,
    then the T normalised, gated output rows.
-Barriers: 2·T + 4 instead of kda_split's 5·T + T + 2; dependent global round trips: 3 (the
-state, z, the last CTA's o rows) instead of kda_split's T + 3.
+Barriers: 2·T + 4 (2·T + 3 with the tensor-core gates) instead of kda_split's 5·T + T + 2;
+dependent global round trips: 3 (the state, z, the last CTA's o rows) instead of kda_split's
+T + 3.
 
-Numerics: every value is written as the same fp32 operations in the same order as in
-kda_split (conv taps, SiLU, the warp-then-warp-order norm sums, the gate's key-order sum and
-its bf16 rounding, kᵀS / q̂ᵀS shuffles and partial order, the last CTA's Σo² order); which
+Numerics: with the tensor-core gates the raw gate's fp32 sum runs in the mma's order (k
+permuted inside each 32-wide chunk, chunks in order) before its bf16 rounding, so a gate may
+move by one bf16 ulp against kda_split's key-order sum. Otherwise every value is written as
+the same fp32 operations in the same order as in kda_split (conv taps, SiLU, the
+warp-then-warp-order norm sums, the FMA gates' key-order sum and its bf16 rounding, kᵀS / q̂ᵀS shuffles and partial order, the last CTA's Σo² order); which
 products LLVM contracts into fmas is its own choice, so bit-identity with kda_split is not
 guaranteed. The check reports it ("bit_identical") and holds the kernel to kda_split's own
 tolerances against the stock ops and float64. Measured (H200, ba774df / 8c6e2b1,
@@ -60,12 +73,17 @@ from cutlass import BFloat16, Float32, Int32
 
 from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import sigmoid
+from kimi_decode.kernels.gemv_mma import mma_bf16
 from kimi_decode.kernels.kda_decode import CONV, KDAConfig
 from kimi_decode.kernels.kda_split import (THREADS, VEC, WARPS, KDAScratch, KDASplit, KDASplitConfig,
                                            compile_kernel, launch)
 from kimi_decode.kernels.kda_split import can_implement as split_can_implement
 
 MAX_TOKENS = 16    # T·d·4 B of shared memory per buffer (5 of them), and T registers per z value
+# The T gates on the tensor cores (T ≤ MMA_TOKENS, the mma's n; module docstring, step 4);
+# False: the 128-term FMA dot products of the first build (also used above MMA_TOKENS)
+GATE_MMA = True
+MMA_TOKENS = 8
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -84,20 +102,86 @@ class KDAMulti(KDASplit):
         super().__init__(cfg)
         if not 2 <= self.T <= MAX_TOKENS:
             raise ValueError(f"kda_multi is the 2 ≤ T ≤ {MAX_TOKENS} kernel, not T = {self.T}")
+        # the gates on the tensor cores: keys = the mma's m (two 16-key tiles per warp, 4 warps:
+        # d = 128), tokens its n (≤ 8), f_b's k in 4 chunks of 32 (d = 128)
+        self.gate_mma = GATE_MMA and self.T <= MMA_TOKENS and self.d == 128 and THREADS == 128
 
     @cute.jit
     def __call__(self, z: cute.Pointer, f_b: cute.Pointer, conv_w: cute.Pointer,
                  conv_state: cute.Pointer, dt_bias: cute.Pointer, a_log: cute.Pointer,
                  rec_state: cute.Pointer, o_norm: cute.Pointer, out: cute.Pointer,
                  o_buf: cute.Pointer, counter: cute.Pointer, batch: Int32, stream: cuda.CUstream):
+        # f_b and z as 128-bit vectors of 4 packed bf16 pairs (the mma fragments' words)
+        mFbw = cute.make_tensor(cute.recast_ptr(f_b, dtype=Int32),
+                                cute.make_layout((self.P, self.d // VEC, 4), stride=(self.d // 2, 4, 1)))
+        mZw = cute.make_tensor(cute.recast_ptr(z, dtype=Int32),
+                               cute.make_layout((batch * self.T, self.R // VEC, 4), stride=(self.R // 2, 4, 1)))
         self.kernel_multi(*self.views(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, out,
-                                      o_buf, counter, batch)).launch(
+                                      o_buf, counter, batch), mFbw, mZw).launch(
             grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
+
+    @cute.jit
+    def gate_fragments(self, mFbw: cute.Tensor, mDt: cute.Tensor, h: Int32, warp: Int32,
+                       lane: Int32) -> tuple:
+        """Before the wait: the A fragments of this warp's 32 keys (two 16-key tiles: rows g and
+        g + 8 of each, lane (g, t) taking the 128-bit vector t of every 32-wide k chunk, as
+        gemv_mma) and the dt_bias of the 4 keys whose gates the lane will hold."""
+        g = lane // 4
+        t = lane - g * 4
+        fa = cute.make_rmem_tensor(cute.make_layout((2, 4, 2, 4), stride=(32, 8, 4, 1)), Int32)
+        dts = cute.make_rmem_tensor(cute.make_layout((2, 2), stride=(2, 1)), Float32)
+        for mt in cutlass.range_constexpr(2):
+            key = warp * 32 + mt * 16 + g
+            for cc in cutlass.range_constexpr(4):
+                cute.autovec_copy(mFbw[h * self.d + key, cc * 4 + t, None], fa[mt, cc, 0, None])
+                cute.autovec_copy(mFbw[h * self.d + key + 8, cc * 4 + t, None], fa[mt, cc, 1, None])
+            dts[mt, 0] = mDt[h * self.d + key]
+            dts[mt, 1] = mDt[h * self.d + key + 8]
+        return fa, dts
+
+    @cute.jit
+    def gate_x_fragments(self, mZw: cute.Tensor, b: Int32, lane: Int32) -> cute.Tensor:
+        """After the wait, with step 2's other z loads: the B fragments, f_a of the T tokens
+        (lane (g, t): token min(g, T - 1)'s vector t of each 32-wide k chunk, from z)."""
+        T = self.T
+        g = lane // 4
+        t = lane - g * 4
+        xw = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), Int32)
+        xrow = b * T + cutlass.min(g, Int32(T - 1))
+        for cc in cutlass.range_constexpr(4):
+            cute.autovec_copy(mZw[xrow, 4 * self.P // VEC + cc * 4 + t, None], xw[cc, None])
+        return xw
+
+    @cute.jit
+    def gates_mma(self, fa: cute.Tensor, dts: cute.Tensor, xw: cute.Tensor, s_eg: cute.Tensor,
+                  decay: Float32, warp: Int32, lane: Int32):
+        """Step 4 on the tensor cores: 8 mma.m16n8k16 per 16-key tile (A = f_b rows, B = f_a of
+        the tokens, fp32 accumulation); the lane then holds the raw gates of keys (g, g + 8) of
+        each tile for tokens (2t, 2t + 1) (the C fragment) and writes exp(g) of those with
+        token < T to s_eg."""
+        kc, T = self.k, self.T
+        g = lane // 4
+        t = lane - g * 4
+        for mt in cutlass.range_constexpr(2):
+            acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            acc.fill(0.0)
+            for cc in cutlass.range_constexpr(4):
+                mma_bf16(acc, fa[mt, cc, 0, 0], fa[mt, cc, 1, 0], fa[mt, cc, 0, 1], fa[mt, cc, 1, 1],
+                         xw[cc, 0], xw[cc, 1])
+                mma_bf16(acc, fa[mt, cc, 0, 2], fa[mt, cc, 1, 2], fa[mt, cc, 0, 3], fa[mt, cc, 1, 3],
+                         xw[cc, 2], xw[cc, 3])
+            for i in cutlass.range_constexpr(4):
+                tok = 2 * t + i % 2
+                if tok < T:
+                    gr = acc[i].to(BFloat16).to(Float32) + dts[mt, i // 2]
+                    gate = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
+                    s_eg[tok, warp * 32 + mt * 16 + g + 8 * (i // 2)] = cute.math.exp(gate)
 
     @cute.kernel
     def kernel_multi(self, mZ: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor, mCs: cute.Tensor,
                      mDt: cute.Tensor, mA: cute.Tensor, mS: cute.Tensor, mOn: cute.Tensor,
-                     mOut: cute.Tensor, mOb: cute.Tensor, mC: cute.Tensor):
+                     mOut: cute.Tensor, mOb: cute.Tensor, mC: cute.Tensor, mFbw: cute.Tensor,
+                     mZw: cute.Tensor):
         d, P, T, C = self.d, self.P, self.T, self.C
         kc = self.k
         tid, sp, h, b, lane, warp, c, kr, c0 = self.indices()
@@ -120,10 +204,13 @@ class KDAMulti(KDASplit):
         hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
         if tid < C:
             self.load_conv_v(mCs, mCw, b, gv, hv, wv)
-        fb = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
-        for vi in cutlass.range_constexpr(d // VEC):
-            cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
-        dt = mDt[h * d + tid]
+        if cutlass.const_expr(self.gate_mma):
+            fa, dts = self.gate_fragments(mFbw, mDt, h, warp, lane)
+        else:
+            fb = cute.make_rmem_tensor(cute.make_layout((d // VEC, VEC), stride=(VEC, 1)), BFloat16)
+            for vi in cutlass.range_constexpr(d // VEC):
+                cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
+            dt = mDt[h * d + tid]
         decay = cute.math.exp(mA[h])
         wn = mOn[tid].to(Float32)
         chain.enter()
@@ -132,17 +219,25 @@ class KDAMulti(KDASplit):
         xk = cute.make_rmem_tensor(cute.make_layout(T), Float32)
         xv = cute.make_rmem_tensor(cute.make_layout(T), Float32)
         zg = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+        if cutlass.const_expr(self.gate_mma):
+            xw = self.gate_x_fragments(mZw, b, lane)
         for t in cutlass.range_constexpr(T):
             row = b * T + t
             xq[t] = mZ[row, gq].to(Float32)
             xk[t] = mZ[row, gk].to(Float32)
-            s_fa[t, tid // VEC, tid % VEC] = mZ[row, 4 * P + tid].to(Float32)
+            if cutlass.const_expr(not self.gate_mma):
+                s_fa[t, tid // VEC, tid % VEC] = mZ[row, 4 * P + tid].to(Float32)
             zg[t] = mZ[row, 3 * P + h * d + tid].to(Float32)
             xv[t] = Float32(0.0)
             if tid < C:
                 xv[t] = mZ[row, gv].to(Float32)
             if tid == 0:
                 s_beta[t] = sigmoid(mZ[row, 4 * P + d + h].to(Float32))
+        if cutlass.const_expr(self.gate_mma):
+            # 4 (first: its fragments then die before step 3's values live). The T gates on the
+            #    tensor cores, f_a from z in registers, so no barrier is needed before them and
+            #    step 3's barrier covers s_eg too
+            self.gates_mma(fa, dts, xw, s_eg, decay, warp, lane)
         # 3. Conv + SiLU and the norm partials of every token (the history advances in order).
         for t in cutlass.range_constexpr(T):
             aq, ak = self.conv_qk(xq[t], xk[t], xq[t] * wq[CONV - 1], xk[t] * wk[CONV - 1], hq, hk, wq, wk,
@@ -156,21 +251,24 @@ class KDAMulti(KDASplit):
                 hv[CONV - 2] = xv[t]
                 s_v[t, tid] = yv * sigmoid(yv)
             self.norm_partials(aq, ak, s_n[t, None, None], lane, warp)
-        cute.arch.sync_threads()                        # s_fa, s_q, s_k, s_v, s_n, s_beta
-        # 4. The T gates of key tid: T interleaved dot products, each in key order.
-        acc = cute.make_rmem_tensor(cute.make_layout(T), Float32)
-        acc.fill(0.0)
-        fav = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
-        for vi in cutlass.range_constexpr(d // VEC):
+        if cutlass.const_expr(self.gate_mma):
+            cute.arch.sync_threads()                    # s_eg, s_q, s_k, s_v, s_n, s_beta
+        else:
+            cute.arch.sync_threads()                    # s_fa, s_q, s_k, s_v, s_n, s_beta
+            # 4. The T gates of key tid: T interleaved dot products, each in key order.
+            acc = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+            acc.fill(0.0)
+            fav = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+            for vi in cutlass.range_constexpr(d // VEC):
+                for t in cutlass.range_constexpr(T):
+                    cute.autovec_copy(s_fa[t, vi, None], fav)
+                    for j in cutlass.range_constexpr(VEC):
+                        acc[t] += fb[vi, j].to(Float32) * fav[j]
             for t in cutlass.range_constexpr(T):
-                cute.autovec_copy(s_fa[t, vi, None], fav)
-                for j in cutlass.range_constexpr(VEC):
-                    acc[t] += fb[vi, j].to(Float32) * fav[j]
-        for t in cutlass.range_constexpr(T):
-            gr = acc[t].to(BFloat16).to(Float32) + dt
-            g = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
-            s_eg[t, tid] = cute.math.exp(g)
-        cute.arch.sync_threads()                        # s_eg
+                gr = acc[t].to(BFloat16).to(Float32) + dt
+                g = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
+                s_eg[t, tid] = cute.math.exp(g)
+            cute.arch.sync_threads()                    # s_eg
         # 5. The delta rule, token by token (kda_split's blocks on the token's slices).
         for t in range(T):
             row = b * T + t
@@ -206,14 +304,25 @@ def compile_for(cfg: KDASplitConfig) -> object:
     return compile_kernel(KDAMulti, "kda_multi", cfg)
 
 
+def compile_fma(cfg: KDASplitConfig) -> object:
+    """The compiled kernel with the first build's FMA gates (GATE_MMA off while it is traced;
+    cached under its own name), for the check's timing beside the tensor-core one."""
+    global GATE_MMA
+    saved, GATE_MMA = GATE_MMA, False
+    try:
+        return compile_kernel(KDAMulti, "kda_multi_fma", cfg)
+    finally:
+        GATE_MMA = saved
+
+
 def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
                      conv_state: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                      rec_state: torch.Tensor, o_norm: torch.Tensor, kcfg: KDAConfig,
-                     scratch: KDAScratch, splits: int | None = None) -> torch.Tensor:
+                     scratch: KDAScratch, splits: int | None = None, *, fma_gates: bool = False) -> torch.Tensor:
     """kda_split.kda_decode_split's contract for 2 ≤ T ≤ MAX_TOKENS (kcfg.tokens): conv_state
     and rec_state advance in place by T tokens; scratch from kda_split.make_scratch. Returns
-    out [B·T, P] bf16."""
-    return launch("kda_decode_multi", compile_for,
+    out [B·T, P] bf16. `fma_gates`: the first build's gates (the check times both)."""
+    return launch("kda_decode_multi", compile_fma if fma_gates else compile_for,
                   lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
                                                 kcfg.in_proj_rows, kcfg.tokens, dts, vs),
                   z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits)
@@ -224,7 +333,8 @@ def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k:
              batch: int) -> dict:
     """µs per call in CUDA-graph replays, on one in_proj output: the stock ops (what the step
     runs at k = 7 without this kernel), kda_split and this kernel (each on its own state), and
-    this kernel at the other V_SPLIT values (kernel_us_vs{n})."""
+    this kernel at the other V_SPLIT values (kernel_us_vs{n}) and with the first build's FMA
+    gates (kernel_fma_gates_us)."""
     from kimi_decode.kernels import kda_split as ks
     from kimi_decode.kernels.checks import time_us
     cfg = mod.cfg
@@ -236,6 +346,9 @@ def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k:
              z, mod.f_b, mod.conv_w, conv_s, mod.dt_bias, mod.a_log, rec_s, mod.o_norm, kcfg, sc_s)),
          "kernel_us": time_us(lambda: kda_decode_multi(
              z, mod.f_b, mod.conv_w, conv_k, mod.dt_bias, mod.a_log, rec_k, mod.o_norm, kcfg, sc_m))}
+    conv_f, rec_f = conv_k.clone(), rec_k.clone()
+    r["kernel_fma_gates_us"] = time_us(lambda: kda_decode_multi(
+        z, mod.f_b, mod.conv_w, conv_f, mod.dt_bias, mod.a_log, rec_f, mod.o_norm, kcfg, sc_m, fma_gates=True))
     for vs in (8, 16, 32):                          # the V_SPLIT alternatives (state outputs discarded)
         if vs != ks.splits_for(batch):
             conv_a, rec_a = conv_k.clone(), rec_k.clone()

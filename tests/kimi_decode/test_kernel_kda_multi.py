@@ -26,45 +26,61 @@ from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait  # noqa: 
 bf = torch.bfloat16
 
 
-@pytest.mark.parametrize("splits", [16, 8])
-def test_compiles(tmp_path: Path, splits: int) -> None:
+@pytest.mark.parametrize("splits,gate_mma", [(16, True), (8, True), (16, False)])
+def test_compiles(monkeypatch, tmp_path: Path, splits: int, gate_mma: bool) -> None:
+    """Both gate paths: the tensor-core one (T ≤ 8, the default: 2 key tiles × 4 k chunks × 2
+    mma steps per warp, f_b's fragments as 16 and f_a's as 4 128-bit loads per lane, no f_a
+    staging in shared memory) and the FMA one (the f_b row as 16 loads, f_a of 8 tokens read
+    back from shared memory as vectors)."""
+    monkeypatch.setattr(km, "GATE_MMA", gate_mma)
     kcfg = k3_kcfg(7)
     assert km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 8, (bf,), splits)
     ptx = ptx_of(tmp_path, kcfg, splits, km.KDAMulti)
     assert ".target sm_90a" in ptx
     assert ptx.count("atom.global") == 1 and "atom.global.acq_rel.add" in ptx
     assert "ld.acquire" not in ptx                                  # no poll loop
-    assert ptx.count("ld.global.v4") >= 16                          # the f_b row, 16 × 128 bit
-    assert ptx.count("ld.shared.v4") >= 2 * 16 * 8                  # f_a of 8 tokens as vectors
+    if gate_mma:
+        assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * 4 * 2
+        assert ptx.count("ld.global.v4") >= 16 + 4                  # f_b and f_a fragments
+        assert ptx.count("ld.shared.v4") < 2 * 16 * 8               # no f_a read-back
+    else:
+        assert "mma.sync" not in ptx
+        assert ptx.count("ld.global.v4") >= 16                      # the f_b row, 16 × 128 bit
+        assert ptx.count("ld.shared.v4") >= 2 * 16 * 8              # f_a of 8 tokens as vectors
     if ptxas_path() is not None:
         regs, spills = ptxas_usage(tmp_path, ptx)
         assert regs <= 255 and spills == 0, (regs, spills)
 
 
-def test_fewer_barriers_than_kda_split(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gate_mma,barriers", [(True, 6), (False, 7)])
+def test_fewer_barriers_than_kda_split(monkeypatch, tmp_path: Path, gate_mma: bool, barriers: int) -> None:
     """Static barriers: kda_split's T-token loop body holds 5 (plus the last CTA's row loop);
-    kda_multi's token loop holds 2 (kᵀS, q̂ᵀS) and the last CTA one for all T rows."""
+    kda_multi's token loop holds 2 (kᵀS, q̂ᵀS) and the last CTA one for all T rows; the
+    tensor-core gates need no barrier of their own (f_a in registers), the FMA ones two."""
+    monkeypatch.setattr(km, "GATE_MMA", gate_mma)
     kcfg = k3_kcfg(7)
     split = ptx_of(tmp_path / "s", kcfg, 16, KDASplit)
     multi = ptx_of(tmp_path / "m", kcfg, 16, km.KDAMulti)
-    assert multi.count("bar.sync") == 7 and split.count("bar.sync") == 9, (multi.count("bar.sync"),
-                                                                            split.count("bar.sync"))
+    assert multi.count("bar.sync") == barriers and split.count("bar.sync") == 9, (multi.count("bar.sync"),
+                                                                                   split.count("bar.sync"))
 
 
 def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
-    """PDL chain on: the state slice, conv history and weights, the f_b row, dt_bias, A_log and
-    o_norm load before griddepcontrol.wait; every z value after it; the release follows the
-    wait."""
+    """PDL chain on: the state slice, conv history and weights, the f_b fragments (the f_b row
+    without the tensor-core gates), dt_bias, A_log and o_norm load before griddepcontrol.wait;
+    every z value after it; the release follows the wait."""
     lines, wait = chained_ptx_at_wait(lambda: ptx_of(tmp_path, k3_kcfg(7), 16, km.KDAMulti))
     assert lines[wait + 1].startswith("griddepcontrol.launch_dependents")
     before = [s for s in lines[:wait] if s.startswith("ld.global")]
     after = [s for s in lines[wait:] if s.startswith("ld.global")]
     # S slice 8 + conv q, k history 6 + v history 3 (b16) + conv weights q, k, v (one v4 each)
-    # + f_b row 16 (v4) + dt_bias, A_log, o_norm
-    assert len(before) == 8 + 6 + 3 + 3 + 16 + 3, before
+    # + f_b fragments 16 (v4) + dt_bias of the lane's 4 keys, A_log, o_norm
+    assert len(before) == 8 + 6 + 3 + 3 + 16 + 4 + 2, before
     assert sum("v4" in s for s in before) == 3 + 16
-    # z of 8 tokens: q, k, f_a, the output gate, v, β per token, and the last CTA's 8 o rows
-    assert len(after) >= 8 * 6 + 8
+    # z of 8 tokens: q, k, the output gate, v, β per token, f_a's 4 fragments (v4), and the
+    # last CTA's 8 o rows
+    assert len(after) >= 8 * 5 + 4 + 8
+    assert sum("v4" in s for s in after) == 4
     assert not any(s.startswith("bar.sync") for s in lines[:wait])
 
 
