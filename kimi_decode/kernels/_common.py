@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sets the sm_90a target before cutlass is imported)
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,18 @@ TORCH_TO_CUTE = {
     torch.uint8: cutlass.Uint8,
 }
 ALIGN = 16  # bytes: every pointer we pass is 16-byte aligned (checked in ptr())
+
+
+H200_SMS = 132   # the SM count assumed where there is no CUDA device (the CPU tests)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device | str) -> int:
+    """SMs of `device` (132 on the H200), from torch; H200_SMS on a CPU device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return H200_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def ptr(t: torch.Tensor) -> cute.Pointer:

@@ -72,11 +72,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from kimi_decode.kernels import chain
-from kimi_decode.kernels._common import sigmoid
+from kimi_decode.kernels._common import sigmoid, sm_count
 from kimi_decode.kernels.gemv_mma import mma_bf16
 from kimi_decode.kernels.kda_decode import CONV, KDAConfig
 from kimi_decode.kernels.kda_split import (THREADS, VEC, WARPS, KDAScratch, KDASplit, KDASplitConfig,
-                                           compile_kernel, launch)
+                                           compile_kernel, launch, splits_for)
 from kimi_decode.kernels.kda_split import can_implement as split_can_implement
 
 MAX_TOKENS = 16    # T·d·4 B of shared memory per buffer (5 of them), and T registers per z value
@@ -84,6 +84,12 @@ MAX_TOKENS = 16    # T·d·4 B of shared memory per buffer (5 of them), and T re
 # False: the 128-term FMA dot products of the first build (also used above MMA_TOKENS)
 GATE_MMA = True
 MMA_TOKENS = 8
+# The tensor-core build takes 174 registers (ptxas, CUDA 13.0: 2 CTAs of 128 threads per SM;
+# the FMA build 168, 3 per SM; capping the mma build at 168 spills 48-144 B). Where its grid
+# needs more than 2 CTAs per SM the wrapper takes the FMA build: B = 8, k = 7 (384 CTAs) ran
+# 30.1 µs with the tensor-core gates and 23.7 with the FMA ones (d714341); every shape the
+# fused step runs kda_multi at (M ≤ 8: B ≤ 4, at most 192 CTAs) fits.
+MMA_CTAS_PER_SM = 2
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -321,7 +327,10 @@ def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
                      scratch: KDAScratch, splits: int | None = None, *, fma_gates: bool = False) -> torch.Tensor:
     """kda_split.kda_decode_split's contract for 2 ≤ T ≤ MAX_TOKENS (kcfg.tokens): conv_state
     and rec_state advance in place by T tokens; scratch from kda_split.make_scratch. Returns
-    out [B·T, P] bf16. `fma_gates`: the first build's gates (the check times both)."""
+    out [B·T, P] bf16. `fma_gates`: the first build's gates (the check times both); also
+    taken where the grid would not fit at MMA_CTAS_PER_SM CTAs per SM (see there)."""
+    ctas = conv_state.shape[0] * kcfg.heads * (splits or splits_for(conv_state.shape[0]))
+    fma_gates = fma_gates or ctas > MMA_CTAS_PER_SM * sm_count(z.device)
     return launch("kda_decode_multi", compile_fma if fma_gates else compile_for,
                   lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
                                                 kcfg.in_proj_rows, kcfg.tokens, dts, vs),

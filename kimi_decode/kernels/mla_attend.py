@@ -118,7 +118,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from kimi_decode.kernels import chain
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, grid_arrive_and_wait, ptr
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, grid_arrive_and_wait, ptr, sm_count
 from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, can_implement_uv as glue_can_uv, config_uv, gated
 
 TILE = 32        # cache positions per tile (one per lane in the softmax)
@@ -191,9 +191,7 @@ def grid_ok(batch: int, rows: int, splits: int, sms: int = SMS) -> bool:
 
 def device_sms(device: torch.device) -> int:
     """SMs of `device` (SMS without CUDA: the CPU tests)."""
-    if device.type != "cuda":
-        return SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return SMS if device.type != "cuda" else sm_count(device)
 
 
 def profitable(batch: int, tokens: int, heads: int) -> bool:

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
-import functools
 import itertools
 
 import cuda.bindings.driver as cuda
@@ -76,7 +75,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sm_count
 from kimi_decode.kernels.moe_experts import (V2_GROUP_LANES, V2_GROUPS, VEC, ExpertsConfig,
                                              can_implement_v2, fc1_warp, prepare, v2_finish, v2_issue)
 
@@ -238,12 +237,6 @@ def compile_for(cfg: ExpertsConfig) -> object:
                             dummy_ptr(torch.int32), Int32(1), Int32(924), Float32(4.0), Float32(25.0),
                             current_stream(), options=compile_options())
     return compiled(("experts_one", cfg), build)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (132 on the H200), from torch."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def make_counters(device: torch.device) -> torch.Tensor:

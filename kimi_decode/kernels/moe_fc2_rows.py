@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -50,7 +49,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from kimi_decode.kernels import chain
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sm_count
 from kimi_decode.kernels.moe_experts import (V2_GROUP_LANES, V2_WARPS, VEC, ExpertsConfig, can_implement_v2,
                                              fc2_views, v2_dots, v2_ids, v2_loads, v2_stage, v2_tensors,
                                              v2_weights)
@@ -161,11 +160,6 @@ class ExpertsFC2Rows:
         return col
 
 
-@functools.cache
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def compile_rows(cfg: RowsConfig) -> object:
     """The compiled ExpertsFC2Rows for `cfg` (cached per configuration and chain mode)."""
     def build() -> object:
@@ -179,7 +173,7 @@ def launch_fc2(act: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w2: torch.
                cfg: ExpertsConfig, m: int, buffers: int = 1) -> None:
     """FC2 as ExpertsFC2Rows on the current stream (arguments as moe_experts.prepare returns
     them); the grid from this device's SM count, fixed per shape, so CUDA-graph safe."""
-    pr = per_row(m, cfg.latent, buffers, sm_count(act.device.index or 0))
+    pr = per_row(m, cfg.latent, buffers, sm_count(act.device))
     compile_rows(RowsConfig(cfg, buffers))(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), Int32(pr),
                                            current_stream())
 

@@ -149,3 +149,18 @@ def test_applies_only_at_t_of_two_or_more_within_the_table() -> None:
     assert fused._kda_multi_applies(k3_tp16(batch=1, spec_tokens=7))
     assert not fused._kda_multi_applies(k3_tp16(batch=1, spec_tokens=0))
     assert not fused._kda_multi_applies(k3_tp16(batch=8, spec_tokens=7))
+
+
+@pytest.mark.parametrize("batch,want_fma", [(1, False), (4, False), (8, True)])
+def test_wrapper_takes_the_fma_gates_where_the_grid_needs_a_second_wave(monkeypatch, batch: int,
+                                                                        want_fma: bool) -> None:
+    """kda_decode_multi: the tensor-core build (2 CTAs per SM by its registers) where the grid
+    B · H · V_SPLIT fits 2 per SM of the H200 (B = 1: 96 CTAs, B = 4: 192), the FMA build
+    where it does not (B = 8: 384 > 264)."""
+    chosen: list[object] = []
+    monkeypatch.setattr(km, "launch", lambda name, fn, *a, **kw: chosen.append(fn))
+    kcfg = k3_kcfg(7)
+    p = kcfg.heads * kcfg.head_dim
+    km.kda_decode_multi(torch.zeros(batch * 8, kcfg.in_proj_rows, dtype=bf), None, None,
+                        torch.zeros(batch, 3 * p, 3, dtype=bf), None, None, None, None, kcfg, None)
+    assert chosen == [km.compile_fma if want_fma else km.compile_for]
