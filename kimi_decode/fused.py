@@ -190,7 +190,9 @@ SHARED_AFTER_ROUTER = True
 #   compares the two kernels: equal outputs) moe_up took 5.9 us there against 6.9 for
 #   moe_up_grid and 24.2 for the stock ops. From M = 3 to 8 moe_up_grid runs where enabled
 #   (kernels/moe_up_grid.py, the sums once per grid; same check: M = 4 8.7 us vs moe_up's
-#   12.2, M = 8 12.4 vs 25.9, stock 24.8 / 25.1); LatentMoE._up_applies makes the choice.
+#   12.2, M = 8 12.4 vs 25.9, stock 24.8 / 25.1; with every row in one pass after its grid
+#   barrier, 9e42f27: M = 2 6.8, M = 4 8.0, M = 8 10.5 us); LatentMoE._up_applies makes the
+#   choice.
 # - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0, where it runs the grid merge
 #   (9f04320, bench/fused_correctness.md: 11.6 us cold vs 13.7 for stock's compiled op, 16.8
 #   with the two-level merge it had before); at 48 rows (B = 8 or k = 7) 43-330 us vs 15-30 us
@@ -205,10 +207,14 @@ SHARED_AFTER_ROUTER = True
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.
-# - attn_res_mc (one row over a cluster of 7 CTAs, kernels/attn_res_mc.py): M = 1 (its check on
+# - attn_res_mc (one row over a cluster of 7 CTAs, kernels/attn_res_mc.py): M ≤ 8 (its check on
 #   the H200, CUDA-graph replays at M = 1: ar mode nb = 1 3.54 vs 5.19 us for the one-CTA
-#   kernel, nb = 8 4.85 vs 8.97; plain nb = 1 3.00 vs 3.81; ag nb = 1 3.02 vs 3.90); at larger
-#   M the one-CTA kernel already has M CTAs on M SMs.
+#   kernel, nb = 8 4.85 vs 8.97; plain nb = 1 3.00 vs 3.81; ag nb = 1 3.02 vs 3.90; at M = 8,
+#   9e42f27: ar nb = 1 3.6 vs 5.4, nb = 8 4.9 vs 9.3, plain 3.1 vs 3.9, ag 3.1 vs 4.1). It is
+#   also the AttnRes kernel in the PDL chain (the one-CTA kernel is not). Until 9e42f27 it ran
+#   at M = 1 only ("the one-CTA kernel already has M CTAs on M SMs"); the bench in one device
+#   call, one process each: B = 1, k = 7 KDA / MLA 218.2 / 235.0 us at M ≤ 1, 216.4 / 225.2
+#   at M ≤ 8; B = 8 215.8 / 243.8 vs 210.7 / 234.4 (bench/fused_runs.md).
 # - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
 #   23.7 vs 26.2 us at M = 1, 141.9 vs 155.4 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
@@ -229,7 +235,9 @@ SHARED_AFTER_ROUTER = True
 #   covers B = 8, k = 7: 23.6 us vs kda_split's 47.9), the T-token kernel with the per-token
 #   prelude done for all tokens at once (kernels/kda_multi.py) in place of stock's four
 #   kernels: in the B = 1, k = 7 step the KDA attention part (AttnRes to AttnRes) 46.8-48.2 ->
-#   38.8-40.2 us, 6 kernels -> 3 (ba774df, bench/fused_runs.md). Larger M not measured.
+#   38.8-40.2 us, 6 kernels -> 3 (ba774df, bench/fused_runs.md). Larger M not measured. With
+#   its gates on the tensor cores (d714341) 14.4 us in its check at B = 1, k = 7 against 16.6
+#   with the FMA gates, and the KDA layer 212.2 vs 216.1 us in the bench.
 # - experts_rows (FC2 as a resident grid, kernels/moe_fc2_rows.py): 2 ≤ M ≤ 8 (its own
 #   MIN_ROWS: at M = 1 FC2 v2's 896 CTAs are already one wave); M = 2 40.3 vs 41.9 us, M = 8
 #   131.1 vs 141.3 us for FC1 + FC2 cold (530c2da); in the B = 1, k = 7 step FC2's end comes
