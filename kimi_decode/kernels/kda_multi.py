@@ -36,8 +36,15 @@ This kernel, per CTA (one (b, h) and C value columns, 128 threads):
    kda_split), one barrier;
 5. the recurrence, token by token: kda_split's decay + k̂ᵀS and update + q̂ᵀS (two barriers per
    token, the only per-token synchronisation left), o columns to the scratch;
-6. arrival as kda_split; the last CTA loads all T o rows at once, T warp sums, ONE barrier,
-   then the T normalised, gated output rows.
+6. the gated RMSNorm over the head's d columns, which V_SPLIT CTAs share. With the cluster
+   (CLUSTER_NORM, V_SPLIT = CLUSTER_SPLITS = 8 CTAs per head, C = 16 columns each, launched as
+   one thread-block cluster per (b, h)): the raw o columns stay in shared memory, thread
+   t < T pushes its CTA's Σ_c o² of token t into every rank's shared memory (DSMEM), one
+   cluster barrier, and each thread normalises one (token, column) of its own CTA; rank 0
+   writes the advanced q, k conv history (every rank has read it by then). Without it (the
+   first build, V_SPLIT > 8): arrival as kda_split; the last CTA loads all T o rows at once
+   (an L2 round trip after the fence and the counter's atomic round trip), T warp sums, ONE
+   barrier, then the T normalised, gated output rows, one CTA doing all d columns.
 Barriers: 2·T + 4 (2·T + 3 with the tensor-core gates) instead of kda_split's 5·T + T + 2;
 dependent global round trips: 3 (the state, z, the last CTA's o rows) instead of kda_split's
 T + 3.
@@ -70,6 +77,7 @@ import torch
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
+from cutlass._mlir.dialects import llvm
 
 from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import sigmoid, sm_count
@@ -90,6 +98,13 @@ MMA_TOKENS = 8
 # 30.1 µs with the tensor-core gates and 23.7 with the FMA ones (d714341); every shape the
 # fused step runs kda_multi at (M ≤ 8: B ≤ 4, at most 192 CTAs) fits.
 MMA_CTAS_PER_SM = 2
+# The gated RMSNorm across a head's V_SPLIT CTAs through a thread-block cluster (module
+# docstring, step 6): every CTA keeps its o columns in shared memory, the per-token Σo²
+# partials meet in each CTA's shared memory (DSMEM), every CTA normalises its own columns.
+# Needs V_SPLIT ≤ 8 (a portable cluster) and T·C ≤ 128 (one output per thread); the wrapper
+# then runs V_SPLIT = CLUSTER_SPLITS. False: the arrival counter and the last CTA.
+CLUSTER_NORM = True
+CLUSTER_SPLITS = 8
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -97,6 +112,12 @@ def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int
     """kda_split's limits, and 2 ≤ T ≤ MAX_TOKENS tokens per sequence."""
     return 2 <= tokens <= MAX_TOKENS and split_can_implement(heads, head_dim, conv_kernel, in_proj_rows,
                                                              dtypes, splits)
+
+
+def cluster_applies(splits: int, tokens: int, cols: int) -> bool:
+    """The cluster epilogue's limits: on, V_SPLIT a portable cluster size (≤ 8), and one
+    output (token, column) per thread of the CTA."""
+    return CLUSTER_NORM and 2 <= splits <= 8 and tokens * cols <= THREADS
 
 
 class KDAMulti(KDASplit):
@@ -111,6 +132,7 @@ class KDAMulti(KDASplit):
         # the gates on the tensor cores: keys = the mma's m (two 16-key tiles per warp, 4 warps:
         # d = 128), tokens its n (≤ 8), f_b's k in 4 chunks of 32 (d = 128)
         self.gate_mma = GATE_MMA and self.T <= MMA_TOKENS and self.d == 128 and THREADS == 128
+        self.cluster = cluster_applies(self.VS, self.T, self.C)
 
     @cute.jit
     def __call__(self, z: cute.Pointer, f_b: cute.Pointer, conv_w: cute.Pointer,
@@ -124,7 +146,8 @@ class KDAMulti(KDASplit):
                                cute.make_layout((batch * self.T, self.R // VEC, 4), stride=(self.R // 2, 4, 1)))
         self.kernel_multi(*self.views(z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, out,
                                       o_buf, counter, batch), mFbw, mZw).launch(
-            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
+            grid=[self.VS, self.H, batch], block=[THREADS, 1, 1],
+            cluster=[self.VS if self.cluster else 1, 1, 1], stream=stream, use_pdl=chain.chain_on())
 
     @cute.jit
     def gate_fragments(self, mFbw: cute.Tensor, mDt: cute.Tensor, h: Int32, warp: Int32,
@@ -183,6 +206,46 @@ class KDAMulti(KDASplit):
                     gate = Float32(kc.gate_lower_bound) * sigmoid(decay * gr)
                     s_eg[tok, warp * 32 + mt * 16 + g + 8 * (i // 2)] = cute.math.exp(gate)
 
+    @cute.jit
+    def epilogue_cluster(self, mS: cute.Tensor, mCs: cute.Tensor, mOut: cute.Tensor, S: cute.Tensor,
+                         hv: cute.Tensor, hq: cute.Tensor, hk: cute.Tensor, s_ob: cute.Tensor,
+                         xred: cute.Tensor, zo: Float32, wo: Float32, tid: Int32, sp: Int32, h: Int32,
+                         b: Int32, c: Int32, kr: Int32, c0: Int32, gq: Int32, gk: Int32, gv: Int32):
+        """Step 6 with the cluster (the CTAs of (b, h) are its V_SPLIT ranks, rank = sp): own
+        state slice and v history back; thread t < T: this CTA's Σ_c o² of token t (its C
+        columns in order) stored into every rank's xred[t, sp] (st.shared::cluster); one cluster
+        barrier (release / acquire); then thread (t, c) = (tid div C, tid mod C) adds xred[t, 0..]
+        in rank order (every CTA the same sum) and writes out[b·T + t, h·d + c0 + c]. Rank 0
+        writes the advanced q, k conv history: past the barrier every rank has read it."""
+        d, T, C, VS = self.d, self.T, self.C, self.VS
+        kc = self.k
+        for r in cutlass.range_constexpr(C):
+            mS[b, h, kr + r * self.rows, c0 + c] = S[r]
+        if tid < C:
+            for j in cutlass.range_constexpr(CONV - 1):
+                mCs[b, gv, j] = hv[j].to(BFloat16)
+        cute.arch.sync_threads()                        # s_ob of the last token
+        if tid < T * VS:
+            t = tid // VS
+            dst = tid - t * VS
+            ss = Float32(0.0)
+            for j in cutlass.range_constexpr(C):
+                ss += s_ob[t, j] * s_ob[t, j]
+            remote = cute.arch.map_dsmem_ptr(xred.iterator + (t * 8 + sp), dst)
+            llvm.store(ss.ir_value(), remote.to_llvm_ptr())
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if sp == 0:
+            self.write_qk_history(mCs, hq, hk, b, gq, gk)
+        if tid < T * C:
+            t = tid // C
+            j = tid - t * C
+            on = Float32(0.0)
+            for r in cutlass.range_constexpr(VS):
+                on += xred[t, r]
+            rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
+            mOut[b * T + t, h * d + c0 + j] = (s_ob[t, j] * rs * wo * sigmoid(zo)).to(BFloat16)
+
     @cute.kernel
     def kernel_multi(self, mZ: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor, mCs: cute.Tensor,
                      mDt: cute.Tensor, mA: cute.Tensor, mS: cute.Tensor, mOn: cute.Tensor,
@@ -203,6 +266,12 @@ class KDAMulti(KDASplit):
         s_o = smem.allocate_tensor(Float32, cute.make_layout((T, WARPS), stride=(WARPS, 1)))
         s_part = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS, C), stride=(WARPS * C, C, 1)))
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
+        if cutlass.const_expr(self.cluster):
+            s_ob = smem.allocate_tensor(Float32, cute.make_layout((T, C), stride=(C, 1)))
+            xred = smem.allocate_tensor(Float32, cute.make_layout((T, 8), stride=(8, 1)), byte_alignment=16)
+            # every CTA of the cluster arrives once it runs; the matching wait (before the first
+            # remote store) makes sure no CTA's shared memory is written before it started
+            cute.arch.cluster_arrive_relaxed()
 
         # 1. State, conv history and weights, the f_b row, constants: what no kernel of this
         #    step writes (before the PDL chain's wait).
@@ -218,7 +287,10 @@ class KDAMulti(KDASplit):
                 cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
             dt = mDt[h * d + tid]
         decay = cute.math.exp(mA[h])
-        wn = mOn[tid].to(Float32)
+        if cutlass.const_expr(self.cluster):      # the norm weight of this thread's output column
+            wn = mOn[c0 + tid % C].to(Float32)
+        else:
+            wn = mOn[tid].to(Float32)
         chain.enter()
         # 2. Every z value of the T tokens (in_proj's output), one batch of independent loads.
         xq = cute.make_rmem_tensor(cute.make_layout(T), Float32)
@@ -227,13 +299,18 @@ class KDAMulti(KDASplit):
         zg = cute.make_rmem_tensor(cute.make_layout(T), Float32)
         if cutlass.const_expr(self.gate_mma):
             xw = self.gate_x_fragments(mZw, b, lane)
+        zo = Float32(0.0)
+        if cutlass.const_expr(self.cluster):      # the output gate of this thread's (token, column)
+            if tid < T * C:
+                zo = mZ[b * T + tid // C, 3 * P + h * d + c0 + tid % C].to(Float32)
         for t in cutlass.range_constexpr(T):
             row = b * T + t
             xq[t] = mZ[row, gq].to(Float32)
             xk[t] = mZ[row, gk].to(Float32)
             if cutlass.const_expr(not self.gate_mma):
                 s_fa[t, tid // VEC, tid % VEC] = mZ[row, 4 * P + tid].to(Float32)
-            zg[t] = mZ[row, 3 * P + h * d + tid].to(Float32)
+            if cutlass.const_expr(not self.cluster):
+                zg[t] = mZ[row, 3 * P + h * d + tid].to(Float32)
             xv[t] = Float32(0.0)
             if tid < C:
                 xv[t] = mZ[row, gv].to(Float32)
@@ -276,33 +353,44 @@ class KDAMulti(KDASplit):
                 s_eg[t, tid] = cute.math.exp(g)
             cute.arch.sync_threads()                    # s_eg
         # 5. The delta rule, token by token (kda_split's blocks on the token's slices).
+        # With the cluster the raw o columns go to s_ob [T, C] instead of the scratch: the same
+        # store, through a view whose (row, column) → t·C + c - offset lands in s_ob.
+        ob = mOb
+        if cutlass.const_expr(self.cluster):
+            ob = cute.make_tensor(s_ob.iterator + (-(b * T * C + h * d + c0)),
+                                  cute.make_layout((b * T + T, P), stride=(C, 1)))
         for t in range(T):
             row = b * T + t
             q_scale, k_scale = self.l2_scales(s_n[t, None, None])
             kS = self.decay_and_kS(S, s_eg[t, None], s_k[t, None], s_part, k_scale, tid, lane, warp, c, kr)
             u = s_beta[t] * (s_v[t, c] - kS)
-            self.update_and_o(S, s_k[t, None], s_q[t, None], s_part, k_scale, q_scale, u, mOb, row, tid, h,
+            self.update_and_o(S, s_k[t, None], s_q[t, None], s_part, k_scale, q_scale, u, ob, row, tid, h,
                               lane, warp, c, kr, c0)
-        # 6. Arrival; the last CTA of (b, h) normalises the T rows with one barrier.
-        self.arrive(mS, mCs, mC, S, hv, s_flag, tid, h, b, c, kr, c0, gv)
-        if s_flag[0] == self.VS - 1:                    # CTA-uniform: the last CTA of (b, h)
-            self.write_qk_history(mCs, hq, hk, b, gq, gk)
-            o_r = cute.make_rmem_tensor(cute.make_layout(T), Float32)
-            for t in cutlass.range_constexpr(T):
-                o_r[t] = mOb[b * T + t, h * d + tid]
-            for t in cutlass.range_constexpr(T):
-                so = cute.arch.warp_reduction_sum(o_r[t] * o_r[t])
-                if lane == 0:
-                    s_o[t, warp] = so
-            cute.arch.sync_threads()
-            for t in cutlass.range_constexpr(T):
-                on = Float32(0.0)
-                for w in cutlass.range_constexpr(WARPS):
-                    on += s_o[t, w]
-                rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
-                mOut[b * T + t, h * d + tid] = (o_r[t] * rs * wn * sigmoid(zg[t])).to(BFloat16)
-            if tid == 0:
-                mC[b * self.H + h] = Int32(0)
+        if cutlass.const_expr(self.cluster):
+            cute.arch.cluster_wait()                    # every CTA of the cluster has started
+            self.epilogue_cluster(mS, mCs, mOut, S, hv, hq, hk, s_ob, xred, zo, wn, tid, sp, h, b, c, kr,
+                                  c0, gq, gk, gv)
+        else:
+            # 6. Arrival; the last CTA of (b, h) normalises the T rows with one barrier.
+            self.arrive(mS, mCs, mC, S, hv, s_flag, tid, h, b, c, kr, c0, gv)
+            if s_flag[0] == self.VS - 1:                    # CTA-uniform: the last CTA of (b, h)
+                self.write_qk_history(mCs, hq, hk, b, gq, gk)
+                o_r = cute.make_rmem_tensor(cute.make_layout(T), Float32)
+                for t in cutlass.range_constexpr(T):
+                    o_r[t] = mOb[b * T + t, h * d + tid]
+                for t in cutlass.range_constexpr(T):
+                    so = cute.arch.warp_reduction_sum(o_r[t] * o_r[t])
+                    if lane == 0:
+                        s_o[t, warp] = so
+                cute.arch.sync_threads()
+                for t in cutlass.range_constexpr(T):
+                    on = Float32(0.0)
+                    for w in cutlass.range_constexpr(WARPS):
+                        on += s_o[t, w]
+                    rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
+                    mOut[b * T + t, h * d + tid] = (o_r[t] * rs * wn * sigmoid(zg[t])).to(BFloat16)
+                if tid == 0:
+                    mC[b * self.H + h] = Int32(0)
 
 
 def compile_for(cfg: KDASplitConfig) -> object:
@@ -329,7 +417,11 @@ def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
     and rec_state advance in place by T tokens; scratch from kda_split.make_scratch. Returns
     out [B·T, P] bf16. `fma_gates`: the first build's gates (the check times both); also
     taken where the grid would not fit at MMA_CTAS_PER_SM CTAs per SM (see there)."""
-    ctas = conv_state.shape[0] * kcfg.heads * (splits or splits_for(conv_state.shape[0]))
+    batch = conv_state.shape[0]
+    if splits is None:
+        splits = (CLUSTER_SPLITS if cluster_applies(CLUSTER_SPLITS, kcfg.tokens, kcfg.head_dim // CLUSTER_SPLITS)
+                  else splits_for(batch))
+    ctas = batch * kcfg.heads * splits
     fma_gates = fma_gates or ctas > MMA_CTAS_PER_SM * sm_count(z.device)
     return launch("kda_decode_multi", compile_fma if fma_gates else compile_for,
                   lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
@@ -342,8 +434,8 @@ def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k:
              batch: int) -> dict:
     """µs per call in CUDA-graph replays, on one in_proj output: the stock ops (what the step
     runs at k = 7 without this kernel), kda_split and this kernel (each on its own state), and
-    this kernel at the other V_SPLIT values (kernel_us_vs{n}) and with the first build's FMA
-    gates (kernel_fma_gates_us)."""
+    this kernel at every V_SPLIT (kernel_us_vs{n}) and with the first build's FMA gates
+    (kernel_fma_gates_us)."""
     from kimi_decode.kernels import kda_split as ks
     from kimi_decode.kernels.checks import time_us
     cfg = mod.cfg
@@ -358,11 +450,11 @@ def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k:
     conv_f, rec_f = conv_k.clone(), rec_k.clone()
     r["kernel_fma_gates_us"] = time_us(lambda: kda_decode_multi(
         z, mod.f_b, mod.conv_w, conv_f, mod.dt_bias, mod.a_log, rec_f, mod.o_norm, kcfg, sc_m, fma_gates=True))
-    for vs in (8, 16, 32):                          # the V_SPLIT alternatives (state outputs discarded)
-        if vs != ks.splits_for(batch):
-            conv_a, rec_a = conv_k.clone(), rec_k.clone()
-            r[f"kernel_us_vs{vs}"] = time_us(lambda vs=vs: kda_decode_multi(
-                z, mod.f_b, mod.conv_w, conv_a, mod.dt_bias, mod.a_log, rec_a, mod.o_norm, kcfg, sc_m, splits=vs))
+    # every V_SPLIT (state outputs discarded): 8 runs the cluster epilogue, 16 and 32 the counter's
+    for vs in (8, 16, 32):
+        conv_a, rec_a = conv_k.clone(), rec_k.clone()
+        r[f"kernel_us_vs{vs}"] = time_us(lambda vs=vs: kda_decode_multi(
+            z, mod.f_b, mod.conv_w, conv_a, mod.dt_bias, mod.a_log, rec_a, mod.o_norm, kcfg, sc_m, splits=vs))
     return r
 
 

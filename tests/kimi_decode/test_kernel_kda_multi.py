@@ -26,7 +26,7 @@ from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait  # noqa: 
 bf = torch.bfloat16
 
 
-@pytest.mark.parametrize("splits,gate_mma", [(16, True), (8, True), (16, False)])
+@pytest.mark.parametrize("splits,gate_mma", [(16, True), (8, True), (16, False), (8, False)])
 def test_compiles(monkeypatch, tmp_path: Path, splits: int, gate_mma: bool) -> None:
     """Both gate paths: the tensor-core one (T ≤ 8, the default: 2 key tiles × 4 k chunks × 2
     mma steps per warp, f_b's fragments as 16 and f_a's as 4 128-bit loads per lane, no f_a
@@ -37,7 +37,17 @@ def test_compiles(monkeypatch, tmp_path: Path, splits: int, gate_mma: bool) -> N
     assert km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 8, (bf,), splits)
     ptx = ptx_of(tmp_path, kcfg, splits, km.KDAMulti)
     assert ".target sm_90a" in ptx
-    assert ptx.count("atom.global") == 1 and "atom.global.acq_rel.add" in ptx
+    if km.cluster_applies(splits, 8, kcfg.head_dim // splits):
+        # the cluster epilogue (V_SPLIT = 8): Σo² partials pushed into every rank's shared
+        # memory (mapa + st.shared::cluster), the start and the exchange barriers; no arrival
+        # counter, and 4 CTA barriers instead of 6
+        assert "atom.global" not in ptx
+        assert ptx.count("mapa") == 1 and ptx.count("st.shared::cluster") == 1
+        assert ptx.count("barrier.cluster.arrive") == 2 and ptx.count("barrier.cluster.wait") == 2
+        assert ptx.count("bar.sync") == (4 if gate_mma else 5)
+    else:
+        assert ptx.count("atom.global") == 1 and "atom.global.acq_rel.add" in ptx
+        assert "barrier.cluster" not in ptx
     assert "ld.acquire" not in ptx                                  # no poll loop
     if gate_mma:
         assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * 4 * 2
@@ -155,12 +165,13 @@ def test_applies_only_at_t_of_two_or_more_within_the_table() -> None:
 def test_wrapper_takes_the_fma_gates_where_the_grid_needs_a_second_wave(monkeypatch, batch: int,
                                                                         want_fma: bool) -> None:
     """kda_decode_multi: the tensor-core build (2 CTAs per SM by its registers) where the grid
-    B · H · V_SPLIT fits 2 per SM of the H200 (B = 1: 96 CTAs, B = 4: 192), the FMA build
-    where it does not (B = 8: 384 > 264)."""
+    B · H · V_SPLIT fits 2 per SM of the H200 (V_SPLIT 8: B = 1 48 CTAs, B = 4 192), the FMA
+    build where it does not (B = 8: 384 > 264)."""
     chosen: list[object] = []
-    monkeypatch.setattr(km, "launch", lambda name, fn, *a, **kw: chosen.append(fn))
+    monkeypatch.setattr(km, "launch", lambda name, fn, *a, **kw: chosen.append((fn, a[-1])))
     kcfg = k3_kcfg(7)
     p = kcfg.heads * kcfg.head_dim
     km.kda_decode_multi(torch.zeros(batch * 8, kcfg.in_proj_rows, dtype=bf), None, None,
                         torch.zeros(batch, 3 * p, 3, dtype=bf), None, None, None, None, kcfg, None)
-    assert chosen == [km.compile_fma if want_fma else km.compile_for]
+    # V_SPLIT = CLUSTER_SPLITS (8) at T = 8: the cluster epilogue's 8 CTAs per head
+    assert chosen == [(km.compile_fma if want_fma else km.compile_for, km.CLUSTER_SPLITS)]
