@@ -170,10 +170,6 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
-# moe_up_grid (2 ≤ M ≤ 8) prefetches this many bytes of the next layer's first weight (in_proj
-# or qkv_a) into L2 once FC2 has finished (kernels/moe_up_grid.py): HBM idles for the rest of
-# that kernel and the next AttnRes (~15 us at B = 1, k = 7). 0: off.
-UP_PREFETCH_BYTES = 0
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
 # router instead of after latent_down: the front then streams latent_down and the router's
 # weights only, and the shared expert's 11 MB run beside the routed experts.
@@ -648,7 +644,6 @@ class LatentMoE(stock.LatentMoE):
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
                                  # kernel reads the all-gather slots; kernel "attn_res_ag")
     prefetch_target: torch.Tensor | None = None
-    next_weight: torch.Tensor | None = None    # the next layer's first weight (UP_PREFETCH_BYTES)
     # (idx, w) used instead of the router's own choice (the router still runs): lets a parity
     # check follow the stock step's expert choice through a routing near-tie (the 16th and
     # 17th scores within one bf16 rounding), which the router checks cover on their own
@@ -814,8 +809,7 @@ class LatentMoE(stock.LatentMoE):
                     moe_up(*up_args, out=ag_buf[rank])
                 else:   # 2 ≤ M ≤ 8: the slot sums once per grid (kernels/moe_up_grid.py)
                     from kimi_decode.kernels.moe_up_grid import moe_up_grid
-                    moe_up_grid(*up_args, self.up_grid_scratch, out=ag_buf[rank], prefetch=self.next_weight,
-                                prefetch_bytes=UP_PREFETCH_BYTES)
+                    moe_up_grid(*up_args, self.up_grid_scratch, out=ag_buf[rank])
             if self.gather_out:
                 return Gathered(ag_buf)
             with op_range("moe_gather"):
@@ -1073,6 +1067,4 @@ class FusedDecoder(StockDecoder):
                     target = nxt.in_proj if isinstance(nxt, stock.KDAAttention) else nxt.qkv_a
                 # a plain tensor view (a Parameter here would be registered as a second weight)
                 layer.mlp.prefetch_target = None if target is None else target.detach()
-                first = None if nxt is None else (nxt.in_proj if isinstance(nxt, stock.KDAAttention) else nxt.qkv_a)
-                layer.mlp.next_weight = None if first is None else first.detach()
         return on

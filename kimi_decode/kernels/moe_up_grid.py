@@ -67,7 +67,6 @@ VEC = k_up.VEC
 MIN_ROWS = 2          # M = 1: moe_up (one CTA per column block re-summing is cheap there)
 MAX_ROWS = k_up.MAX_ROWS
 MAX_CTAS = 132        # every CTA resident for the grid barrier: at most one per SM of the H200
-PF_CHUNK = 16384      # bytes per bulk L2 prefetch instruction (the optional next-weight prefetch)
 
 
 @dataclass
@@ -100,15 +99,13 @@ def can_implement(m: int, latent: int, n: int, world: int, dtypes: tuple[torch.d
 class MoeUpGrid(k_up.MoeUp):
     """See the module docstring."""
 
-    def __init__(self, cfg: k_up.MoeUpConfig, prefetch_chunks: int = 0) -> None:
+    def __init__(self, cfg: k_up.MoeUpConfig) -> None:
         super().__init__(cfg)
-        self.pf_chunks = prefetch_chunks                 # PF_CHUNK prefetches per CTA (≤ threads)
         self.ctas = cfg.n // cfg.warps
         self.items = cfg.rows * self.nv                  # r vectors (phase 1 work items)
         self.wpr = self.nv // 32                         # warp partials per row
         assert self.nv % 32 == 0 and self.ctas * self.threads >= self.items, cfg
         assert MIN_ROWS <= cfg.rows <= MAX_ROWS and self.ctas <= MAX_CTAS, cfg
-        assert 0 <= prefetch_chunks <= self.threads, prefetch_chunks
         # step 4 takes every row at once (xn of M ≤ 8 rows: ≤ 56 KB of shared memory at
         # L = 3584), not moe_up's chunks of 2: r is read back from rbuf, not held in registers
         self.chunk, self.chunks = cfg.rows, 1
@@ -116,15 +113,14 @@ class MoeUpGrid(k_up.MoeUp):
     @cute.jit
     def __call__(self, r_slots: cute.Pointer, sh_slots: cute.Pointer, sh_full: cute.Pointer,
                  norm: cute.Pointer, up_rows: cute.Pointer, out: cute.Pointer, rbuf: cute.Pointer,
-                 wss: cute.Pointer, sync: cute.Pointer, pf: cute.Pointer, rank: Int32, eps: Float32,
+                 wss: cute.Pointer, sync: cute.Pointer, rank: Int32, eps: Float32,
                  stream: cuda.CUstream):
         m, L = self.cfg.rows, self.cfg.latent
         mR, mS, mF, mN, mW, mO = self.views(r_slots, sh_slots, sh_full, norm, up_rows, out)
         mRb = cute.make_tensor(rbuf, cute.make_layout((m, self.nv, VEC), stride=(L, VEC, 1)))
         mWs = cute.make_tensor(wss, cute.make_layout(m * self.wpr))
         mSy = cute.make_tensor(sync, cute.make_layout(2))
-        mPf = cute.make_tensor(pf, cute.make_layout(max(1, self.ctas * self.pf_chunks * PF_CHUNK)))
-        self.kernel_grid(mR, mS, mF, mN, mW, mO, mRb, mWs, mSy, mPf, rank, eps).launch(
+        self.kernel_grid(mR, mS, mF, mN, mW, mO, mRb, mWs, mSy, rank, eps).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
             use_pdl=chain.chain_on())
 
@@ -140,7 +136,7 @@ class MoeUpGrid(k_up.MoeUp):
     @cute.kernel
     def kernel_grid(self, mR: cute.Tensor, mS: cute.Tensor, mF: cute.Tensor, mN: cute.Tensor,
                     mW: cute.Tensor, mO: cute.Tensor, mRb: cute.Tensor, mWs: cute.Tensor,
-                    mSy: cute.Tensor, mPf: cute.Tensor, rank: Int32, eps: Float32):
+                    mSy: cute.Tensor, rank: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes (a full-warp shuffle)
@@ -159,11 +155,6 @@ class MoeUpGrid(k_up.MoeUp):
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
         shp = cute.make_rmem_tensor(cute.make_layout(M), Float32)
         self.row_and_shared(mS, mF, mW, wv, shp, col, lane, rank)
-        # (optional) past the wait FC2 has finished streaming and HBM idles for the rest of
-        # this kernel and the next AttnRes: start the next layer's first weight into L2
-        if cutlass.const_expr(self.pf_chunks > 0):
-            if tidx < self.pf_chunks:
-                chain.prefetch(mPf.iterator + (bidx * self.pf_chunks + tidx) * PF_CHUNK, PF_CHUNK)
 
         # 2. phase 1: one r vector per thread, its Σ r², the warp's partial
         g = bidx * self.threads + tidx
@@ -225,33 +216,21 @@ class MoeUpGrid(k_up.MoeUp):
         self.dots_and_store(mO, wv, sX, shp, acc, xb, 0, M, col, lane)
 
 
-def compile_for(cfg: k_up.MoeUpConfig, prefetch_chunks: int = 0) -> object:
+def compile_for(cfg: k_up.MoeUpConfig) -> object:
     """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(MoeUpGrid(cfg, prefetch_chunks), bf, bf, bf, bf, bf, bf, bf,
-                            dummy_ptr(torch.float32), dummy_ptr(torch.int32), dummy_ptr(torch.uint8),
-                            Int32(0), Float32(1e-5), current_stream(), options=compile_options())
-    return compiled(("moe_up_grid", cfg, prefetch_chunks), build)
-
-
-def prefetch_chunks(t: torch.Tensor | None, nbytes: int, ctas: int) -> int:
-    """PF_CHUNK prefetches per CTA for the first `nbytes` of `t` (at most all of it): 0 without
-    a tensor; the kernel prefetches ctas · chunks · PF_CHUNK bytes."""
-    if t is None or nbytes <= 0:
-        return 0
-    total = min(nbytes, t.numel() * t.element_size())
-    return min(total // (PF_CHUNK * ctas), k_up.WARPS * 32)
+        return cute.compile(MoeUpGrid(cfg), bf, bf, bf, bf, bf, bf, bf, dummy_ptr(torch.float32),
+                            dummy_ptr(torch.int32), Int32(0), Float32(1e-5), current_stream(),
+                            options=compile_options())
+    return compiled(("moe_up_grid", cfg), build)
 
 
 def moe_up_grid(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,
                 latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float, scratch: MoeUpGridScratch,
-                out: torch.Tensor | None = None, *, warps: int = k_up.WARPS,
-                prefetch: torch.Tensor | None = None, prefetch_bytes: int = 0) -> torch.Tensor:
+                out: torch.Tensor | None = None, *, warps: int = k_up.WARPS) -> torch.Tensor:
     """moe_up (same arguments and result, kernels/moe_up.py) for 2 ≤ M ≤ 8, with `scratch`
-    from make_scratch(M, L) (one per call site: two launches in flight must not share it).
-    `prefetch` (contiguous, 16-byte aligned): its first ~`prefetch_bytes` are prefetched into
-    L2 once the chain's wait returns (a hint: no result depends on it)."""
+    from make_scratch(M, L) (one per call site: two launches in flight must not share it)."""
     world, m, L = r_slots.shape
     n = up_rows.shape[0]
     dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
@@ -266,12 +245,9 @@ def moe_up_grid(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Te
         out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
         raise ValueError("out must be [M, n] bf16")
-    chunks = prefetch_chunks(prefetch, prefetch_bytes, n // warps)
-    pf = ptr(prefetch.view(torch.uint8).reshape(-1)) if chunks else dummy_ptr(torch.uint8)
-    compile_for(k_up.MoeUpConfig(m, L, n, world, warps), chunks)(
+    compile_for(k_up.MoeUpConfig(m, L, n, world, warps))(
         ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm), ptr(up_rows), ptr(out),
-        ptr(scratch.rbuf), ptr(scratch.wss), ptr(scratch.sync), pf, Int32(rank), Float32(eps),
-        current_stream())
+        ptr(scratch.rbuf), ptr(scratch.wss), ptr(scratch.sync), Int32(rank), Float32(eps), current_stream())
     return out
 
 

@@ -439,23 +439,6 @@ def test_enable_switches_the_cluster_kernel(monkeypatch) -> None:
         assert all(r.use_mc == want and r.use_kernel == ("attn_res" in on) for r in res)
 
 
-def test_enable_points_each_moe_at_the_next_layers_first_weight(monkeypatch) -> None:
-    """enable(): every layer's MoE holds the next layer's first weight (in_proj of a KDA layer,
-    qkv_a of an MLA one: what moe_up_grid prefetches with UP_PREFETCH_BYTES), the last none."""
-    import kimi_decode.fused as fused_mod
-    import kimi_decode.kernels as kernels
-    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
-    monkeypatch.setattr(kernels, "applicable", lambda name, cfg: True)
-    fused = FusedDecoder.from_stock(StockDecoder(tiny(layers=(5, 6, 7), batch=1)))
-    fused.enable(frozenset({"moe_up", "moe_up_grid"}))
-    kinds = [layer.kind for layer in fused.layers]
-    assert kinds == ["kda", "kda", "mla"]
-    l0, l1, l2 = fused.layers
-    assert l0.mlp.next_weight.data_ptr() == l1.attn.in_proj.data_ptr()
-    assert l1.mlp.next_weight.data_ptr() == l2.attn.qkv_a.data_ptr()
-    assert l2.mlp.next_weight is None
-
-
 @pytest.mark.parametrize("tp_sim", [False, True])
 def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
     """The one-launch fronts (kernels/gemv_multi.py) wired in, each emulated by its contract

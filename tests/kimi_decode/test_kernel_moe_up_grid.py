@@ -30,7 +30,7 @@ import kimi_decode.kernels.moe_up_grid as g  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common, checks  # noqa: E402
 from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
-from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait, common_checks, ptx_of  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import common_checks, ptx_of  # noqa: E402
 
 bf = torch.bfloat16
 P = _common.dummy_ptr
@@ -38,10 +38,10 @@ K3 = k3_tp16()
 N = K3.hidden // K3.tp
 
 
-def grid_ptx(tmp_path: Path, m: int, prefetch_chunks: int = 0) -> str:
+def grid_ptx(tmp_path: Path, m: int) -> str:
     cfg = k_up.MoeUpConfig(m, K3.latent_dim, N, K3.tp, k_up.WARPS)
-    return ptx_of(tmp_path, g.MoeUpGrid(cfg, prefetch_chunks), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf),
-                  P(bf), P(torch.float32), P(torch.int32), P(torch.uint8), Int32(0), Float32(1e-5))
+    return ptx_of(tmp_path, g.MoeUpGrid(cfg), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf),
+                  P(torch.float32), P(torch.int32), Int32(0), Float32(1e-5))
 
 
 @pytest.mark.parametrize("m", [2, 4, 8])
@@ -53,21 +53,6 @@ def test_compiles_with_one_grid_barrier(tmp_path: Path, m: int) -> None:
     if ptxas_path() is not None:
         regs, spills = ptxas_usage(tmp_path, ptx)
         assert regs <= 255 and spills == 0, (regs, spills)
-
-
-def test_next_weight_prefetch(tmp_path: Path) -> None:
-    """With prefetch chunks the kernel issues one bulk L2 prefetch per thread below the chunk
-    count, after griddepcontrol.wait (FC2 done), and none without; prefetch_chunks sizes it."""
-    for d in ("a", "b"):
-        (tmp_path / d).mkdir()
-    assert "cp.async.bulk.prefetch" not in grid_ptx(tmp_path / "a", 8)
-    lines, wait = chained_ptx_at_wait(lambda: grid_ptx(tmp_path / "b", 8, prefetch_chunks=28))
-    pf = [i for i, s in enumerate(lines) if s.startswith("cp.async.bulk.prefetch.L2.global")]
-    assert len(pf) == 1 and pf[0] > wait
-    w = torch.empty(3216, 7168, dtype=bf)                       # KDA in_proj: 46 MB
-    assert g.prefetch_chunks(w, 24 << 20, 56) == 27            # 56 × 27 × 16 KiB = 23.6 MiB
-    assert g.prefetch_chunks(w, 1 << 40, 56) == 50             # capped at the tensor (45.9 MB)
-    assert g.prefetch_chunks(None, 24 << 20, 56) == 0 and g.prefetch_chunks(w, 0, 56) == 0
 
 
 def test_can_implement() -> None:
