@@ -101,8 +101,11 @@ MMA_CTAS_PER_SM = 2
 # The gated RMSNorm across a head's V_SPLIT CTAs through a thread-block cluster (module
 # docstring, step 6): every CTA keeps its o columns in shared memory, the per-token Σo²
 # partials meet in each CTA's shared memory (DSMEM), every CTA normalises its own columns.
-# Needs V_SPLIT ≤ 8 (a portable cluster) and T·C ≤ 128 (one output per thread); the wrapper
-# then runs V_SPLIT = CLUSTER_SPLITS. False: the arrival counter and the last CTA.
+# Needs V_SPLIT ≤ 8 (a portable cluster) and T·C ≤ 128 (one output per thread). The wrapper
+# runs V_SPLIT = CLUSTER_SPLITS where the grid has at most one CTA per SM (B = 1, k = 7: 48
+# CTAs, 12.7 µs in the check at ccfc99b against 14.3 for the counter's V_SPLIT 16); at B = 8,
+# k = 7 (384 CTAs in clusters of 8) it ran 34.3 µs against 23.7 for the counter's V_SPLIT 8
+# (d714341), so larger grids keep kda_split's splits_for. False: the counter everywhere.
 CLUSTER_NORM = True
 CLUSTER_SPLITS = 8
 
@@ -419,8 +422,9 @@ def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
     taken where the grid would not fit at MMA_CTAS_PER_SM CTAs per SM (see there)."""
     batch = conv_state.shape[0]
     if splits is None:
-        splits = (CLUSTER_SPLITS if cluster_applies(CLUSTER_SPLITS, kcfg.tokens, kcfg.head_dim // CLUSTER_SPLITS)
-                  else splits_for(batch))
+        cluster = (cluster_applies(CLUSTER_SPLITS, kcfg.tokens, kcfg.head_dim // CLUSTER_SPLITS)
+                   and batch * kcfg.heads * CLUSTER_SPLITS <= sm_count(z.device))
+        splits = CLUSTER_SPLITS if cluster else splits_for(batch)
     ctas = batch * kcfg.heads * splits
     fma_gates = fma_gates or ctas > MMA_CTAS_PER_SM * sm_count(z.device)
     return launch("kda_decode_multi", compile_fma if fma_gates else compile_for,

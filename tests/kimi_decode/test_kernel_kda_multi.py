@@ -18,7 +18,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cute = pytest.importorskip("cutlass.cute")
 
 from kimi_decode.kernels import kda_multi as km  # noqa: E402
-from kimi_decode.kernels.kda_split import KDASplit, make_scratch  # noqa: E402
+from kimi_decode.kernels.kda_split import KDASplit, make_scratch, splits_for  # noqa: E402
 from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
 from tests.kimi_decode.test_kernel_kda_split import _fake_split, _wrong_split, k3_kcfg, ptx_of  # noqa: E402
 from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait  # noqa: E402
@@ -161,17 +161,20 @@ def test_applies_only_at_t_of_two_or_more_within_the_table() -> None:
     assert not fused._kda_multi_applies(k3_tp16(batch=8, spec_tokens=7))
 
 
-@pytest.mark.parametrize("batch,want_fma", [(1, False), (4, False), (8, True)])
-def test_wrapper_takes_the_fma_gates_where_the_grid_needs_a_second_wave(monkeypatch, batch: int,
+@pytest.mark.parametrize("batch,want_fma", [(1, False), (2, False), (4, False), (8, True)])
+def test_wrapper_picks_the_epilogue_and_the_gates_by_grid_size(monkeypatch, batch: int,
                                                                         want_fma: bool) -> None:
-    """kda_decode_multi: the tensor-core build (2 CTAs per SM by its registers) where the grid
-    B · H · V_SPLIT fits 2 per SM of the H200 (V_SPLIT 8: B = 1 48 CTAs, B = 4 192), the FMA
-    build where it does not (B = 8: 384 > 264)."""
+    """kda_decode_multi: the cluster epilogue's V_SPLIT 8 where the grid has at most one CTA
+    per SM of the H200 (B = 1: 48, B = 2: 96), kda_split's splits_for above; the tensor-core
+    build (2 CTAs per SM by its registers) where B · H · V_SPLIT fits 2 per SM, the FMA build
+    where it does not (B = 4: 192 CTAs, tensor cores; B = 8: 384, FMA)."""
     chosen: list[object] = []
     monkeypatch.setattr(km, "launch", lambda name, fn, *a, **kw: chosen.append((fn, a[-1])))
     kcfg = k3_kcfg(7)
     p = kcfg.heads * kcfg.head_dim
     km.kda_decode_multi(torch.zeros(batch * 8, kcfg.in_proj_rows, dtype=bf), None, None,
                         torch.zeros(batch, 3 * p, 3, dtype=bf), None, None, None, None, kcfg, None)
-    # V_SPLIT = CLUSTER_SPLITS (8) at T = 8: the cluster epilogue's 8 CTAs per head
-    assert chosen == [(km.compile_fma if want_fma else km.compile_for, km.CLUSTER_SPLITS)]
+    # V_SPLIT = CLUSTER_SPLITS (8, the cluster epilogue) where B · H · 8 ≤ 132 (B = 1: 48 CTAs),
+    # else kda_split's splits_for (B = 4 and 8: V_SPLIT 8, the counter's epilogue)
+    want_splits = km.CLUSTER_SPLITS if batch * kcfg.heads * km.CLUSTER_SPLITS <= 132 else splits_for(batch)
+    assert chosen == [(km.compile_fma if want_fma else km.compile_for, want_splits)]
