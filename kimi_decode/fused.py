@@ -237,7 +237,8 @@ SHARED_AFTER_ROUTER = True
 #   kernels: in the B = 1, k = 7 step the KDA attention part (AttnRes to AttnRes) 46.8-48.2 ->
 #   38.8-40.2 us, 6 kernels -> 3 (ba774df, bench/fused_runs.md). Larger M not measured. With
 #   its gates on the tensor cores (d714341) 14.4 us in its check at B = 1, k = 7 against 16.6
-#   with the FMA gates, and the KDA layer 212.2 vs 216.1 us in the bench.
+#   with the FMA gates, and the KDA layer 212.2 vs 216.1 us in the bench; with the cluster
+#   epilogue (ccfc99b) 12.7 us, the layer 209.9 vs 211.0.
 # - experts_rows (FC2 as a resident grid, kernels/moe_fc2_rows.py): 2 ≤ M ≤ 8 (its own
 #   MIN_ROWS: at M = 1 FC2 v2's 896 CTAs are already one wave); M = 2 40.3 vs 41.9 us, M = 8
 #   131.1 vs 141.3 us for FC1 + FC2 cold (530c2da); in the B = 1, k = 7 step FC2's end comes
