@@ -61,7 +61,8 @@ bench/fused_correctness.md): out equal to kda_split's at B = 1, k = 7 and within
 B = 8, k = 7, but not every state bit (bit_identical False); 16.6-16.9 µs at B = 1, k = 7
 against kda_split's 28.4, 23.6 against 47.9 at B = 8; in the B = 1, k = 7 step 17.4-17.8 µs
 exposed where stock's four kernels took 23.4 µs from in_proj's end to o_proj's start
-(bench/fused_runs.md).
+(bench/fused_runs.md). With the tensor-core gates (d714341) 14.4 µs at B = 1, k = 7; with the
+cluster epilogue too (ccfc99b) 12.7 µs, 13.7 µs exposed in the step (the ccfc99b trace).
 
 Check on the GPU (B = 1 and 8 at k = 7, 3 steps with state carried; against the stock ops,
 float64 and kda_split; times the stock ops, kda_split and this kernel):
