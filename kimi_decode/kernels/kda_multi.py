@@ -45,15 +45,18 @@ This kernel, per CTA (one (b, h) and C value columns, 128 threads):
    first build, V_SPLIT > 8): arrival as kda_split; the last CTA loads all T o rows at once
    (an L2 round trip after the fence and the counter's atomic round trip), T warp sums, ONE
    barrier, then the T normalised, gated output rows, one CTA doing all d columns.
-Barriers: 2·T + 4 (2·T + 3 with the tensor-core gates) instead of kda_split's 5·T + T + 2;
-dependent global round trips: 3 (the state, z, the last CTA's o rows) instead of kda_split's
-T + 3.
+Barriers: 2·T + 4 (2·T + 3 with the tensor-core gates, 2 fewer again with the cluster
+epilogue, which adds 2 cluster barriers) instead of kda_split's 5·T + T + 2; dependent global
+round trips: 3 (the state, z, the last CTA's o rows; with the cluster 2, and no atomic)
+instead of kda_split's T + 3.
 
 Numerics: with the tensor-core gates the raw gate's fp32 sum runs in the mma's order (k
 permuted inside each 32-wide chunk, chunks in order) before its bf16 rounding, so a gate may
 move by one bf16 ulp against kda_split's key-order sum. Otherwise every value is written as
 the same fp32 operations in the same order as in kda_split (conv taps, SiLU, the
-warp-then-warp-order norm sums, the FMA gates' key-order sum and its bf16 rounding, kᵀS / q̂ᵀS shuffles and partial order, the last CTA's Σo² order); which
+warp-then-warp-order norm sums, the FMA gates' key-order sum and its bf16 rounding, kᵀS / q̂ᵀS
+shuffles and partial order, the last CTA's Σo² order; the cluster epilogue sums Σo² per CTA
+over its columns in order, then the ranks in order); which
 products LLVM contracts into fmas is its own choice, so bit-identity with kda_split is not
 guaranteed. The check reports it ("bit_identical") and holds the kernel to kda_split's own
 tolerances against the stock ops and float64. Measured (H200, ba774df / 8c6e2b1,
