@@ -400,9 +400,16 @@ class KDAMulti(KDASplit):
                     mC[b * self.H + h] = Int32(0)
 
 
+def _build_name(gate_mma: bool) -> str:
+    """The compile-cache name of a build: the module switches the kernel reads when traced
+    (GATE_MMA, CLUSTER_NORM) are part of it, so flipping one in a process never reuses a
+    kernel traced with the other setting."""
+    return f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if CLUSTER_NORM else ''}"
+
+
 def compile_for(cfg: KDASplitConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
-    return compile_kernel(KDAMulti, "kda_multi", cfg)
+    return compile_kernel(KDAMulti, _build_name(GATE_MMA), cfg)
 
 
 def compile_fma(cfg: KDASplitConfig) -> object:
@@ -411,7 +418,7 @@ def compile_fma(cfg: KDASplitConfig) -> object:
     global GATE_MMA
     saved, GATE_MMA = GATE_MMA, False
     try:
-        return compile_kernel(KDAMulti, "kda_multi_fma", cfg)
+        return compile_kernel(KDAMulti, _build_name(False), cfg)
     finally:
         GATE_MMA = saved
 

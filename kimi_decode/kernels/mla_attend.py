@@ -118,7 +118,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from kimi_decode.kernels import chain
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, grid_arrive_and_wait, ptr, sm_count
+from kimi_decode.kernels._common import (H200_SMS, compile_options, compiled, current_stream, dummy_ptr,
+                                         grid_arrive_and_wait, ptr, sm_count)
 from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, can_implement_uv as glue_can_uv, config_uv, gated
 
 TILE = 32        # cache positions per tile (one per lane in the softmax)
@@ -131,7 +132,7 @@ MAX_ROWS = 48    # R = T·H: registers (2R accumulators for P·V, R for the scor
 PREFETCH_MAX_ROWS = 24
 NEG = -1.0e30    # "minus infinity" that keeps exp(NEG - NEG) finite
 VALID = -1.0e29  # a score above this is a real (unmasked) score
-SMS = 132
+SMS = H200_SMS
 # Phase probe (MLAConfig.probe): thread 0 of every CTA stamps %globaltimer at these points and
 # writes them to probe[b·splits + s, :] at its end (0 = not reached, e.g. merges it lost).
 # Each stamp after a barrier, so it marks the whole CTA's progress, not thread 0's.
@@ -187,11 +188,6 @@ def grid_ok(batch: int, rows: int, splits: int, sms: int = SMS) -> bool:
     the others need nothing from it and, once resident, finish. And splits ≥ GRID_MIN_SPLITS:
     each CTA reduces c / 4 / splits column quads one after the other."""
     return (rows <= GRID_MAX_ROWS and GRID_MIN_SPLITS <= splits <= THREADS and batch * splits <= sms)
-
-
-def device_sms(device: torch.device) -> int:
-    """SMs of `device` (SMS without CUDA: the CPU tests)."""
-    return SMS if device.type != "cuda" else sm_count(device)
 
 
 def profitable(batch: int, tokens: int, heads: int) -> bool:
@@ -823,8 +819,8 @@ def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, he
     if (scratch.batch, scratch.rows, scratch.cache_len, scratch.kv_rank) != (B, R, C, kv_rank):
         raise ValueError("mla_attend: scratch was made for other shapes")
     if grid is None:
-        grid = grid_ok(B, R, scratch.splits, device_sms(q_full.device))
-    elif grid and not grid_ok(B, R, scratch.splits, device_sms(q_full.device)):
+        grid = grid_ok(B, R, scratch.splits, sm_count(q_full.device))
+    elif grid and not grid_ok(B, R, scratch.splits, sm_count(q_full.device)):
         raise ValueError(f"mla_attend: grid merge cannot run B={B} R={R} splits={scratch.splits}")
     cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), probe=probe is not None, grid=grid)
     out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
@@ -876,8 +872,8 @@ def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor,
                                     (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype))):
         raise ValueError(f"mla_attend_uv kernel cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")
     if grid is None:
-        grid = grid_ok(B, R, sc.splits, device_sms(q_full.device))
-    elif grid and not grid_ok(B, R, sc.splits, device_sms(q_full.device)):
+        grid = grid_ok(B, R, sc.splits, sm_count(q_full.device))
+    elif grid and not grid_ok(B, R, sc.splits, sm_count(q_full.device)):
         raise ValueError(f"mla_attend_uv: grid merge cannot run B={B} R={R} splits={sc.splits}")
     cfg = MLAConfig(heads, T, kv_rank, D - kv_rank, float(scale), uv_rows=M, v_dim=vd,
                     probe=probe is not None, grid=grid)
@@ -942,7 +938,7 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
             e_kc = rel(o_k, o_c)
             ok = (e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(o_k, o_k2)
                   and bool(torch.isfinite(o_k).all()) and int(scratch.counters.abs().sum()) == 0)
-            grid = grid_ok(bsz, T * H, scratch.splits, device_sms(dev))
+            grid = grid_ok(bsz, T * H, scratch.splits, sm_count(dev))
             r = {"kernel": "mla_attend", "B": bsz, "k": k, "C": C, "splits": scratch.splits,
                  "groups": scratch.groups, "grid": grid, "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc,
                  "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s, "ok": ok}
@@ -1044,7 +1040,7 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
              "group": sc_new.group, "groups": sc_new.groups, "workers": uv_workers(H, vd), "o_equal_two_launch": torch.equal(o_k, o_o),
              "o_lat_equal_mla_attend": torch.equal(lat_k, lat_o), "rel_vs_two_launch": rel(o_k, o_o),
              "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
-             "repeat_equal": torch.equal(o_k, o_k2), "grid": grid_ok(bsz, T * H, sc_new.splits, device_sms(dev)),
+             "repeat_equal": torch.equal(o_k, o_k2), "grid": grid_ok(bsz, T * H, sc_new.splits, sm_count(dev)),
              "counters_zero": int(sc_new.counters.abs().sum()) == 0}
         r["ok"] = bool(r["o_equal_two_launch"] and r["o_lat_equal_mla_attend"] and r["repeat_equal"]
                        and r["counters_zero"] and e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3

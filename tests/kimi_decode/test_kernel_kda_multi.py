@@ -178,3 +178,14 @@ def test_wrapper_picks_the_epilogue_and_the_gates_by_grid_size(monkeypatch, batc
     # else kda_split's splits_for (B = 4 and 8: V_SPLIT 8, the counter's epilogue)
     want_splits = km.CLUSTER_SPLITS if batch * kcfg.heads * km.CLUSTER_SPLITS <= 132 else splits_for(batch)
     assert chosen == [(km.compile_fma if want_fma else km.compile_for, want_splits)]
+
+
+def test_build_switches_are_part_of_the_compile_key(monkeypatch) -> None:
+    """GATE_MMA and CLUSTER_NORM change the traced kernel, so each setting caches under its own
+    name: flipping one in a process (the bench's A/B runs) never reuses the other build."""
+    names = set()
+    for cluster in (True, False):
+        monkeypatch.setattr(km, "CLUSTER_NORM", cluster)
+        for gate in (True, False):
+            names.add(km._build_name(gate))
+    assert len(names) == 4
