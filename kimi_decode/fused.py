@@ -86,6 +86,9 @@ and the kernel is in `VERIFIED`):
   positions, combined in-kernel) where it beats stock's bmm (few query rows); with
   `mla_attend_uv` that launch also does uv_gate (its first 48 CTAs run the W_UV tiles once
   the combine has written o_lat), so the op `uv_gate` disappears.
+  `mla_attend_mma` (kernels/mla_attend_mma.py) is the same attention with both products on the
+  tensor cores and a one-round-trip merge; it replaces mla_attend at B = 1, k = 0 (with its own
+  uv mode) and stock's chain at B = 8 and 64 (R ≤ MLA_MMA_MAX_ROWS rows per sequence).
   `mla_norm_fold` (M = 1): the q/kv RMSNorms (stock op `qkv_norm`) disappear: q_b's GEMV
   normalises the q part of qkv_a's output in its prologue (kernels/gemv.py gemv_rmsnorm) and
   uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm).
@@ -147,7 +150,11 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # twelfth round: experts_rows checked at 530c2da (2026-12-03
                                     # 14:26 UTC: bit-equal to FC2 v2 at M = 2 and 8), router_topk
                                     # at f8ea401 (one CTA) and 588963f (M CTAs, its present form)
-                                    "experts_rows", "router_topk"})
+                                    "experts_rows", "router_topk",
+                                    # thirteenth round: mla_attend_mma (both modes) checked at
+                                    # 2026-12-03 19:53 UTC (bench/fused_correctness.md), step parity at
+                                    # B = 1, 8, 64, k = 0 in the same call
+                                    "mla_attend_mma"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -247,9 +254,32 @@ SHARED_AFTER_ROUTER = True
 #   one launch); 6.0 us alone at M = 8, 7.6 us in the B = 1, k = 7 step against 10.6-12.1 for
 #   stock's Triton kernel, but the layers do not move beyond the run-to-run spread (the front
 #   then waits for latent_down; bench/fused_runs.md); kept for the Triton kernel it removes.
+# - mla_attend_mma (the attention on the tensor cores in one launch, kernels/mla_attend_mma.py;
+#   with mla_attend_uv on, its uv mode does uv_gate in the same launch): R = T·H ≤
+#   MLA_MMA_MAX_ROWS query rows per sequence, every B whose plan fits (one CTA per SM). In
+#   place of mla_attend (B = 1, k = 0) and of stock's chain (B = 8, 64). Its check on the H200
+#   (warm, CUDA-graph replays, 2026-12-03): B = 1, k = 0 8.0 us vs 11.2 for mla_attend and 13.5
+#   for stock's compiled op; B = 64 117.0 vs 146.1; B = 8 20.4 vs 20.1 (a tie, 1 launch for
+#   stock's 3); at R = 48 (B = 1, k = 7) 17.9 us vs 14.4, and the k = 7 MLA layer 231.0 us with
+#   it vs 225.0 without (bench A/B in one call), so not there (bench/fused_runs.md).
+MLA_MMA_MAX_ROWS = 6
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8}
+
+
+def _mla_mma_scratch(cfg: KimiConfig, on: frozenset[str], dev: torch.device) -> object | None:
+    """kernels/mla_attend_mma.py's buffers where it runs (the per-M table's rule above:
+    kernel on, R ≤ MLA_MMA_MAX_ROWS rows per sequence, a plan that fits), else None."""
+    R, c = cfg.tokens_per_seq * cfg.mla_local_heads, cfg.kv_lora_rank
+    if "mla_attend_mma" not in on or R > MLA_MMA_MAX_ROWS:
+        return None
+    from kimi_decode.kernels import mla_attend_mma as k_mma
+    from kimi_decode.kernels._common import sm_count
+    if not (k_mma.can_implement(cfg.mla_local_heads, cfg.tokens_per_seq, c, cfg.qk_rope_dim, (cfg.torch_dtype,))
+            and k_mma.fits(cfg.batch, R, cfg.cache_len, c, sm_count(dev))):
+        return None
+    return k_mma.make_scratch(cfg.batch, R, cfg.cache_len, c, dev)
 
 
 def _kernels_usable(device: torch.device) -> bool:
@@ -523,6 +553,7 @@ class MLAAttention(stock.MLAAttention):
     use_fold = False                               # "mla_norm_fold": no qkv_norm launch (M = 1)
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
     attend_uv = False                              # mla_attend_uv: mla_attend also does uv_gate
+    mma_scratch: object | None = None              # kernels/mla_attend_mma.py's buffers when it is on
     last_buf: torch.Tensor | None = None           # pos + t_off, kept by FusedDecoder (once per step)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
@@ -567,13 +598,17 @@ class MLAAttention(stock.MLAAttention):
                 q_lat = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk_t).transpose(0, 1)
             with op_range("kv_insert"):
                 q_full = k.kv_insert(q_lat, q, ckv, a, ql + c, self.cache, pos, T)
-        uv_in_attend = self.attend_uv and self.attend_scratch is not None
+        uv_in_attend = self.attend_uv and (self.attend_scratch is not None or self.mma_scratch is not None)
         if uv_in_attend and g_on_side:           # the kernel reads g
             _join(self.rt, g)
         with op_range("mla_decode"):
             # the step's query positions, computed once per step by FusedDecoder (last_buf)
             last = self.last_buf if self.last_buf is not None else pos + self.t_off
-            if uv_in_attend:                     # attention + W_UV + gate: one launch
+            if uv_in_attend and self.mma_scratch is not None:    # the same on the tensor cores
+                from kimi_decode.kernels.mla_attend_mma import mla_attend_mma_uv
+                o, _ = mla_attend_mma_uv(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
+                                         self.w_uv, g.contiguous(), self.mma_scratch)
+            elif uv_in_attend:                   # attention + W_UV + gate: one launch
                 from kimi_decode.kernels.mla_attend import mla_attend_uv
                 o, _ = mla_attend_uv(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
                                      self.w_uv, g.contiguous(), scratch=self.attend_scratch)
@@ -581,6 +616,10 @@ class MLAAttention(stock.MLAAttention):
                 from kimi_decode.kernels.mla_attend import mla_attend
                 o_lat = mla_attend(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
                                    scratch=self.attend_scratch)
+            elif self.mma_scratch is not None:            # tensor cores, one launch (many rows)
+                from kimi_decode.kernels.mla_attend_mma import mla_attend_mma
+                o_lat = mla_attend_mma(q_full.contiguous(), self.cache, last, H, c, (nope + rope) ** -0.5,
+                                       self.mma_scratch)
             else:
                 o_lat = fx["attend"](q_full, self.cache, last, H, c, (nope + rope) ** -0.5)
         if uv_in_attend:
@@ -1012,7 +1051,8 @@ class FusedDecoder(StockDecoder):
                 layer.attn.use_glue = "mla_glue" in on
                 layer.attn.attend_scratch = None
                 layer.attn.attend_uv = False
-                if "mla_attend" in on:
+                layer.attn.mma_scratch = _mla_mma_scratch(cfg, on, dev)
+                if "mla_attend" in on and layer.attn.mma_scratch is None:
                     from kimi_decode.kernels import mla_attend as k_mla
                     T, H = cfg.tokens_per_seq, cfg.mla_local_heads
                     # one launch where it beats stock's tensor-core bmm (few query rows)
@@ -1025,6 +1065,12 @@ class FusedDecoder(StockDecoder):
                     layer.attn.attend_uv = bool("mla_attend_uv" in on and sc is not None and k_mla.can_implement_uv(
                         cfg.batch, H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.v_head_dim, sc.splits,
                         (cfg.torch_dtype,)))
+                if layer.attn.mma_scratch is not None and "mla_attend_uv" in on:
+                    from kimi_decode.kernels import mla_attend_mma as k_mma
+                    from kimi_decode.kernels._common import sm_count
+                    layer.attn.attend_uv = k_mma.can_implement_uv(
+                        cfg.batch, cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim,
+                        cfg.v_head_dim, layer.attn.mma_scratch.splits, (cfg.torch_dtype,), sm_count(dev))
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.use_multi = "gemv_multi" in on
                 layer.attn.use_fold = {"mla_norm_fold", "mla_glue", "gemv"} <= on

@@ -44,7 +44,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # CTA walking column blocks (no per-CTA prologue per 24 KB)
            "experts_rows",
            # the router's selection from gemv_mma's logits in one CTA (stock's Triton kernel out)
-           "router_topk")
+           "router_topk",
+           # thirteenth round: MLA decode attention on the tensor cores (mma.sync) for many
+           # query rows (B = 1, k = 7; B = 8), the split merge in the same launch
+           "mla_attend_mma")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -55,7 +58,8 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "gemv_tuned": "gemv", "pdl_chain": "chain_check",
                  "gemv_mma": "gemv_mma", "moe_up_grid": "moe_up_grid", "experts_v2_async": "moe_experts",
                  "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma", "kda_multi": "kda_multi",
-                 "experts_rows": "moe_fc2_rows", "router_topk": "router_topk"}
+                 "experts_rows": "moe_fc2_rows", "router_topk": "router_topk",
+                 "mla_attend_mma": "mla_attend_mma"}
 
 
 def applicable(name: str, cfg: object) -> bool:
