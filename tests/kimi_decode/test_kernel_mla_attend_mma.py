@@ -1,0 +1,368 @@
+"""CPU tests of the tensor-core MLA decode attention (kimi_decode/kernels/mla_attend_mma.py).
+
+Oracles:
+- the kernel compiles to sm_90a PTX at the K3 TP16 shapes it runs at (R = 6 rows per sequence,
+  one and many sequences; uv mode at M = 1 and 8) and at R = 48 (B = 1, k = 7, checked on the
+  device): the mma count the tile loops imply, the prmt of the V staging, the barrier's
+  acquire/acq_rel/release operations, no local memory, and (ptxas) ≤ 255 registers, no spills
+  (one CTA of 256 threads per SM is the grid merge's residency rule);
+- the kernel's index maps, restated here from the PTX ISA's m16n8k16 fragment layouts and
+  replayed in float64 on one tile: q·Kᵀ from the lanes' 128-bit words with the permuted k order,
+  the V staging's shuffle + prmt into position pairs, p̃·V from shared memory, and the partial
+  write's column quads: each equals the plain matrix product (so a wrong map fails here, not
+  only on the GPU);
+- the algorithm (the device-side tile split, per-split online softmax with p̃ rounded to bf16
+  and summed rounded, the merge's weights) in float64 equals mla_attend.reference within bf16
+  rounding, and a wrong mask does not;
+- plan(): every CTA resident, the merge's loads per thread bounded; the device's tile split
+  covers every valid tile exactly once; fused.py takes the kernel at R ≤ 6 only.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+from cutlass import Int32  # noqa: E402
+
+from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
+from kimi_decode.config import k3_tp16  # noqa: E402
+from kimi_decode.kernels import _common  # noqa: E402
+from kimi_decode.kernels import mla_attend_mma as km  # noqa: E402
+from kimi_decode.kernels.mla_attend import reference  # noqa: E402
+
+bf, f32 = torch.bfloat16, torch.float32
+P = _common.dummy_ptr
+SCALE = (128 + 64) ** -0.5
+
+
+def config(batch: int, spec: int, uv: bool = False) -> km.MMAConfig:
+    cfg = k3_tp16(batch=batch, spec_tokens=spec)
+    T, H = cfg.tokens_per_seq, cfg.mla_local_heads
+    _, _, kq, nl = km.plan(batch, T * H, cfg.cache_len, cfg.kv_lora_rank)
+    return km.MMAConfig(H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, SCALE, kq, nl,
+                        uv_rows=batch * T if uv else 0, v_dim=cfg.v_head_dim)
+
+
+def ptx_of(tmp_path: Path, cfg: km.MMAConfig) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    cute.compile(km.MLAAttendMMA(cfg), P(bf), P(bf), P(torch.int64), P(bf), P(f32), P(f32), P(torch.int32),
+                 P(bf), P(bf), P(bf), Int32(1), Int32(1), Int32(1), _common.current_stream(), options=opts)
+    files = list(tmp_path.glob("*.ptx"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
+def expected_mma(cfg: km.MMAConfig) -> int:
+    """mma per compiled tile body (scores: MT·KC·2; P·V: 2 k-steps · JW · MT · 4) × the tile
+    bodies the kernel unrolls (NBUF)."""
+    k = km.MLAAttendMMA(cfg)
+    return k.NBUF * (k.MT * k.KC * 2 + (km.TILE // 16) * k.JW * k.MT * 4)
+
+
+@pytest.mark.parametrize("batch,spec", [(1, 7), (8, 0)])
+def test_compiles(tmp_path: Path, batch: int, spec: int) -> None:
+    cfg = config(batch, spec)
+    ptx = ptx_of(tmp_path, cfg)
+    assert ".target sm_90a" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == expected_mma(cfg)
+    k = km.MLAAttendMMA(cfg)
+    assert ptx.count("prmt.b32") == 4 * k.KC * k.NBUF        # V staging: 4 pair words per chunk
+    assert "shfl.sync.bfly" in ptx and "cvt.rn.bf16.f32" in ptx and "ex2" in ptx
+    assert "ld.global.v4" in ptx and "ld.shared.v4" in ptx and "st.shared.v4" in ptx
+    # the grid barrier: epoch read + poll (acquire), the arrival (acq_rel), the epoch bump
+    assert ptx.count("ld.acquire.gpu") == 2
+    assert ptx.count("atom.global.acq_rel.add") == 1 and ptx.count("atom.global.release.add") == 1
+    if ptxas_path():
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert spills == 0 and regs <= 255, (regs, spills)   # 205 (R = 48), 198 (R = 6) at commit time
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_uv_mode_compiles(tmp_path: Path, batch: int) -> None:
+    """uv mode adds mla_attend's publish / uv_tile: one more acquire poll, two more acq_rel
+    atomics (the publish and the workers' pass counter), the W_UV tile's loads and the bf16
+    gate multiply; the attention code (its mma) is unchanged."""
+    base = ptx_of(tmp_path / "base", config(batch, 0))
+    ptx = ptx_of(tmp_path / "uv", config(batch, 0, uv=True))
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("ld.acquire.gpu") == 3
+    assert ptx.count("atom.global.acq_rel.add") == 3
+    assert ptx.count("mul.bf16") == 1 and "mul.bf16" not in base
+    assert ptx.count("ld.global.v4") > base.count("ld.global.v4")
+    assert ptx.count("mma.sync.aligned") == base.count("mma.sync.aligned")
+    if ptxas_path():
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert spills == 0 and regs <= 255, (regs, spills)
+
+
+# ---- the index maps, replayed in float64 ------------------------------------------------------
+
+def mma(a_lanes: list, b_lanes: list) -> list:
+    """One m16n8k16 per the PTX ISA's fragment layouts, lanes' registers as (lo, hi) pairs:
+    A: a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9];
+    B: b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; C: c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][...]."""
+    A = torch.zeros(16, 16, dtype=torch.float64)
+    B = torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        a0, a1, a2, a3 = a_lanes[lane]
+        b0, b1 = b_lanes[lane]
+        A[g, 2 * t:2 * t + 2] = torch.tensor(a0, dtype=torch.float64)
+        A[g + 8, 2 * t:2 * t + 2] = torch.tensor(a1, dtype=torch.float64)
+        A[g, 2 * t + 8:2 * t + 10] = torch.tensor(a2, dtype=torch.float64)
+        A[g + 8, 2 * t + 8:2 * t + 10] = torch.tensor(a3, dtype=torch.float64)
+        B[2 * t:2 * t + 2, g] = torch.tensor(b0, dtype=torch.float64)
+        B[2 * t + 8:2 * t + 10, g] = torch.tensor(b1, dtype=torch.float64)
+    C = A @ B
+    return [(C[lane // 4, 2 * (lane % 4)], C[lane // 4, 2 * (lane % 4) + 1],
+             C[lane // 4 + 8, 2 * (lane % 4)], C[lane // 4 + 8, 2 * (lane % 4) + 1]) for lane in range(32)]
+
+
+def words(row: torch.Tensor, v: int) -> list:
+    """The 4 32-bit words (bf16 pairs) of 128-bit vector v of a row."""
+    return [(float(row[8 * v + 2 * w]), float(row[8 * v + 2 * w + 1])) for w in range(4)]
+
+
+def prmt(a: tuple, b: tuple, sel: int) -> tuple:
+    return (a[0], b[0]) if sel == km.SEL_LO else (a[1], b[1])
+
+
+@pytest.mark.parametrize("rows", [48, 6])
+def test_fragment_maps_equal_the_products(rows: int) -> None:
+    """One tile of the kernel's maps (km.MLAAttendMMA's loops, restated lane by lane):
+    scores S = q·Kᵀ, the staged pair words sV, O = p̃·V and the partial's column quads."""
+    cfg = km.MMAConfig(6, rows // 6, 512, 64, SCALE)
+    k = km.MLAAttendMMA(cfg)
+    D, C, RP, MT, KC, JW = k.D, k.C, k.RP, k.MT, k.KC, k.JW
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-4, 5, (RP, D), generator=gen).double()
+    q[rows:] = 0
+    kt = torch.randint(-4, 5, (km.TILE, D), generator=gen).double()     # the tile's cache rows
+    # 1. scores: warp (nq, kh), lane (g, t), chunk c, m-tile mt
+    sS = torch.zeros(2, RP, km.TILE, dtype=torch.float64)
+    for warp in range(km.WARPS):
+        nq, kh = warp % km.NQ, warp // km.NQ
+        for mt in range(MT):
+            acc = [(0.0, 0.0, 0.0, 0.0)] * 32
+            for c in range(KC):
+                for u in range(2):                          # words 0, 1 then 2, 3
+                    a_l, b_l = [], []
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        v = kh * (D // 16) + 4 * c + t
+                        lo, hi = words(q[16 * mt + g], v), words(q[16 * mt + g + 8], v)
+                        kw = words(kt[8 * nq + g], v)
+                        a_l.append((lo[2 * u], hi[2 * u], lo[2 * u + 1], hi[2 * u + 1]))
+                        b_l.append((kw[2 * u], kw[2 * u + 1]))
+                    out = mma(a_l, b_l)
+                    acc = [tuple(float(x) + float(y) for x, y in zip(acc[i], out[i])) for i in range(32)]
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                sS[kh, 16 * mt + g, 8 * nq + 2 * t:8 * nq + 2 * t + 2] = torch.tensor(acc[lane][:2])
+                sS[kh, 16 * mt + g + 8, 8 * nq + 2 * t:8 * nq + 2 * t + 2] = torch.tensor(acc[lane][2:])
+    assert torch.equal(sS[0] + sS[1], q @ kt.T)
+    # 2. V staging: lanes g, g ^ 1 swap words, prmt, 128-bit store at (pair, column vector)
+    sV = {}
+    for warp in range(km.WARPS):
+        nq, kh = warp % km.NQ, warp // km.NQ
+        regs = {lane: [words(kt[8 * nq + lane // 4], kh * (D // 16) + 4 * c + lane % 4) for c in range(KC)]
+                for lane in range(32)}
+        for c in range(KC):
+            d0 = kh * (D // 2) + 32 * c
+            if d0 + 32 > C:
+                continue
+            send = {lane: (regs[lane][c][0], regs[lane][c][1]) if (lane // 4) % 2 else
+                    (regs[lane][c][2], regs[lane][c][3]) for lane in range(32)}
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                recv = send[lane ^ 4]
+                odd = g % 2
+                if odd:
+                    x0, x1, y0, y1 = recv[0], recv[1], regs[lane][c][2], regs[lane][c][3]
+                else:
+                    x0, x1, y0, y1 = regs[lane][c][0], regs[lane][c][1], recv[0], recv[1]
+                w4 = [prmt(x0, y0, km.SEL_LO), prmt(x0, y0, km.SEL_HI), prmt(x1, y1, km.SEL_LO),
+                      prmt(x1, y1, km.SEL_HI)]
+                pair, cv = 4 * nq + g // 2, (d0 + 8 * t) // 4 + odd
+                for j in range(4):
+                    assert (pair, 4 * cv + j) not in sV
+                    sV[(pair, 4 * cv + j)] = w4[j]
+    assert len(sV) == km.TILE // 2 * C
+    for (pair, col), w in sV.items():
+        assert w == (float(kt[2 * pair, col]), float(kt[2 * pair + 1, col]))
+    # 3. P·V from shared memory, and 4. the partial's column quads
+    p = torch.randint(0, 4, (RP, km.TILE), generator=gen).double()
+    p[rows:] = 0
+    o = torch.full((RP, C), float("nan"), dtype=torch.float64)
+    for warp in range(km.WARPS):
+        for mt in range(MT):
+            acc = {n: [(0.0, 0.0, 0.0, 0.0)] * 32 for n in range(4 * JW)}
+            for u in range(km.TILE // 16):
+                a_l = []
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    pw = lambda r, w: (float(p[r, 2 * w]), float(p[r, 2 * w + 1]))  # noqa: E731
+                    a_l.append((pw(16 * mt + g, 8 * u + t), pw(16 * mt + g + 8, 8 * u + t),
+                                pw(16 * mt + g, 8 * u + t + 4), pw(16 * mt + g + 8, 8 * u + t + 4)))
+                for jw in range(JW):
+                    for jj in range(4):
+                        b_l = []
+                        for lane in range(32):
+                            g, t = lane // 4, lane % 4
+                            cg = (warp * JW + jw) * 8 + g
+                            b_l.append((sV[(8 * u + t, 4 * cg + jj)], sV[(8 * u + t + 4, 4 * cg + jj)]))
+                        out = mma(a_l, b_l)
+                        acc[4 * jw + jj] = [tuple(float(x) + float(y) for x, y in zip(acc[4 * jw + jj][i], out[i]))
+                                            for i in range(32)]
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for half in range(2):
+                    row = 16 * mt + g + 8 * half
+                    for jw in range(JW):
+                        qd = (warp * JW + jw) * 8 + 2 * t
+                        for e in range(2):
+                            for jj in range(4):
+                                o[row, 4 * (qd + e) + jj] = acc[4 * jw + jj][lane][2 * half + e]
+    assert torch.equal(o, p @ kt[:, :C])
+
+
+# ---- the algorithm in float64 ------------------------------------------------------------------
+
+def tile_split(n_valid: int, splits: int) -> list[range]:
+    """The kernel's share of the valid tiles: split s takes ⌊s·n/S⌋ .. ⌊(s+1)·n/S⌋ − 1."""
+    return [range(s * n_valid // splits, (s + 1) * n_valid // splits) for s in range(splits)]
+
+
+@pytest.mark.parametrize("n_valid", [1, 2, 7, 129, 130, 144])
+@pytest.mark.parametrize("splits", [1, 2, 15, 16, 72, 130, 132])
+def test_tile_split_covers_every_valid_tile_once(n_valid: int, splits: int) -> None:
+    parts = tile_split(n_valid, splits)
+    assert sorted(i for r in parts for i in r) == list(range(n_valid))
+    sizes = [len(r) for r in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, c: int, scale: float,
+            splits: int, mask_shift: int = 0) -> torch.Tensor:
+    """The kernel's algorithm in float64 (its rounding points: scores and p̃ to bf16), per
+    sequence: valid tiles split as on the device, online softmax over each split's tiles
+    (m, l, o), then the merge's weights e^{m − M} and o = Σ w·o / Σ w·l, rounded to bf16."""
+    B, R, _ = q.shape
+    T = last.shape[0]
+    valid = min(int(last.max()) + 1, cache.shape[1])
+    n_valid = (valid + km.TILE - 1) // km.TILE
+    out = torch.empty(B, R, c, dtype=torch.float64)
+    for b in range(B):
+        parts = []
+        for rng in tile_split(n_valid, splits):
+            m = torch.full((R,), km.NEG, dtype=torch.float64)
+            l = torch.zeros(R, dtype=torch.float64)
+            o = torch.zeros(R, c, dtype=torch.float64)
+            for tile in rng:
+                pos = torch.arange(tile * km.TILE, min((tile + 1) * km.TILE, valid))
+                kv = cache[b, pos].double()
+                s = bf16(q[b].double() @ kv.T) * scale
+                ok = pos[None, :] <= (last.repeat_interleave(heads)[:, None] + mask_shift)
+                s = torch.where(ok, s, torch.full_like(s, km.NEG))
+                m_new = torch.maximum(m, s.max(1).values)
+                alpha = torch.exp(m - m_new)
+                p = torch.where(s > km.VALID, bf16(torch.exp(s - m_new[:, None])), torch.zeros_like(s))
+                l = l * alpha + p.sum(1)
+                o = o * alpha[:, None] + p @ kv[:, :c]
+                m = m_new
+            parts.append((m, l, o))
+        M = torch.stack([x[0] for x in parts]).max(0).values
+        w = [torch.where(x[0] > km.VALID, torch.exp(x[0] - M), torch.zeros_like(M)) for x in parts]
+        L = sum(wi * x[1] for wi, x in zip(w, parts))
+        O = sum(wi[:, None] * x[2] for wi, x in zip(w, parts))
+        out[b] = bf16(O / L[:, None])
+    return out
+
+
+@pytest.mark.parametrize("batch,tokens,splits", [(1, 8, 5), (2, 1, 3), (1, 1, 7)])
+def test_emulated_algorithm_matches_reference(batch: int, tokens: int, splits: int) -> None:
+    heads, c, rope, C = 6, 32, 16, 200
+    gen = torch.Generator().manual_seed(7 * batch + tokens)
+    cache = torch.randn(batch, C, c + rope, generator=gen).bfloat16()
+    q = (torch.randn(batch, tokens * heads, c + rope, generator=gen) * 0.5).bfloat16()
+    last = 150 + torch.arange(tokens)
+    ref = reference(q, cache, last, heads, c, SCALE)
+    got = emulate(q, cache, last, heads, c, SCALE, splits)
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 4e-3, err
+    wrong = emulate(q, cache, last, heads, c, SCALE, splits, mask_shift=-3)
+    assert float((wrong - ref).norm() / ref.norm()) > 1e-2
+
+
+# ---- plan, limits, dispatch --------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch,spec", [(1, 0), (1, 7), (8, 0), (8, 7), (64, 0)])
+def test_plan_fits_the_h200(batch: int, spec: int) -> None:
+    cfg = k3_tp16(batch=batch, spec_tokens=spec)
+    R = cfg.tokens_per_seq * cfg.mla_local_heads
+    splits, tps, kq, nl = km.plan(batch, R, cfg.cache_len, cfg.kv_lora_rank)
+    assert km.fits(batch, R, cfg.cache_len, cfg.kv_lora_rank)
+    assert batch * splits <= km.H200_SMS and splits <= km.THREADS and 1 <= nl <= km.MAX_NL
+    quads = cfg.kv_lora_rank // 4
+    assert quads // kq >= 32 and (R * kq >= splits or kq == quads // 32)
+    assert nl == math.ceil(splits / (km.THREADS * kq // quads))
+    assert splits * tps >= (cfg.cache_len + km.TILE - 1) // km.TILE
+
+
+def test_limits_and_wrapper_refusals() -> None:
+    assert km.can_implement(6, 8, 512, 64, (bf,)) and km.can_implement(6, 1, 512, 64, (bf,))
+    assert not km.can_implement(6, 9, 512, 64, (bf,))                  # R = 54 > 48
+    assert not km.can_implement(6, 1, 256, 64, (bf,))                  # c ≠ 64 · warps
+    assert not km.can_implement(6, 1, 512, 64, (torch.float16,))
+    assert km.can_implement_uv(1, 6, 1, 512, 64, 128, 130, (bf,))
+    assert not km.can_implement_uv(64, 6, 1, 512, 64, 128, 2, (bf,))   # M = 64: past uv_gate's rows
+    assert km.fits(132, 6, 4160, 512)                                  # one split per sequence, 132 CTAs
+    assert not km.fits(133, 6, 4160, 512)                              # more CTAs than SMs
+    q = torch.zeros(1, 6, 576, dtype=bf)
+    with pytest.raises(ValueError, match="mla_attend_mma cannot run"):
+        km.mla_attend_mma(q, torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, dtype=torch.int64), 6, 512, SCALE)
+
+
+def test_fused_uses_it_at_six_rows_per_sequence() -> None:
+    from kimi_decode import fused
+    on = frozenset({"mla_attend_mma"})
+    for batch, spec, used in ((1, 0, True), (8, 0, True), (64, 0, True), (1, 7, False)):
+        sc = fused._mla_mma_scratch(k3_tp16(batch=batch, spec_tokens=spec), on, torch.device("cpu"))
+        assert (sc is not None) == used, (batch, spec)
+    assert fused._mla_mma_scratch(k3_tp16(), frozenset(), torch.device("cpu")) is None
+    assert "mla_attend_mma" in fused.VERIFIED and "mla_attend_mma" in fused.DEFAULT_KERNELS
+
+
+def test_registered_for_the_device_check() -> None:
+    from kimi_decode.kernels import CHECK_MODULES, KERNELS
+    from kimi_decode.kernels.checks import CHECKS
+    assert "mla_attend_mma" in KERNELS and CHECK_MODULES["mla_attend_mma"] == "mla_attend_mma"
+    assert "mla_attend_mma" in CHECKS
+
+
+def prmt_b32(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): result byte i = byte (sel >> 4i) & 7 of {b, a} (a: bytes
+    0-3, b: bytes 4-7), sign replication off (the kernel's selectors have bit 3 clear)."""
+    src = a | (b << 32)
+    return sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def test_prmt_selectors_pair_the_halves() -> None:
+    """SEL_LO packs (a.lo, b.lo) and SEL_HI (a.hi, b.hi), low half first: the pair words the
+    V staging builds from two positions' words (the test above assumes exactly this)."""
+    a, b = 0x2222_1111, 0x4444_3333          # a = (lo 0x1111, hi 0x2222), b = (0x3333, 0x4444)
+    assert prmt_b32(a, b, km.SEL_LO) == 0x3333_1111
+    assert prmt_b32(a, b, km.SEL_HI) == 0x4444_2222
