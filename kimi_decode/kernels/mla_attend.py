@@ -897,6 +897,30 @@ def reference(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, hea
     return torch.softmax(scores, -1) @ cache[..., :kv_rank].double()
 
 
+def check_inputs(cfg: object, k: int, seed: int, dev: torch.device, uv: bool = False) -> dict:
+    """The device checks' inputs at config `cfg` (k3_tp16 at B, k): the latent cache (its c
+    part RMS-normalised, as kv_a_norm leaves it; positions past the step's last query NaN:
+    never to be read) and `clean` (the same, NaN as 0, for the stock ops), q_full (q_lat =
+    q_nope @ w_uk absorbed: |q| ~ √c per row, so scores span a few units), `last` (a mid-run
+    step: last < C − 1) and, with `uv`, W_UV and the gate input g. Shared by this module's
+    checks and mla_attend_mma's; the draw order is fixed (a given seed gives the same data)."""
+    bsz, H, T = cfg.batch, cfg.mla_local_heads, cfg.tokens_per_seq
+    c, rope, vd = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.v_head_dim
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    cache = torch.randn(bsz, cfg.cache_len, c + rope, generator=gen, device=dev)
+    cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
+    q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
+    out = {}
+    if uv:
+        out["w_uv"] = (torch.randn(H, c, vd, generator=gen, device=dev) * c ** -0.5).bfloat16()
+        out["g"] = (torch.randn(bsz * T, H * vd, generator=gen, device=dev) * 2.0).bfloat16()
+    pos0 = cfg.context_len + 5 * (1 + k)
+    last = pos0 + torch.arange(T, device=dev)
+    cache[:, pos0 + T:] = float("nan")
+    cache = cache.bfloat16()
+    return {"cache": cache, "clean": cache.nan_to_num(0.0), "q_full": q_full, "last": last, **out}
+
+
 def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0, 7),
           sms_sweep: tuple[int, ...] = (33, 66)) -> list[dict]:
     """Kernel vs stock_ops.mla_attend (eager, and the torch.compile'd op the stock module runs:
@@ -917,15 +941,8 @@ def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tupl
             cfg = k3_tp16(batch=bsz, spec_tokens=k)
             H, T, c, rope = cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim
             C, scale = cfg.cache_len, (cfg.qk_nope_dim + rope) ** -0.5
-            gen = torch.Generator(device=dev).manual_seed(1000 * bsz + k)
-            cache = torch.randn(bsz, C, c + rope, generator=gen, device=dev)
-            cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
-            # q_lat = q_nope @ w_uk (absorbed): |q| ~ √c per row; scores then span a few units
-            q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
-            pos0 = cfg.context_len + 5 * (1 + k)          # a mid-run step: last < C - 1
-            last = pos0 + torch.arange(T, device=dev)
-            cache[:, pos0 + T:] = float("nan")            # never to be read
-            cache = cache.bfloat16()
+            x = check_inputs(cfg, k, 1000 * bsz + k, dev)
+            cache, q_full, last = x["cache"], x["q_full"], x["last"]
             scratch = make_scratch(bsz, T * H, C, c, dev)
             with torch.no_grad():
                 o_s = stock_ops.mla_attend(q_full, cache.nan_to_num(0.0), last, H, c, scale)
@@ -1008,17 +1025,8 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
         cfg = k3_tp16(batch=bsz, spec_tokens=k)
         H, T, c, rope = cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim
         C, vd, scale, M = cfg.cache_len, cfg.v_head_dim, (cfg.qk_nope_dim + rope) ** -0.5, bsz * T
-        gen = torch.Generator(device=dev).manual_seed(2000 * bsz + k)
-        cache = torch.randn(bsz, C, c + rope, generator=gen, device=dev)
-        cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
-        q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
-        w_uv = (torch.randn(H, c, vd, generator=gen, device=dev) * c ** -0.5).bfloat16()
-        g = (torch.randn(M, H * vd, generator=gen, device=dev) * 2.0).bfloat16()
-        pos0 = cfg.context_len + 5 * (1 + k)
-        last = pos0 + torch.arange(T, device=dev)
-        cache[:, pos0 + T:] = float("nan")            # never to be read
-        cache = cache.bfloat16()
-        clean = cache.nan_to_num(0.0)
+        x = check_inputs(cfg, k, 2000 * bsz + k, dev, uv=True)
+        cache, clean, q_full, last, w_uv, g = x["cache"], x["clean"], x["q_full"], x["last"], x["w_uv"], x["g"]
         sc_new = make_scratch(bsz, T * H, C, c, dev)
         sc_old = make_scratch(bsz, T * H, C, c, dev)
         if not can_implement_uv(bsz, H, T, c, rope, vd, sc_new.splits, (torch.bfloat16,)):

@@ -1,13 +1,14 @@
 """Absorbed MLA decode attention on the tensor cores, in one launch (kernel "mla_attend_mma"):
 the stock op `mla_decode` (stock_ops.mla_attend: bmm, mask, softmax, cast, bmm; 3-4 kernels
-under torch.compile / cuBLAS) where the query rows are many: B = 1 with k = 7 speculative
-tokens (R = T·H = 48 rows per sequence) and B = 8 (8 sequences of R = 6).
+under torch.compile / cuBLAS) and kernels/mla_attend.py.
 
-Why: kernels/mla_attend.py does the same math on the CUDA cores and wins only at R ≤ 6 and
-B = 1 (at 48 rows its FMA work and its one-CTA merges of 98 KB partials took 43-330 µs against
-15-30 µs for stock's chain). In the B = 1, k = 7 trace (ccfc99b) stock's chain is 4 kernels
-and ~17 µs for 4.8 MB of cache; at B = 8 3 kernels and ~24 µs for 38 MB. Here every product
-is an mma.sync.m16n8k16 (bf16 in, fp32 accumulation), so a tile costs about its load.
+Why: mla_attend.py does the same math on the CUDA cores and runs only at B = 1, k = 0 (at 48
+rows its FMA work and its one-CTA merges of 98 KB partials took 43-330 µs against 15-30 µs for
+stock's chain). In the ccfc99b traces stock's chain is 4 kernels and ~17 µs for 4.8 MB of
+cache at B = 1, k = 7 (R = T·H = 48 rows per sequence), 3 kernels and ~24 µs for 38 MB at
+B = 8. Here every product is an mma.sync.m16n8k16 (bf16 in, fp32 accumulation). Where it is
+faster (measured below): R ≤ 6 rows per sequence (B = 1, 8, 64 at k = 0); fused.py uses it
+there only.
 
 Math (as mla_attend.py; per sequence b, query row r = t·H + h, cache row j of D = c + rope
 bf16 values, scale = (nope + rope)^-½):
@@ -30,18 +31,20 @@ Per tile:
   1. scores: warp w = (n-tile nq = w % 4: positions 8nq .. 8nq + 7, k-half kh = w / 4: dims
      kh·D/2 .. +D/2). Lane (g = lane / 4, t = lane % 4) loads its B fragments straight from
      HBM: cache row (8nq + g), 128 bits at dim kh·D/2 + 32c + 8t for the D/64 chunks c (9 at
-     D = 576), issued one tile ahead (registers). The k order inside a chunk is permuted as in
+     D = 576), issued NBUF tiles ahead (registers: 2 at one m-tile, else 1). The k order inside a chunk is permuted as in
      gemv_mma.py (logical k 2t + j of mma step u is physical 32c + 8t + 4u + j), so A (q, from
      shared memory, rows padded by 32 bf16 against bank conflicts) and B each come from one
-     128-bit load. Two mma per chunk and m-tile; the two k-halves' fp32 partials meet in
-     shared memory (sS).
+     128-bit load. Two mma per chunk and m-tile (two independent accumulator chains at one
+     m-tile); the two k-halves' fp32 partials meet in shared memory (sS).
   2. V staging: the same registers hold the tile's value columns (dims < c). The P·V mma needs
      B = V[k = position][n = column] as packed pairs of two positions of one column, the
      transpose of the cache layout: lanes g and g ^ 1 (positions 2i, 2i + 1) swap half their
      words (2 shuffles per chunk) and build 4 pair words each with prmt, stored 128 bits at
      once into sV[pair][column] (32 KB per tile).
-  3. online softmax (fp32): warp w owns rows w, w + 8, ...; lane = position; the bf16 p̃ and
-     the rescale factor α go to shared memory; l sums the rounded p̃.
+  3. online softmax (fp32): TPR threads per row (4 at R = 48, 16 at R = 6), PPT = 32 / TPR
+     positions each, maxima and sums over log2(TPR) shuffles (a whole warp per row, 6 rows in
+     a row, cost ~1 µs per tile in the first build); the bf16 p̃ and the rescale factor α go to
+     shared memory; l sums the rounded p̃.
   4. P·V: warp w owns value columns 64w .. 64w + 63 for all rows: A = p̃ (32-bit shared loads
      in the natural order: positions 16u + 2t, +1 and 16u + 2t + 8, +9), B = two 128-bit loads
      of sV per k step and 4 n-tiles: n-tile jj of column group J holds column 32J + 4g + jj,
@@ -50,10 +53,12 @@ Per tile:
 Merge (grid merge, in the same launch): every CTA arrives on its sequence's barrier
 (_common.grid_arrive_and_wait, sense reversal), then CTA s merges items s, s + splits, ...:
 item = (row r, block of QB = c / 4 / KQ column quads). Thread = (quad q = tid % QB, split group
-sg = tid / QB); it issues all its loads at once (the partials s ≡ sg mod SG: o quad, m, l;
-NL ≤ MAX_NL per thread), then the group maxima meet in shared memory, each thread weights its
-partials by exp(m − M), and the SG groups' sums (4 o + l) are added in group order in shared
-memory and written as bf16(O / L). One round trip of loads per item.
+sg = tid / QB); it issues all its o-quad loads at once (the partials s ≡ sg mod SG, NL ≤
+MAX_NL per thread) while thread i < splits loads split i's (m, l); the CTA reduces M = max m
+and L = Σ l·e^{m−M} and leaves w_i = e^{m_i−M} in shared memory; each thread weights its
+quads, and the SG groups' sums are added in group order and written as bf16(O / L). One
+round trip of loads per item. The partials reach the merging CTAs through the barrier (a CTA
+barrier, then thread 0's fence.acq_rel.gpu and arrival: CUTLASS's semaphore pattern).
 
 Deadlock freedom of the barrier: B·splits ≤ SMs and one CTA per SM (registers), and a CTA
 waits only after writing its partial; CTAs of the next kernel (PDL) become resident only once
@@ -795,15 +800,8 @@ def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8,
         if not fits(bsz, T * H, C, c, sm_count(dev)):
             out.append({"kernel": "mla_attend_mma", "B": bsz, "k": k, "skipped": "plan does not fit", "ok": True})
             continue
-        gen = torch.Generator(device=dev).manual_seed(1000 * bsz + k)
-        cache = torch.randn(bsz, C, c + rope, generator=gen, device=dev)
-        cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
-        q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
-        pos0 = cfg.context_len + 5 * (1 + k)          # a mid-run step: last < C - 1
-        last = pos0 + torch.arange(T, device=dev)
-        cache[:, pos0 + T:] = float("nan")            # never to be read
-        cache = cache.bfloat16()
-        clean = cache.nan_to_num(0.0)
+        x = k_old.check_inputs(cfg, k, 1000 * bsz + k, dev)
+        cache, clean, q_full, last = x["cache"], x["clean"], x["q_full"], x["last"]
         scratch = make_scratch(bsz, T * H, C, c, dev)
         with torch.no_grad():
             o_s = stock_ops.mla_attend(q_full, clean, last, H, c, scale)
@@ -871,17 +869,8 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
         cfg = k3_tp16(batch=bsz, spec_tokens=k)
         H, T, c, rope = cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim
         C, vd, scale, M = cfg.cache_len, cfg.v_head_dim, (cfg.qk_nope_dim + rope) ** -0.5, bsz * T
-        gen = torch.Generator(device=dev).manual_seed(2000 * bsz + k)
-        cache = torch.randn(bsz, C, c + rope, generator=gen, device=dev)
-        cache[..., :c] = torch.nn.functional.rms_norm(cache[..., :c], (c,))
-        q_full = (torch.randn(bsz, T * H, c + rope, generator=gen, device=dev) * 0.5).bfloat16()
-        w_uv = (torch.randn(H, c, vd, generator=gen, device=dev) * c ** -0.5).bfloat16()
-        g = (torch.randn(M, H * vd, generator=gen, device=dev) * 2.0).bfloat16()
-        pos0 = cfg.context_len + 5 * (1 + k)
-        last = pos0 + torch.arange(T, device=dev)
-        cache[:, pos0 + T:] = float("nan")            # never to be read
-        cache = cache.bfloat16()
-        clean = cache.nan_to_num(0.0)
+        x = k_old.check_inputs(cfg, k, 2000 * bsz + k, dev, uv=True)
+        cache, clean, q_full, last, w_uv, g = x["cache"], x["clean"], x["q_full"], x["last"], x["w_uv"], x["g"]
         sc = make_scratch(bsz, T * H, C, c, dev)
         sc2 = make_scratch(bsz, T * H, C, c, dev)
         if not (fits(bsz, T * H, C, c, sm_count(dev))
