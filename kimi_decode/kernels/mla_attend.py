@@ -839,17 +839,23 @@ def uv_workers(heads: int, v_dim: int) -> int:
     return heads * (v_dim // UV_COLS)
 
 
-def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
-                     splits: int, dtypes: tuple[torch.dtype, ...], sms: int = SMS) -> bool:
-    """uv mode: the attention's rules, mla_glue's uv_gate rules at M = B·T (M·UV_COLS ≤
-    THREADS: one epilogue value per thread), one worker per uv tile among the B·splits CTAs,
-    and fewer workers than SMs (the workers wait for CTAs that may not have started: those
-    must find a free SM; module docstring)."""
+def uv_launch_ok(batch: int, heads: int, tokens: int, kv_rank: int, v_dim: int, splits: int,
+                 dtypes: tuple[torch.dtype, ...], sms: int = SMS) -> bool:
+    """The uv mode's own rules (this kernel's and mla_attend_mma's, which share its code):
+    mla_glue's uv_gate rules at M = B·T (M·UV_COLS ≤ THREADS: one epilogue value per thread),
+    one worker per uv tile among the B·splits CTAs, and fewer workers than SMs (the workers
+    wait for CTAs that may not have started: those must find a free SM; module docstring)."""
     m = batch * tokens
     nw = uv_workers(heads, v_dim) if v_dim % UV_COLS == 0 else 0
-    return (can_implement(heads, tokens, kv_rank, rope, dtypes)
-            and glue_can_uv(m, heads, kv_rank, v_dim, dtypes) and m * UV_COLS <= THREADS
+    return (glue_can_uv(m, heads, kv_rank, v_dim, dtypes) and m * UV_COLS <= THREADS
             and 1 <= nw <= batch * splits and nw < sms)
+
+
+def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
+                     splits: int, dtypes: tuple[torch.dtype, ...], sms: int = SMS) -> bool:
+    """uv mode: the attention's rules and uv_launch_ok's."""
+    return (can_implement(heads, tokens, kv_rank, rope, dtypes)
+            and uv_launch_ok(batch, heads, tokens, kv_rank, v_dim, splits, dtypes, sms))
 
 
 def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,

@@ -103,8 +103,8 @@ from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import (H200_SMS, compile_options, compiled, current_stream, dummy_ptr,
                                          grid_arrive_and_wait, ptr, sm_count)
 from kimi_decode.kernels.gemv_mma import MMA_PTX
-from kimi_decode.kernels.mla_attend import MLAAttend
-from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, can_implement_uv as glue_can_uv, config_uv
+from kimi_decode.kernels.mla_attend import MLAAttend, uv_launch_ok, uv_workers
+from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, config_uv
 
 TILE = 32          # cache positions per tile (one per lane in the softmax)
 THREADS = 256
@@ -731,21 +731,11 @@ def mla_attend_mma(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor
     return out
 
 
-def uv_workers(heads: int, v_dim: int) -> int:
-    """Worker CTAs of the uv mode: one per mla_glue uv_gate tile (UV_COLS columns of a head)."""
-    return heads * (v_dim // UV_COLS)
-
-
 def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
                      splits: int, dtypes: tuple[torch.dtype, ...], sms: int = H200_SMS) -> bool:
-    """uv mode: the attention's rules, mla_glue's uv_gate rules at M = B·T (M·UV_COLS ≤
-    THREADS: one epilogue value per thread), one worker per uv tile among the B·splits CTAs,
-    and fewer workers than SMs (as mla_attend.can_implement_uv)."""
-    m = batch * tokens
-    nw = uv_workers(heads, v_dim) if v_dim % UV_COLS == 0 else 0
+    """uv mode: this kernel's rules and mla_attend's uv rules (the same uv code runs)."""
     return (can_implement(heads, tokens, kv_rank, rope, dtypes)
-            and glue_can_uv(m, heads, kv_rank, v_dim, dtypes) and m * UV_COLS <= THREADS
-            and 1 <= nw <= batch * splits and nw < sms)
+            and uv_launch_ok(batch, heads, tokens, kv_rank, v_dim, splits, dtypes, sms))
 
 
 def mla_attend_mma_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
