@@ -144,19 +144,9 @@ GRID_MIN_SPLITS = 32  # grid merge: each CTA merges ≤ c / 4 / 32 = 4 column qu
                       # reduction each); with few splits the two-level merge is short anyway
 
 
-@dataclass(frozen=True)
-class MLAConfig:
-    """Compile-time sizes: local heads H, tokens per sequence T, latent rank c, rope dims."""
-
-    heads: int
-    tokens: int
-    kv_rank: int = 512
-    rope: int = 64
-    scale: float = 192 ** -0.5
-    uv_rows: int = 0          # uv mode (mla_attend_uv): M = B·T rows of o; 0 = o_lat only
-    v_dim: int = 128          # uv mode: W_UV's columns per head
-    probe: bool = False       # phase probe (bench/mla_phases.py): %globaltimer stamps per CTA
-    grid: bool = False        # one-level merge by all CTAs after a per-sequence barrier (grid_ok)
+class AttendShape:
+    """Sizes derived from an attention config's fields (heads, tokens, kv_rank, rope,
+    uv_rows): this module's MLAConfig and mla_attend_mma.MMAConfig."""
 
     @property
     def uv(self) -> bool:
@@ -169,6 +159,21 @@ class MLAConfig:
     @property
     def dim(self) -> int:
         return self.kv_rank + self.rope
+
+
+@dataclass(frozen=True)
+class MLAConfig(AttendShape):
+    """Compile-time sizes: local heads H, tokens per sequence T, latent rank c, rope dims."""
+
+    heads: int
+    tokens: int
+    kv_rank: int = 512
+    rope: int = 64
+    scale: float = 192 ** -0.5
+    uv_rows: int = 0          # uv mode (mla_attend_uv): M = B·T rows of o; 0 = o_lat only
+    v_dim: int = 128          # uv mode: W_UV's columns per head
+    probe: bool = False       # phase probe (bench/mla_phases.py): %globaltimer stamps per CTA
+    grid: bool = False        # one-level merge by all CTAs after a per-sequence barrier (grid_ok)
 
 
 def can_implement(heads: int, tokens: int, kv_rank: int, rope: int,
@@ -248,7 +253,95 @@ def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int,
         counters=sync[:n_cnt], epochs=sync[n_cnt:])
 
 
-class MLAAttend:
+class UVTiles:
+    """The uv mode's worker tiles (module docstring, "uv mode"): mla_glue's uv_gate tiles run
+    by the first NW CTAs of an attention launch once every CTA has published its o_lat. Shared
+    by MLAAttend and mla_attend_mma.MLAAttendMMA (their kernels call these in the same places:
+    views, shared memory, the early loads before their merge, publish and the tile after it)."""
+
+    def init_uv(self, uv_rows: int, heads: int, kv_rank: int, v_dim: int) -> None:
+        self.glue = MLAGlue(config_uv(uv_rows, heads, kv_rank, v_dim))
+        self.UM, self.VD = uv_rows, v_dim
+        self.CT = v_dim // UV_COLS                    # column tiles per head
+        self.NW = heads * self.CT                     # worker CTAs (tiles of W_UV)
+
+    @cute.jit
+    def uv_views(self, out: cute.Pointer, w_uv: cute.Pointer, g: cute.Pointer, o_uv: cute.Pointer):
+        """(mX, mW, mG, mU): o_lat [M, H, c] as 128-bit vectors, W_UV [H, c, vd], g and o [M, H·vd]."""
+        M, H, N, C = self.UM, self.H, self.VD, self.C
+        mX = cute.make_tensor(out, cute.make_layout((M, H, C // VEC, VEC), stride=(H * C, C, VEC, 1)))
+        mW = cute.make_tensor(w_uv, cute.make_layout((H, C, N // VEC, VEC), stride=(C * N, N, VEC, 1)))
+        mG = cute.make_tensor(g, cute.make_layout((M, H * N), stride=(H * N, 1)))
+        mU = cute.make_tensor(o_uv, cute.make_layout((M, H * N), stride=(H * N, 1)))
+        return mX, mW, mG, mU
+
+    def uv_smem(self, smem: object) -> tuple:
+        """mla_glue.gemm_tile's staging (M × c fp32) and warp sums, in the kernel's shared memory."""
+        s_x = smem.allocate_tensor(Float32, cute.make_layout((self.UM, self.C), stride=(self.C, 1)),
+                                   byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, self.UM, UV_COLS),
+                                                             stride=(self.UM * UV_COLS, UV_COLS, 1)),
+                                   byte_alignment=16)
+        return s_x, red
+
+    @cute.jit
+    def uv_loads(self, mW: cute.Tensor, mG: cute.Tensor, wbuf: cute.Tensor, lin: Int32, tid: Int32,
+                 warp: Int32, lane: Int32):
+        """Worker CTA `lin` < NW owns W_UV tile (head wh, column tile wct): its weight loads
+        into wbuf and its gate value, issued before the merge so they fly during it. Returns
+        (wh, wct, gate)."""
+        wh = Int32(0)
+        wct = Int32(0)
+        gate = Float32(0.0)
+        if lin < self.NW:                   # CTA-uniform
+            wh = lin // self.CT
+            wct = lin - wh * self.CT
+            self.glue.load_w(mW, wbuf, wh, wct, warp, lane)
+            if tid < self.UM * UV_COLS:
+                gm = tid // UV_COLS
+                gate = mG[gm, wh * self.VD + wct * UV_COLS + (tid - gm * UV_COLS)].to(Float32)
+        return wh, wct, gate
+
+    @cute.jit
+    def publish(self, mCnt: cute.Tensor, rdy: Int32, tid: Int32):
+        """This sequence's o_lat, written by every thread of the CTA, is visible GPU-wide
+        before the ready counter mCnt[rdy] is bumped (as the merge counters are)."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(mCnt.iterator + rdy, Int32(1), sem="acq_rel", scope="gpu")
+
+    @cute.jit
+    def uv_tile(self, mCnt: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor,
+                s_x: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, rdy: Int32, batch: Int32,
+                wh: Int32, wct: Int32, gate: Float32, tid: Int32, warp: Int32, lane: Int32):
+        """Wait until all `batch` sequences published o_lat (thread 0 spins on mCnt[rdy] with
+        acquire loads), then mla_glue's uv_gate tile (wh, wct) on it: o[m, n] =
+        gated(Σ_k o_lat[m, wh, k] · w_uv[wh, k, n], g[m, n]) for the UV_COLS columns n of the
+        tile; `wbuf` and `gate` were loaded before. The last worker to pass the wait (counter
+        mCnt[rdy + 1]) re-zeroes both counters: every other worker has passed it by then."""
+        if tid == 0:
+            seen = Int32(0)
+            while seen < batch:
+                seen = cute.arch.load((mCnt.iterator + rdy).llvm_ptr, Int32, sem="acquire", scope="gpu")
+            old = cute.arch.atomic_add(mCnt.iterator + (rdy + 1), Int32(1), sem="acq_rel", scope="gpu")
+            if old == self.NW - 1:
+                mCnt[rdy] = Int32(0)
+                mCnt[rdy + 1] = Int32(0)
+        cute.arch.sync_threads()
+        cute.arch.fence_acq_rel_gpu()
+        self.glue.gemm_tile(mX, mW, s_x, red, wh, wct, tid, warp, lane, wbuf)
+        if tid < self.UM * UV_COLS:            # kernel_uv's epilogue: warp sums in warp order
+            m = tid // UV_COLS
+            col = tid - m * UV_COLS
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                tot += red[w, m, col]
+            mU[m, wh * self.VD + wct * UV_COLS + col] = gated(tot, gate)
+
+
+class MLAAttend(UVTiles):
     """See the module docstring."""
 
     def __init__(self, cfg: MLAConfig) -> None:
@@ -263,10 +356,7 @@ class MLAAttend:
         # (R = 48 needs its registers for the 2R + R accumulators).
         self.prefetch = self.R <= PREFETCH_MAX_ROWS
         if cfg.uv:     # mla_glue's uv_gate tile, run by the worker CTAs (module docstring)
-            self.glue = MLAGlue(config_uv(cfg.uv_rows, self.H, self.C, cfg.v_dim))
-            self.UM, self.VD = cfg.uv_rows, cfg.v_dim
-            self.CT = cfg.v_dim // UV_COLS                # column tiles per head
-            self.NW = self.H * self.CT                    # worker CTAs (tiles of W_UV)
+            self.init_uv(cfg.uv_rows, self.H, self.C, cfg.v_dim)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, cache: cute.Pointer, last: cute.Pointer, out: cute.Pointer,
@@ -290,11 +380,7 @@ class MLAAttend:
         mGml = cute.make_tensor(grp_ml, cute.make_layout((batch * groups, 2, R), stride=(2 * R, R, 1)))
         mCnt = cute.make_tensor(counters, cute.make_layout(batch * groups + 2 * batch + 2))   # + epochs
         if cutlass.const_expr(self.cfg.uv):
-            M, H, N = self.UM, self.H, self.VD
-            mX = cute.make_tensor(out, cute.make_layout((M, H, C // VEC, VEC), stride=(H * C, C, VEC, 1)))
-            mW = cute.make_tensor(w_uv, cute.make_layout((H, C, N // VEC, VEC), stride=(C * N, N, VEC, 1)))
-            mG = cute.make_tensor(g, cute.make_layout((M, H * N), stride=(H * N, 1)))
-            mU = cute.make_tensor(o_uv, cute.make_layout((M, H * N), stride=(H * N, 1)))
+            mX, mW, mG, mU = self.uv_views(out, w_uv, g, o_uv)
         else:
             mX, mW, mG, mU = mO, mO, mO, mO
         mT = cute.make_tensor(probe, cute.make_layout((batch * splits, len(PROBE_PHASES)),
@@ -335,11 +421,7 @@ class MLAAttend:
             s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, R, 5), stride=(R * 5, 5, 1)),
                                          byte_alignment=16)
         if cutlass.const_expr(self.cfg.uv):        # mla_glue.gemm_tile's staging and warp sums
-            s_x = smem.allocate_tensor(Float32, cute.make_layout((self.UM, self.C), stride=(self.C, 1)),
-                                       byte_alignment=16)
-            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, self.UM, UV_COLS),
-                                                                 stride=(self.UM * UV_COLS, UV_COLS, 1)),
-                                       byte_alignment=16)
+            s_x, red = self.uv_smem(smem)
         s_k2 = cute.make_tensor(s_k.iterator, cute.make_layout((TILE, D // 2, 2), stride=(D, 2, 1)))
         s_p4 = cute.make_tensor(s_p.iterator, cute.make_layout((R, TILE // 4, 4), stride=(TILE, 4, 1)))
 
@@ -510,13 +592,7 @@ class MLAAttend:
         gate = Float32(0.0)
         if cutlass.const_expr(self.cfg.uv):
             wbuf = cute.make_rmem_tensor(cute.make_layout((self.glue.P, VEC), stride=(VEC, 1)), BFloat16)
-            if lin < self.NW:                   # CTA-uniform
-                wh = lin // self.CT
-                wct = lin - wh * self.CT
-                self.glue.load_w(mW, wbuf, wh, wct, warp, lane)
-                if tid < self.UM * UV_COLS:
-                    gm = tid // UV_COLS
-                    gate = mG[gm, wh * self.VD + wct * UV_COLS + (tid - gm * UV_COLS)].to(Float32)
+            wh, wct, gate = self.uv_loads(mW, mG, wbuf, lin, tid, warp, lane)
 
         if cutlass.const_expr(self.cfg.grid):
             self.grid_barrier_merge(mPml, mPo4, mO, mCnt, s_red, stamps, b, s, batch, splits, groups, tid,
@@ -687,44 +763,6 @@ class MLAAttend:
                 stamps[i] = cute.arch.globaltimer()
 
     @cute.jit
-    def publish(self, mCnt: cute.Tensor, rdy: Int32, tid: Int32):
-        """This sequence's o_lat, written by every thread of the CTA, is visible GPU-wide
-        before the ready counter mCnt[rdy] is bumped (as the merge counters are)."""
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        if tid == 0:
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.atomic_add(mCnt.iterator + rdy, Int32(1), sem="acq_rel", scope="gpu")
-
-    @cute.jit
-    def uv_tile(self, mCnt: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor,
-                s_x: cute.Tensor, red: cute.Tensor, wbuf: cute.Tensor, rdy: Int32, batch: Int32,
-                wh: Int32, wct: Int32, gate: Float32, tid: Int32, warp: Int32, lane: Int32):
-        """Wait until all `batch` sequences published o_lat (thread 0 spins on mCnt[rdy] with
-        acquire loads), then mla_glue's uv_gate tile (wh, wct) on it: o[m, n] =
-        gated(Σ_k o_lat[m, wh, k] · w_uv[wh, k, n], g[m, n]) for the UV_COLS columns n of the
-        tile; `wbuf` and `gate` were loaded before. The last worker to pass the wait (counter
-        mCnt[rdy + 1]) re-zeroes both counters: every other worker has passed it by then."""
-        if tid == 0:
-            seen = Int32(0)
-            while seen < batch:
-                seen = cute.arch.load((mCnt.iterator + rdy).llvm_ptr, Int32, sem="acquire", scope="gpu")
-            old = cute.arch.atomic_add(mCnt.iterator + (rdy + 1), Int32(1), sem="acq_rel", scope="gpu")
-            if old == self.NW - 1:
-                mCnt[rdy] = Int32(0)
-                mCnt[rdy + 1] = Int32(0)
-        cute.arch.sync_threads()
-        cute.arch.fence_acq_rel_gpu()
-        self.glue.gemm_tile(mX, mW, s_x, red, wh, wct, tid, warp, lane, wbuf)
-        if tid < self.UM * UV_COLS:            # kernel_uv's epilogue: warp sums in warp order
-            m = tid // UV_COLS
-            col = tid - m * UV_COLS
-            tot = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                tot += red[w, m, col]
-            mU[m, wh * self.VD + wct * UV_COLS + col] = gated(tot, gate)
-
-    @cute.jit
     def load_tile(self, mK: cute.Tensor, kbuf: cute.Tensor, row0: Int32, tstart: Int32, end: Int32,
                   tid: Int32):
         """kbuf[i] = cache vector (j, v) of the tile at tstart, idx = tid + i·THREADS = j·72 + v;
@@ -851,6 +889,20 @@ def uv_launch_ok(batch: int, heads: int, tokens: int, kv_rank: int, v_dim: int, 
             and 1 <= nw <= batch * splits and nw < sms)
 
 
+def uv_shapes_ok(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
+                 w_uv: torch.Tensor, g: torch.Tensor, scratch: object) -> bool:
+    """The uv wrappers' shape rules (this module's and mla_attend_mma's): q_full [B, T·H, D],
+    cache [B, C, D], last int64 [T], w_uv [H, c, vd], g [B·T, H·vd], and a scratch made for
+    (B, T·H, C, c)."""
+    B, R, D = q_full.shape
+    C, T = cache.shape[1], last.shape[0]
+    H, c, vd = w_uv.shape
+    sc = scratch
+    return (tuple(cache.shape) == (B, C, D) and R == T * heads and H == heads and c == kv_rank
+            and last.dtype == torch.int64 and tuple(g.shape) == (B * T, H * vd)
+            and (sc.batch, sc.rows, sc.cache_len, sc.kv_rank) == (B, R, C, kv_rank))
+
+
 def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
                      splits: int, dtypes: tuple[torch.dtype, ...], sms: int = SMS) -> bool:
     """uv mode: the attention's rules and uv_launch_ok's."""
@@ -871,9 +923,7 @@ def mla_attend_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor,
     H, c, vd = w_uv.shape
     M = B * T
     sc = scratch
-    if (cache.shape != (B, C, D) or R != T * heads or H != heads or c != kv_rank or last.dtype != torch.int64
-            or tuple(g.shape) != (M, H * vd)
-            or (sc.batch, sc.rows, sc.cache_len, sc.kv_rank) != (B, R, C, kv_rank)
+    if (not uv_shapes_ok(q_full, cache, last, heads, kv_rank, w_uv, g, sc)
             or not can_implement_uv(B, heads, T, kv_rank, D - kv_rank, vd, sc.splits,
                                     (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype))):
         raise ValueError(f"mla_attend_uv kernel cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")

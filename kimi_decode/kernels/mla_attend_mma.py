@@ -66,7 +66,7 @@ every CTA of this one has passed its griddepcontrol.wait, i.e. is resident.
 
 uv mode (MMAConfig.uv_rows = M = B·T > 0; `mla_attend_mma_uv`): the launch also does
 kernels/mla_glue.py's uv_gate on the o_lat it writes, exactly as mla_attend.py's uv mode and
-with its code (MLAAttend.publish / uv_tile, mla_glue's load_w / gemm_tile / gated): the first
+with its code (mla_attend.UVTiles: publish, uv_tile; mla_glue's load_w / gemm_tile / gated): the first
 NW = H·vd/16 CTAs issue their W_UV tile's loads and gate value before the barrier, every CTA
 publishes its merged share of o_lat on a ready counter, and the workers wait for all B·splits
 shares, then run the tile. So o equals uv_gate(o_lat) bit for bit.
@@ -103,8 +103,7 @@ from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import (H200_SMS, compile_options, compiled, current_stream, dummy_ptr,
                                          grid_arrive_and_wait, ptr, sm_count)
 from kimi_decode.kernels.gemv_mma import MMA_PTX
-from kimi_decode.kernels.mla_attend import MLAAttend, uv_launch_ok, uv_workers
-from kimi_decode.kernels.mla_glue import UV_COLS, MLAGlue, config_uv
+from kimi_decode.kernels.mla_attend import AttendShape, UVTiles, uv_launch_ok, uv_shapes_ok, uv_workers
 
 TILE = 32          # cache positions per tile (one per lane in the softmax)
 THREADS = 256
@@ -124,7 +123,7 @@ SEL_HI = 0x7632    # prmt: (a.hi, b.hi) -> one word
 
 
 @dataclass(frozen=True)
-class MMAConfig:
+class MMAConfig(AttendShape):
     """Compile-time sizes: local heads H, tokens per sequence T, latent rank c, rope dims, the
     score scale; the merge's quad blocks per row KQ and loads per thread NL (plan())."""
 
@@ -137,18 +136,6 @@ class MMAConfig:
     nl: int = 16
     uv_rows: int = 0          # uv mode (mla_attend_mma_uv): M = B·T rows of o; 0 = o_lat only
     v_dim: int = 128          # uv mode: W_UV's columns per head
-
-    @property
-    def uv(self) -> bool:
-        return self.uv_rows > 0
-
-    @property
-    def rows(self) -> int:
-        return self.heads * self.tokens
-
-    @property
-    def dim(self) -> int:
-        return self.kv_rank + self.rope
 
 
 def can_implement(heads: int, tokens: int, kv_rank: int, rope: int, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -249,7 +236,7 @@ def mma_at(acc: cute.Tensor, i: cutlass.Constexpr[int], j: cutlass.Constexpr[int
         acc[i, j, k] = Float32(llvm.extractvalue(IR.f32(), res, [k]))
 
 
-class MLAAttendMMA:
+class MLAAttendMMA(UVTiles):
     """See the module docstring."""
 
     def __init__(self, cfg: MMAConfig) -> None:
@@ -275,10 +262,7 @@ class MLAAttendMMA:
         self.SG = THREADS // self.QB               # merge: split groups
         assert self.QB * self.SG == THREADS and self.QB >= 32, cfg
         if cfg.uv:     # mla_glue's uv_gate tiles, run by the first NW CTAs (module docstring)
-            self.glue = MLAGlue(config_uv(cfg.uv_rows, self.H, self.C, cfg.v_dim))
-            self.UM, self.VD = cfg.uv_rows, cfg.v_dim
-            self.CT = cfg.v_dim // UV_COLS                # column tiles per head
-            self.NW = self.H * self.CT                    # worker CTAs (tiles of W_UV)
+            self.init_uv(cfg.uv_rows, self.H, self.C, cfg.v_dim)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, cache: cute.Pointer, last: cute.Pointer, out: cute.Pointer,
@@ -296,11 +280,7 @@ class MLAAttendMMA:
         mPml = cute.make_tensor(part_ml, cute.make_layout((batch * splits, 2, R), stride=(2 * R, R, 1)))
         mCnt = cute.make_tensor(counters, cute.make_layout(2 * batch + 2))
         if cutlass.const_expr(self.cfg.uv):
-            M, H, N = self.UM, self.H, self.VD
-            mX = cute.make_tensor(out, cute.make_layout((M, H, C // 8, 8), stride=(H * C, C, 8, 1)))
-            mW = cute.make_tensor(w_uv, cute.make_layout((H, C, N // 8, 8), stride=(C * N, N, 8, 1)))
-            mG = cute.make_tensor(g, cute.make_layout((M, H * N), stride=(H * N, 1)))
-            mU = cute.make_tensor(o_uv, cute.make_layout((M, H * N), stride=(H * N, 1)))
+            mX, mW, mG, mU = self.uv_views(out, w_uv, g, o_uv)
         else:
             mX, mW, mG, mU = mO, mO, mO, mO
         self.kernel(mQ, mK, mL, mO, mPo, mPml, mCnt, mX, mW, mG, mU, batch, cache_len, splits).launch(
@@ -334,10 +314,7 @@ class MLAAttendMMA:
         sW = smem.allocate_tensor(Float32, cute.make_layout(THREADS), byte_alignment=16)
         sBlk = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS), stride=(WARPS, 1)), byte_alignment=16)
         if cutlass.const_expr(self.cfg.uv):        # mla_glue.gemm_tile's staging and warp sums
-            s_x = smem.allocate_tensor(Float32, cute.make_layout((self.UM, C), stride=(C, 1)), byte_alignment=16)
-            red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, self.UM, UV_COLS),
-                                                                 stride=(self.UM * UV_COLS, UV_COLS, 1)),
-                                       byte_alignment=16)
+            s_x, red = self.uv_smem(smem)
         sQw = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=Int32),
                                cute.make_layout((RP, DS // 8, 4), stride=(DS // 2, 4, 1)))
         sPw = cute.make_tensor(cute.recast_ptr(sP.iterator, dtype=Int32),
@@ -428,13 +405,7 @@ class MLAAttendMMA:
         gate = Float32(0.0)
         if cutlass.const_expr(self.cfg.uv):
             wbuf = cute.make_rmem_tensor(cute.make_layout((self.glue.P, 8), stride=(8, 1)), BFloat16)
-            if lin < self.NW:                   # CTA-uniform
-                wh = lin // self.CT
-                wct = lin - wh * self.CT
-                self.glue.load_w(mW, wbuf, wh, wct, warp, lane)
-                if tid < self.UM * UV_COLS:
-                    gm = tid // UV_COLS
-                    gate = mG[gm, wh * self.VD + wct * UV_COLS + (tid - gm * UV_COLS)].to(Float32)
+            wh, wct, gate = self.uv_loads(mW, mG, wbuf, lin, tid, warp, lane)
 
         # The partials reach the other CTAs through the barrier: CTA barrier, then thread 0's
         # fence.acq_rel.gpu and arrival (grid_arrive_and_wait), CUTLASS's semaphore pattern; no
@@ -446,10 +417,10 @@ class MLAAttendMMA:
         cute.arch.fence_acq_rel_gpu()
         self.merge(mPo, mPml, mO, sRed, sW, sBlk, b, s, splits, tid, warp, lane)
         if cutlass.const_expr(self.cfg.uv):     # mla_attend.py's uv mode: publish, then the tiles
-            MLAAttend.publish(self, mCnt, 2 * batch, tid)
+            self.publish(mCnt, 2 * batch, tid)
             if lin < self.NW:                   # CTA-uniform
-                MLAAttend.uv_tile(self, mCnt, mX, mW, mU, s_x, red, wbuf, 2 * batch, batch * splits, wh, wct,
-                                  gate, tid, warp, lane)
+                self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, 2 * batch, batch * splits, wh, wct, gate, tid,
+                             warp, lane)
 
     @cute.jit
     def stage_q(self, mQ: cute.Tensor, sQ: cute.Tensor, b: Int32, tid: Int32):
@@ -752,9 +723,7 @@ def mla_attend_mma_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Ten
     H, c, vd = w_uv.shape
     M = B * T
     sc = scratch
-    if (cache.shape != (B, C, D) or R != T * heads or H != heads or c != kv_rank or last.dtype != torch.int64
-            or tuple(g.shape) != (M, H * vd)
-            or (sc.batch, sc.rows, sc.cache_len, sc.kv_rank) != (B, R, C, kv_rank)
+    if (not uv_shapes_ok(q_full, cache, last, heads, kv_rank, w_uv, g, sc)
             or B * sc.splits > sm_count(q_full.device) or sc.splits > THREADS or sc.nl > MAX_NL
             or not can_implement_uv(B, heads, T, kv_rank, D - kv_rank, vd, sc.splits,
                                     (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype), sm_count(q_full.device))):
