@@ -837,6 +837,19 @@ def compile_for(cfg: MLAConfig) -> object:
     return compiled(("mla_attend", cfg), build)
 
 
+def attend_shapes(name: str, q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
+                  kv_rank: int, can: object) -> tuple[int, int, int, int, int]:
+    """(B, R, D, C, T) of an attention call, after the wrappers' shape rules (this module's and
+    mla_attend_mma's): q_full [B, T·H, D], cache [B, C, D], last int64 [T], and the kernel's
+    `can(heads, T, c, rope, dtypes)`; a ValueError naming `name` otherwise."""
+    B, R, D = q_full.shape
+    C, T = cache.shape[1], last.shape[0]
+    if (tuple(cache.shape) != (B, C, D) or R != T * heads or last.dtype != torch.int64
+            or not can(heads, T, kv_rank, D - kv_rank, (q_full.dtype, cache.dtype))):
+        raise ValueError(f"{name} cannot run q {tuple(q_full.shape)} cache {tuple(cache.shape)}")
+    return B, R, D, C, T
+
+
 def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int,
                kv_rank: int, scale: float, scratch: MLAScratch | None = None,
                probe: torch.Tensor | None = None, grid: bool | None = None) -> torch.Tensor:
@@ -846,12 +859,7 @@ def mla_attend(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, he
     [B, T·H, c] bf16. `probe` (int64 [B·splits, len(PROBE_PHASES)]): run the probe build,
     which stamps each CTA's phases there (bench/mla_phases.py). `grid`: the grid merge
     (None: wherever grid_ok allows it)."""
-    B, R, D = q_full.shape
-    C = cache.shape[1]
-    T = last.shape[0]
-    if (cache.shape != (B, C, D) or R != T * heads or last.dtype != torch.int64
-            or not can_implement(heads, T, kv_rank, D - kv_rank, (q_full.dtype, cache.dtype))):
-        raise ValueError(f"mla_attend kernel cannot run q {tuple(q_full.shape)} cache {tuple(cache.shape)}")
+    B, R, D, C, T = attend_shapes("mla_attend kernel", q_full, cache, last, heads, kv_rank, can_implement)
     if scratch is None:
         scratch = make_scratch(B, R, C, kv_rank, q_full.device)
     if (scratch.batch, scratch.rows, scratch.cache_len, scratch.kv_rank) != (B, R, C, kv_rank):
@@ -977,6 +985,30 @@ def check_inputs(cfg: object, k: int, seed: int, dev: torch.device, uv: bool = F
     return {"cache": cache, "clean": cache.nan_to_num(0.0), "q_full": q_full, "last": last, **out}
 
 
+def cold_warm_timer(cache: torch.Tensor, w_uv: torch.Tensor, copies: int):
+    """timed(fn, cold) for the uv checks: checks.time_us of fn(cache, w_uv), cold cycling
+    through `copies` copies of both (beyond the 50 MB L2, as the step reads them once per layer)
+    or warm on one. The copies live as long as the returned function."""
+    import itertools
+
+    from kimi_decode.kernels import checks
+    sets = [(cache, w_uv)] + [(cache.clone(), w_uv.clone()) for _ in range(copies - 1)]
+
+    def timed(fn, cold: bool) -> float:
+        cyc = itertools.cycle(sets if cold else sets[:1])
+        return checks.time_us(lambda: fn(*next(cyc)))
+    return timed
+
+
+def uv_verdict(o_k: torch.Tensor, errors: tuple[float, float, float, float], *exact: bool) -> bool:
+    """The uv checks' pass rule: every exact property holds (bit-equal to the two launches,
+    o_lat equal, repeat equal, counters zero), o finite, (vs stock, vs compiled) ≤ 1e-2 and
+    vs float64 ≤ 1.5 × stock's error + 1e-3; errors = (e_stock, e_compiled, e_f64, stock_f64)."""
+    e_ks, e_kc, e_k, e_s = errors
+    return bool(all(exact) and e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
+                and bool(torch.isfinite(o_k).all()))
+
+
 def check(timing: bool = True, batches: tuple[int, ...] = (1, 8, 64), spec: tuple[int, ...] = (0, 7),
           sms_sweep: tuple[int, ...] = (33, 66)) -> list[dict]:
     """Kernel vs stock_ops.mla_attend (eager, and the torch.compile'd op the stock module runs:
@@ -1067,12 +1099,10 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
     their own, held to the float64 tolerance since the merge order changes; two-level merge, the
     one the group size applies to). Where the grid merge runs, `two_level_us` times the same
     launch with the two-level merge."""
-    import itertools
-
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import mla_glue
-    from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
+    from kimi_decode.kernels.checks import DEVICE, _sync, rel
     dev = torch.device(DEVICE)
     attend_c = stock_ops.maybe_compiled(stock_ops.mla_attend, True)
     gate_c = stock_ops.maybe_compiled(stock_ops.sigmoid_gate, True)
@@ -1106,15 +1136,10 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
              "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
              "repeat_equal": torch.equal(o_k, o_k2), "grid": grid_ok(bsz, T * H, sc_new.splits, sm_count(dev)),
              "counters_zero": int(sc_new.counters.abs().sum()) == 0}
-        r["ok"] = bool(r["o_equal_two_launch"] and r["o_lat_equal_mla_attend"] and r["repeat_equal"]
-                       and r["counters_zero"] and e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
-                       and bool(torch.isfinite(o_k).all()))
+        r["ok"] = uv_verdict(o_k, (e_ks, e_kc, e_k, e_s), r["o_equal_two_launch"], r["o_lat_equal_mla_attend"],
+                             r["repeat_equal"], r["counters_zero"])
         if timing:
-            sets = [(clean, w_uv)] + [(clean.clone(), w_uv.clone()) for _ in range(copies - 1)]
-
-            def timed(fn, cold: bool) -> float:
-                cyc = itertools.cycle(sets if cold else sets[:1])
-                return time_us(lambda: fn(*next(cyc)))
+            timed = cold_warm_timer(clean, w_uv, copies)
             new = lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g, sc_new)  # noqa: E731
             old = lambda ca, w: mla_glue.uv_gate(mla_attend(q_full, ca, last, H, c, scale, sc_old), w, g)  # noqa: E731
             stock = lambda ca, w: mla_glue.stock_uv(attend_c(q_full, ca, last, H, c, scale), w, g, gate_c)  # noqa: E731
@@ -1142,7 +1167,7 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0),)
                             "kernel_us": timed(lambda ca, w: mla_attend_uv(q_full, ca, last, H, c, scale, w, g,
                                                                            sc_n, grid=False)[0], True),
                             "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc_n.counters.abs().sum()) == 0})
-            del sets
+            del timed
         else:
             out.append(r)
         del cache, clean

@@ -366,3 +366,54 @@ def test_prmt_selectors_pair_the_halves() -> None:
     a, b = 0x2222_1111, 0x4444_3333          # a = (lo 0x1111, hi 0x2222), b = (0x3333, 0x4444)
     assert prmt_b32(a, b, km.SEL_LO) == 0x3333_1111
     assert prmt_b32(a, b, km.SEL_HI) == 0x4444_2222
+
+
+# ---- the device checks' harness on the CPU (kernels replaced by their contracts) --------------
+
+@pytest.fixture
+def emulated_mma(monkeypatch):
+    """check / check_uv on the CPU: both modes of the kernel replaced by mla_attend's float64
+    contract (the stock op's math) and mla_glue's uv_gate contract, as test_kernel_mla_attend
+    does for mla_attend."""
+    from tests.kimi_decode.test_kernel_mla_attend import _emulate_attend, _emulate_uv_gate
+    import kimi_decode.kernels.mla_glue as mg
+    from kimi_decode import stock_ops
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(stock_ops, "maybe_compiled", lambda fn, enabled: fn)
+    monkeypatch.setattr(mg, "uv_gate", _emulate_uv_gate)
+    monkeypatch.setattr(km, "mla_attend_mma",
+                        lambda q, cache, last, h, c, scale, scratch=None: _emulate_attend(q, cache, last, h, c, scale))
+
+    def attend_uv(q, cache, last, h, c, scale, w_uv, g, scratch):
+        o_lat = _emulate_attend(q, cache, last, h, c, scale)
+        return _emulate_uv_gate(o_lat, w_uv, g), o_lat
+    monkeypatch.setattr(km, "mla_attend_mma_uv", attend_uv)
+    return monkeypatch
+
+
+def test_check_harness_passes_emulation(emulated_mma) -> None:
+    rows = km.check(timing=False, cases=((1, 7), (8, 0)))
+    assert [(r["B"], r["k"]) for r in rows] == [(1, 7), (8, 0)] and all(r["ok"] for r in rows), rows
+    rows = km.check_uv(timing=False)
+    assert [(r["B"], r["k"], r["workers"]) for r in rows] == [(1, 0, 48), (8, 0, 48)]
+    assert all(r["ok"] and r["o_equal_two_launch"] for r in rows), rows
+
+
+def test_check_harness_rejects_wrong_kernels(emulated_mma) -> None:
+    """A kernel that drops the mask fails the attention check; a uv mode gating with σ(-g)
+    (o_lat right) fails the uv check on its bit-equality to the two launches."""
+    from tests.kimi_decode.test_kernel_mla_attend import _emulate_attend, _emulate_uv_gate
+    emulated_mma.setattr(km, "mla_attend_mma", lambda q, cache, last, h, c, scale, scratch=None:
+                         _emulate_attend(q, cache.nan_to_num(0.0), last + 5, h, c, scale))
+    assert not any(r["ok"] for r in km.check(timing=False, cases=((1, 7),)))
+
+    def wrong(q, cache, last, h, c, scale, w_uv, g, scratch):
+        o_lat = _emulate_attend(q, cache, last, h, c, scale)
+        return _emulate_uv_gate(o_lat, w_uv, -g), o_lat
+    emulated_mma.setattr(km, "mla_attend_mma", lambda q, cache, last, h, c, scale, scratch=None:
+                         _emulate_attend(q, cache, last, h, c, scale))
+    emulated_mma.setattr(km, "mla_attend_mma_uv", wrong)
+    rows = km.check_uv(timing=False, cases=((1, 0),))
+    assert len(rows) == 1 and not rows[0]["ok"] and not rows[0]["o_equal_two_launch"]
+    assert rows[0]["o_lat_equal_mla_attend_mma"]
