@@ -287,8 +287,8 @@ def _kernels_usable(device: torch.device) -> bool:
 
 
 def _kda_multi_applies(cfg: KimiConfig) -> bool:
-    """kda_multi's shapes: T ≥ 2 tokens per sequence, M within the per-M table, its limits."""
-    if not (cfg.tokens_per_seq >= 2 and cfg.rows <= MAX_ROWS["kda_multi"]):
+    """kda_multi's shapes: M within the per-M table, its limits, and not B = 1, T = 1 (kda_fast's)."""
+    if not ((cfg.tokens_per_seq >= 2 or cfg.batch >= 2) and cfg.rows <= MAX_ROWS["kda_multi"]):
         return False
     from kimi_decode.kernels.kda_multi import can_implement
     return can_implement(cfg.kda_local_heads, cfg.kda_head_dim, cfg.conv_kernel, cfg.in_proj_rows,
@@ -498,7 +498,7 @@ class KDAAttention(stock.KDAAttention):
     ar_slots = False                               # o_proj writes its all-reduce slot
     split_scratch: object | None = None            # kernels/kda_split.py's buffers (kda_split or kda_fast)
     use_fast = False                               # kda_fast is on and the shape is B = 1, T = 1
-    use_kda_multi = False                          # kda_multi is on and T ≥ 2 (kernels/kda_multi.py)
+    use_kda_multi = False                          # kda_multi is on, T ≥ 2 or B ≥ 2 (kernels/kda_multi.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Slots:
         if not (self.use_kernel or self.use_gemv or self.ar_slots):
@@ -512,7 +512,7 @@ class KDAAttention(stock.KDAAttention):
             with op_range("kda_recurrence"):
                 kcfg = KDAConfig(H, d, cfg.tokens_per_seq, cfg.in_proj_rows, cfg.gate_lower_bound,
                                  1e-6, cfg.rms_eps)
-                if self.use_kda_multi:                   # T ≥ 2 (kernels/kda_multi.py)
+                if self.use_kda_multi:                   # T ≥ 2 or B ≥ 2 (kernels/kda_multi.py)
                     from kimi_decode.kernels.kda_multi import kda_decode_multi
                     o = kda_decode_multi(z, self.f_b, self.conv_w, self.conv_state, self.dt_bias,
                                          self.a_log, self.rec_state, self.o_norm, kcfg, self.split_scratch)

@@ -1,7 +1,7 @@
-"""kda_split for T ≥ 2 tokens per sequence (speculative decode, k = T − 1) with everything that
-does not depend on the recurrent state done for all T tokens at once (kernel "kda_multi";
-KIMI_K3.md §1.4; same math, grid, scratch and ownership as kimi_decode.kernels.kda_split,
-whose docstring this module assumes).
+"""kda_split for T ≥ 2 tokens per sequence (speculative decode, k = T − 1), and for T = 1 at
+B ≥ 2, with everything that does not depend on the recurrent state done for all T tokens at
+once (kernel "kda_multi"; KIMI_K3.md §1.4; same math, grid, scratch and ownership as
+kimi_decode.kernels.kda_split, whose docstring this module assumes).
 
 Why: at B = 1, k = 7 the fused step still ran stock's four Triton kernels between in_proj and
 o_proj (f_b projection 2.7 µs, conv 3.7, recurrence 12.1, gated norm 2.8 in a KDA layer of the
@@ -67,13 +67,22 @@ exposed where stock's four kernels took 23.4 µs from in_proj's end to o_proj's 
 (bench/fused_runs.md). With the tensor-core gates (d714341) 14.4 µs at B = 1, k = 7; with the
 cluster epilogue too (ccfc99b) 12.7 µs, 13.7 µs exposed in the step (the ccfc99b trace).
 
-Check on the GPU (B = 1 and 8 at k = 7, 3 steps with state carried; against the stock ops,
-float64 and kda_split; times the stock ops, kda_split and this kernel):
+T = 1 (B ≥ 2, k = 0): nothing above assumes T ≥ 2, so the kernel also replaces stock's four
+KDA kernels at B = 8, k = 0 (M = 8), where kda_fast (the B = 1, T = 1 kernel) measured 13.1 µs
+against 9.6 for stock's four (fused.py's per-M table): one launch, the same prelude, one token.
+The wrapper's choice of epilogue is by grid size (kda_decode_multi): before this the cluster
+flag followed V_SPLIT alone, so B = 8, k = 7 (V_SPLIT 8, 384 CTAs) ran the clustered grid the
+CLUSTER_NORM note measured slower.
+
+Check on the GPU (B = 1 and 8 at k = 7, B = 8 and 64 at k = 0, 3 steps with state carried;
+against the stock ops, float64 and kda_split; times the stock ops, kda_split and this kernel):
     python -m kimi_decode.kernels.kda_multi
 """
 from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+import functools
 
 import cuda.bindings.driver as cuda
 import torch
@@ -116,8 +125,9 @@ CLUSTER_SPLITS = 8
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
                   dtypes: tuple[torch.dtype, ...], splits: int = 16) -> bool:
-    """kda_split's limits, and 2 ≤ T ≤ MAX_TOKENS tokens per sequence."""
-    return 2 <= tokens <= MAX_TOKENS and split_can_implement(heads, head_dim, conv_kernel, in_proj_rows,
+    """kda_split's limits, and 1 ≤ T ≤ MAX_TOKENS tokens per sequence (T = 1 for B ≥ 2: the
+    kernel is T-generic; at B = 1, T = 1 fused.py runs kda_fast)."""
+    return 1 <= tokens <= MAX_TOKENS and split_can_implement(heads, head_dim, conv_kernel, in_proj_rows,
                                                              dtypes, splits)
 
 
@@ -128,18 +138,23 @@ def cluster_applies(splits: int, tokens: int, cols: int) -> bool:
 
 
 class KDAMulti(KDASplit):
-    """See the module docstring (T ≥ 2). kda_split's @cute.jit blocks (indices, state and conv
+    """See the module docstring (T ≥ 1). kda_split's @cute.jit blocks (indices, state and conv
     loads, q/k conv, norm partials, l2 scales, kᵀS, update and q̂ᵀS, arrival, q/k history) are
     reused on per-token slices of T-deep shared buffers."""
 
-    def __init__(self, cfg: KDASplitConfig) -> None:
+    def __init__(self, cfg: KDASplitConfig, cluster: bool | None = None) -> None:
+        """`cluster`: the cluster epilogue (None: wherever cluster_applies; the wrapper passes
+        its grid-size choice, see kda_decode_multi)."""
         super().__init__(cfg)
-        if not 2 <= self.T <= MAX_TOKENS:
-            raise ValueError(f"kda_multi is the 2 ≤ T ≤ {MAX_TOKENS} kernel, not T = {self.T}")
+        if not 1 <= self.T <= MAX_TOKENS:
+            raise ValueError(f"kda_multi is the 1 ≤ T ≤ {MAX_TOKENS} kernel, not T = {self.T}")
         # the gates on the tensor cores: keys = the mma's m (two 16-key tiles per warp, 4 warps:
         # d = 128), tokens its n (≤ 8), f_b's k in 4 chunks of 32 (d = 128)
         self.gate_mma = GATE_MMA and self.T <= MMA_TOKENS and self.d == 128 and THREADS == 128
-        self.cluster = cluster_applies(self.VS, self.T, self.C)
+        applies = cluster_applies(self.VS, self.T, self.C)
+        if cluster and not applies:
+            raise ValueError(f"kda_multi's cluster epilogue cannot run V_SPLIT = {self.VS}, T = {self.T}")
+        self.cluster = applies if cluster is None else cluster
 
     @cute.jit
     def __call__(self, z: cute.Pointer, f_b: cute.Pointer, conv_w: cute.Pointer,
@@ -400,25 +415,34 @@ class KDAMulti(KDASplit):
                     mC[b * self.H + h] = Int32(0)
 
 
-def _build_name(gate_mma: bool) -> str:
-    """The compile-cache name of a build: the module switches the kernel reads when traced
-    (GATE_MMA, CLUSTER_NORM) are part of it, so flipping one in a process never reuses a
-    kernel traced with the other setting."""
-    return f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if CLUSTER_NORM else ''}"
+def _build_name(gate_mma: bool, cluster: bool) -> str:
+    """The compile-cache name of a build: the switches the kernel reads when traced (GATE_MMA,
+    and the epilogue: the cluster's or the counter's) are part of it, so flipping one in a
+    process never reuses a kernel traced with the other setting."""
+    return f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if cluster else ''}"
 
 
-def compile_for(cfg: KDASplitConfig) -> object:
-    """The compiled kernel for `cfg` (cached)."""
-    return compile_kernel(KDAMulti, _build_name(GATE_MMA), cfg)
+def _cluster_for(cfg: KDASplitConfig, cluster: bool | None) -> bool:
+    """The epilogue of a build: `cluster` when given, else wherever cluster_applies."""
+    if cluster is not None:
+        return cluster
+    return cluster_applies(cfg.splits, cfg.kda.tokens, cfg.kda.head_dim // cfg.splits)
 
 
-def compile_fma(cfg: KDASplitConfig) -> object:
+def compile_for(cfg: KDASplitConfig, cluster: bool | None = None) -> object:
+    """The compiled kernel for `cfg` (cached); `cluster` as KDAMulti takes it."""
+    cl = _cluster_for(cfg, cluster)
+    return compile_kernel(functools.partial(KDAMulti, cluster=cl), _build_name(GATE_MMA, cl), cfg)
+
+
+def compile_fma(cfg: KDASplitConfig, cluster: bool | None = None) -> object:
     """The compiled kernel with the first build's FMA gates (GATE_MMA off while it is traced;
     cached under its own name), for the check's timing beside the tensor-core one."""
     global GATE_MMA
     saved, GATE_MMA = GATE_MMA, False
     try:
-        return compile_kernel(KDAMulti, _build_name(False), cfg)
+        cl = _cluster_for(cfg, cluster)
+        return compile_kernel(functools.partial(KDAMulti, cluster=cl), _build_name(False, cl), cfg)
     finally:
         GATE_MMA = saved
 
@@ -426,19 +450,27 @@ def compile_fma(cfg: KDASplitConfig) -> object:
 def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
                      conv_state: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                      rec_state: torch.Tensor, o_norm: torch.Tensor, kcfg: KDAConfig,
-                     scratch: KDAScratch, splits: int | None = None, *, fma_gates: bool = False) -> torch.Tensor:
-    """kda_split.kda_decode_split's contract for 2 ≤ T ≤ MAX_TOKENS (kcfg.tokens): conv_state
+                     scratch: KDAScratch, splits: int | None = None, *, fma_gates: bool = False,
+                     cluster: bool | None = None) -> torch.Tensor:
+    """kda_split.kda_decode_split's contract for 1 ≤ T ≤ MAX_TOKENS (kcfg.tokens): conv_state
     and rec_state advance in place by T tokens; scratch from kda_split.make_scratch. Returns
-    out [B·T, P] bf16. `fma_gates`: the first build's gates (the check times both); also
-    taken where the grid would not fit at MMA_CTAS_PER_SM CTAs per SM (see there)."""
+    out [B·T, P] bf16. V_SPLIT: `splits`, else CLUSTER_SPLITS where that grid has at most one
+    CTA per SM, else kda_split's splits_for. The epilogue: `cluster`, else the cluster's where
+    it applies and the grid has at most one CTA per SM (larger clustered grids measured slower,
+    CLUSTER_NORM's note), else the counter's. `fma_gates`: the first build's gates (the check
+    times both); also taken where the grid would not fit at MMA_CTAS_PER_SM CTAs per SM."""
     batch = conv_state.shape[0]
+    sms = sm_count(z.device)
     if splits is None:
-        cluster = (cluster_applies(CLUSTER_SPLITS, kcfg.tokens, kcfg.head_dim // CLUSTER_SPLITS)
-                   and batch * kcfg.heads * CLUSTER_SPLITS <= sm_count(z.device))
-        splits = CLUSTER_SPLITS if cluster else splits_for(batch)
+        fits = batch * kcfg.heads * CLUSTER_SPLITS <= sms
+        applies = cluster_applies(CLUSTER_SPLITS, kcfg.tokens, kcfg.head_dim // CLUSTER_SPLITS)
+        splits = CLUSTER_SPLITS if fits and applies else splits_for(batch)
     ctas = batch * kcfg.heads * splits
-    fma_gates = fma_gates or ctas > MMA_CTAS_PER_SM * sm_count(z.device)
-    return launch("kda_decode_multi", compile_fma if fma_gates else compile_for,
+    if cluster is None:
+        cluster = cluster_applies(splits, kcfg.tokens, kcfg.head_dim // splits) and ctas <= sms
+    fma_gates = fma_gates or ctas > MMA_CTAS_PER_SM * sms
+    build = functools.partial(compile_fma if fma_gates else compile_for, cluster=cluster)
+    return launch("kda_decode_multi", build,
                   lambda dts, vs: can_implement(kcfg.heads, kcfg.head_dim, conv_w.shape[1],
                                                 kcfg.in_proj_rows, kcfg.tokens, dts, vs),
                   z, f_b, conv_w, conv_state, dt_bias, a_log, rec_state, o_norm, kcfg, scratch, splits)
@@ -465,22 +497,35 @@ def _timings(mod: torch.nn.Module, kcfg: KDAConfig, conv_k: torch.Tensor, rec_k:
     conv_f, rec_f = conv_k.clone(), rec_k.clone()
     r["kernel_fma_gates_us"] = time_us(lambda: kda_decode_multi(
         z, mod.f_b, mod.conv_w, conv_f, mod.dt_bias, mod.a_log, rec_f, mod.o_norm, kcfg, sc_m, fma_gates=True))
-    # every V_SPLIT (state outputs discarded): 8 runs the cluster epilogue, 16 and 32 the counter's
+    # every V_SPLIT (state outputs discarded), each with the wrapper's epilogue (8: the
+    # cluster's where the grid has at most one CTA per SM); and 8 clustered where it has more
     for vs in (8, 16, 32):
         conv_a, rec_a = conv_k.clone(), rec_k.clone()
         r[f"kernel_us_vs{vs}"] = time_us(lambda vs=vs: kda_decode_multi(
             z, mod.f_b, mod.conv_w, conv_a, mod.dt_bias, mod.a_log, rec_a, mod.o_norm, kcfg, sc_m, splits=vs))
+    if (batch * kcfg.heads * CLUSTER_SPLITS > sm_count(z.device)
+            and cluster_applies(CLUSTER_SPLITS, kcfg.tokens, kcfg.head_dim // CLUSTER_SPLITS)):
+        conv_a, rec_a = conv_k.clone(), rec_k.clone()
+        r["kernel_us_vs8_cluster"] = time_us(lambda: kda_decode_multi(
+            z, mod.f_b, mod.conv_w, conv_a, mod.dt_bias, mod.a_log, rec_a, mod.o_norm, kcfg, sc_m,
+            splits=CLUSTER_SPLITS, cluster=True))
     return r
 
 
-def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), spec: int = 7, steps: int = 3) -> list[dict]:
+def check(timing: bool = True, batches: tuple[int, ...] = (1, 8), spec: int = 7, steps: int = 3,
+          k0_batches: tuple[int, ...] = (8, 64)) -> list[dict]:
     """kda_fast.check's harness at k = spec: the kernel vs the stock KDAAttention ops on the
     module's own tensors, `steps` steps with state carried, vs the float64 reference on the
     same pre-step state, and vs kda_split on the same inputs and state ("bit_identical"). `ok`
-    is kda_split's acceptance (kda_split.check_row); B = 1 is where fused.py uses it, B = 8
-    (V_SPLIT = 8) covers a second column width. Timing: stock ops, kda_split, this kernel."""
+    is kda_split's acceptance (kda_split.check_row); B = 1 is where fused.py uses it at k = 7,
+    B = 8 (V_SPLIT = 8) covers a second column width. Then the same at k = 0 (T = 1) for
+    `k0_batches`: B = 8 is where fused.py uses it at T = 1 (M = 8), B = 64 (M = 64, past the
+    per-M table) is timed for the record. Timing: stock ops, kda_split, this kernel."""
     from kimi_decode.kernels import kda_split as ks
-    return ks.check_beside_split("kda_multi", kda_decode_multi, _timings, timing, batches, spec, steps)
+    rows = ks.check_beside_split("kda_multi", kda_decode_multi, _timings, timing, batches, spec, steps)
+    if k0_batches:
+        rows += ks.check_beside_split("kda_multi", kda_decode_multi, _timings, timing, k0_batches, 0, steps)
+    return rows
 
 
 if __name__ == "__main__":

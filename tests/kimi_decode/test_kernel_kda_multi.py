@@ -7,6 +7,7 @@ is kda_split's) and fails on a wrong one.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,6 +63,25 @@ def test_compiles(monkeypatch, tmp_path: Path, splits: int, gate_mma: bool) -> N
         assert regs <= 255 and spills == 0, (regs, spills)
 
 
+@pytest.mark.parametrize("gate_mma,cluster", [(False, False), (True, True), (True, False)])
+def test_compiles_at_one_token(monkeypatch, tmp_path: Path, gate_mma: bool, cluster: bool) -> None:
+    """T = 1 (B ≥ 2 at k = 0, V_SPLIT 8): the builds the wrapper takes there (B = 8: FMA gates
+    and the counter's epilogue; B = 2: tensor cores and the cluster's) and the third; the gate
+    mma runs its full n = 8 (one real token) and the token loops collapse to one pass."""
+    monkeypatch.setattr(km, "GATE_MMA", gate_mma)
+    kcfg = k3_kcfg(0)
+    ptx = ptx_of(tmp_path, kcfg, 8, functools.partial(km.KDAMulti, cluster=cluster))
+    assert ".target sm_90a" in ptx and "ld.local" not in ptx
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == (16 if gate_mma else 0)
+    if cluster:
+        assert "atom.global" not in ptx and ptx.count("st.shared::cluster") == 1
+    else:
+        assert ptx.count("atom.global") == 1 and "barrier.cluster" not in ptx
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 255 and spills == 0, (regs, spills)
+
+
 @pytest.mark.parametrize("gate_mma,barriers", [(True, 6), (False, 7)])
 def test_fewer_barriers_than_kda_split(monkeypatch, tmp_path: Path, gate_mma: bool, barriers: int) -> None:
     """Static barriers: kda_split's T-token loop body holds 5 (plus the last CTA's row loop);
@@ -96,17 +116,19 @@ def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
 
 def test_limits_and_wrapper() -> None:
     kcfg = k3_kcfg(7)
-    for t in (2, 8, km.MAX_TOKENS):
+    for t in (1, 2, 8, km.MAX_TOKENS):
         assert km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, t, (bf,))
-    assert not km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 1, (bf,))      # kda_fast's
+    assert not km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, 0, (bf,))
     assert not km.can_implement(kcfg.heads, kcfg.head_dim, 4, kcfg.in_proj_rows, km.MAX_TOKENS + 1, (bf,))
-    k1 = k3_kcfg(0)
-    p = k1.heads * k1.head_dim
+    k17 = k3_kcfg(16)                 # T = 17: past MAX_TOKENS
+    p = k17.heads * k17.head_dim
     with pytest.raises(ValueError, match="kda_decode_multi cannot run"):
-        km.kda_decode_multi(torch.zeros(1, k1.in_proj_rows, dtype=bf), torch.zeros(p, 128, dtype=bf),
+        km.kda_decode_multi(torch.zeros(17, k17.in_proj_rows, dtype=bf), torch.zeros(p, 128, dtype=bf),
                             torch.zeros(3 * p, 4), torch.zeros(1, 3 * p, 3, dtype=bf), torch.zeros(p),
-                            torch.zeros(k1.heads), torch.zeros(1, k1.heads, 128, 128), torch.ones(128, dtype=bf),
-                            k1, make_scratch(k1, 1, "cpu"))
+                            torch.zeros(k17.heads), torch.zeros(1, k17.heads, 128, 128), torch.ones(128, dtype=bf),
+                            k17, make_scratch(k17, 1, "cpu"))
+    with pytest.raises(ValueError, match="cluster epilogue cannot run"):
+        km.KDAMulti(km.KDASplitConfig(kcfg, 16), cluster=True)      # V_SPLIT 16: past a portable cluster
 
 
 def test_registered_for_the_device_check() -> None:
@@ -124,12 +146,13 @@ def test_check_harness_on_cpu_with_emulated_kernels(monkeypatch) -> None:
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(km, "kda_decode_multi", _fake_split)
     monkeypatch.setattr(ks, "kda_decode_split", _fake_split)
-    rows = km.check(timing=False, batches=(1,), steps=2)
-    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["bit_identical"], rows
-    assert rows[0]["kernel"] == "kda_multi" and rows[0]["k"] == 7 and rows[0]["counter_zero"]
+    rows = km.check(timing=False, batches=(1,), steps=2, k0_batches=(2,))
+    assert len(rows) == 2 and all(r["ok"] and r["bit_identical"] for r in rows), rows
+    assert [(r["kernel"], r["k"]) for r in rows] == [("kda_multi", 7), ("kda_multi", 0)]
+    assert all(r["counter_zero"] for r in rows)
     monkeypatch.setattr(km, "kda_decode_multi", _wrong_split)
-    row = km.check(timing=False, batches=(1,), steps=1)[0]
-    assert not row["ok"] and not row["bit_identical"]
+    for row in km.check(timing=False, batches=(1,), steps=1, k0_batches=(2,)):
+        assert not row["ok"] and not row["bit_identical"]
 
 
 def test_fused_dispatch(monkeypatch) -> None:
@@ -151,41 +174,50 @@ def test_fused_dispatch(monkeypatch) -> None:
     assert fused.MAX_ROWS["kda_multi"] == 8
 
 
-def test_applies_only_at_t_of_two_or_more_within_the_table() -> None:
-    """fused._kda_multi_applies: B = 1, k = 7 (M = 8) yes; k = 0 (T = 1) and B = 8, k = 7 (M =
-    64, past MAX_ROWS["kda_multi"]) no."""
+def test_applies_within_the_table_except_kda_fasts_shape() -> None:
+    """fused._kda_multi_applies: B = 1, k = 7 and B = 8, k = 0 (M = 8) yes; B = 1, k = 0 (T = 1:
+    kda_fast's), B = 8, k = 7 and B = 64, k = 0 (M = 64, past MAX_ROWS["kda_multi"]) no."""
     from kimi_decode import fused
     from kimi_decode.config import k3_tp16
     assert fused._kda_multi_applies(k3_tp16(batch=1, spec_tokens=7))
+    assert fused._kda_multi_applies(k3_tp16(batch=8, spec_tokens=0))
+    assert fused._kda_multi_applies(k3_tp16(batch=2, spec_tokens=0))
     assert not fused._kda_multi_applies(k3_tp16(batch=1, spec_tokens=0))
     assert not fused._kda_multi_applies(k3_tp16(batch=8, spec_tokens=7))
+    assert not fused._kda_multi_applies(k3_tp16(batch=64, spec_tokens=0))
 
 
-@pytest.mark.parametrize("batch,want_fma", [(1, False), (2, False), (4, False), (8, True)])
-def test_wrapper_picks_the_epilogue_and_the_gates_by_grid_size(monkeypatch, batch: int,
+@pytest.mark.parametrize("batch,tokens,want_fma", [(1, 8, False), (2, 8, False), (4, 8, False), (8, 8, True),
+                                                   (2, 1, False), (8, 1, True), (64, 1, True)])
+def test_wrapper_picks_the_epilogue_and_the_gates_by_grid_size(monkeypatch, batch: int, tokens: int,
                                                                         want_fma: bool) -> None:
-    """kda_decode_multi: the cluster epilogue's V_SPLIT 8 where the grid has at most one CTA
-    per SM of the H200 (B = 1: 48, B = 2: 96), kda_split's splits_for above; the tensor-core
-    build (2 CTAs per SM by its registers) where B · H · V_SPLIT fits 2 per SM, the FMA build
-    where it does not (B = 4: 192 CTAs, tensor cores; B = 8: 384, FMA)."""
+    """kda_decode_multi: V_SPLIT 8 with the cluster epilogue where the grid has at most one CTA
+    per SM of the H200 (B = 1: 48, B = 2: 96), kda_split's splits_for above with the counter's
+    epilogue (B = 4 and 8: V_SPLIT 8 in 192 and 384 CTAs, not clustered; B = 64: V_SPLIT 4);
+    the tensor-core build (2 CTAs per SM by its registers) where B · H · V_SPLIT fits 2 per
+    SM, the FMA build where it does not (B = 4: 192 CTAs, tensor cores; B = 8: 384, FMA). T = 1
+    (k = 0) chooses as T = 8 does."""
     chosen: list[object] = []
     monkeypatch.setattr(km, "launch", lambda name, fn, *a, **kw: chosen.append((fn, a[-1])))
-    kcfg = k3_kcfg(7)
+    kcfg = k3_kcfg(tokens - 1)
     p = kcfg.heads * kcfg.head_dim
-    km.kda_decode_multi(torch.zeros(batch * 8, kcfg.in_proj_rows, dtype=bf), None, None,
+    km.kda_decode_multi(torch.zeros(batch * tokens, kcfg.in_proj_rows, dtype=bf), None, None,
                         torch.zeros(batch, 3 * p, 3, dtype=bf), None, None, None, None, kcfg, None)
-    # V_SPLIT = CLUSTER_SPLITS (8, the cluster epilogue) where B · H · 8 ≤ 132 (B = 1: 48 CTAs),
-    # else kda_split's splits_for (B = 4 and 8: V_SPLIT 8, the counter's epilogue)
-    want_splits = km.CLUSTER_SPLITS if batch * kcfg.heads * km.CLUSTER_SPLITS <= 132 else splits_for(batch)
-    assert chosen == [(km.compile_fma if want_fma else km.compile_for, want_splits)]
+    fits = batch * kcfg.heads * km.CLUSTER_SPLITS <= 132
+    want_splits = km.CLUSTER_SPLITS if fits else splits_for(batch)
+    ((fn, splits),) = chosen
+    assert splits == want_splits
+    assert fn.func is (km.compile_fma if want_fma else km.compile_for)
+    assert fn.keywords == {"cluster": fits}
 
 
 def test_build_switches_are_part_of_the_compile_key(monkeypatch) -> None:
     """GATE_MMA and CLUSTER_NORM change the traced kernel, so each setting caches under its own
     name: flipping one in a process (the bench's A/B runs) never reuses the other build."""
-    names = set()
-    for cluster in (True, False):
-        monkeypatch.setattr(km, "CLUSTER_NORM", cluster)
-        for gate in (True, False):
-            names.add(km._build_name(gate))
+    names = {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
     assert len(names) == 4
+    # the epilogue a build takes when the caller leaves it open follows CLUSTER_NORM
+    cfg8 = km.KDASplitConfig(k3_kcfg(7), 8)
+    assert km._cluster_for(cfg8, None) and not km._cluster_for(cfg8, False)
+    monkeypatch.setattr(km, "CLUSTER_NORM", False)
+    assert not km._cluster_for(cfg8, None)
