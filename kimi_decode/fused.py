@@ -265,7 +265,7 @@ SHARED_AFTER_ROUTER = True
 MLA_MMA_MAX_ROWS = 6
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
-            "kda_multi": 8}
+            "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8}
 
 
 def _mla_mma_scratch(cfg: KimiConfig, on: frozenset[str], dev: torch.device) -> object | None:
@@ -549,35 +549,46 @@ class MLAAttention(stock.MLAAttention):
     use_gemv = False
     ar_slots = False
     use_multi = False                              # kernels/gemv_multi.py: qkv_a + g_proj, one launch
+    use_pair = False                               # kernels/gemv_mma_pair.py: the same at 2 ≤ M ≤ 8
     use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
     use_fold = False                               # "mla_norm_fold": no qkv_norm launch (M = 1)
+    use_fold_mma = False                           # "mla_norm_fold_mma": the same at 2 ≤ M ≤ 8
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
     attend_uv = False                              # mla_attend_uv: mla_attend also does uv_gate
     mma_scratch: object | None = None              # kernels/mla_attend_mma.py's buffers when it is on
     last_buf: torch.Tensor | None = None           # pos + t_off, kept by FusedDecoder (once per step)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | Slots:
-        if not (self.use_gemv or self.ar_slots or self.use_glue or self.use_multi
+        if not (self.use_gemv or self.ar_slots or self.use_glue or self.use_multi or self.use_pair
                 or self.attend_scratch is not None):
             return super().forward(x, pos)
         cfg, fx, k, lin = self.cfg, self.fx, self.k, self.use_gemv
         B, T, H = cfg.batch, cfg.tokens_per_seq, cfg.mla_local_heads
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
-        g_on_side = not self._multi_applies(x)
+        multi = self._multi_applies(x)
+        g_on_side = not (multi or self._pair_applies(x))
         if g_on_side:
             with _on_side(self.rt, x), op_range("g_proj"):
                 g = _linear(x, self.g_proj, lin, k)                                    # [M, H*vd]
             with op_range("qkv_a"):
                 a = _linear(x, self.qkv_a, lin, k)                                     # [M, ql+c+rope]
-        else:                                   # both weight streams in one grid (gemv_multi)
+        elif multi:                             # both weight streams in one grid (gemv_multi, M = 1)
             from kimi_decode.kernels.gemv_multi import gemv_multi
             with op_range("qkv_a_g"):
                 a, g = gemv_multi(x, [self.qkv_a, self.g_proj])
-        fold = self._fold_applies(a)
-        if fold:                                # the norms move into q_b's GEMV and uk_insert
+        else:                                   # the same on the tensor cores (2 ≤ M ≤ 8)
+            from kimi_decode.kernels.gemv_mma_pair import gemv_mma_pair
+            with op_range("qkv_a_g"):
+                a, g = gemv_mma_pair(x, self.qkv_a, self.g_proj)
+        fold = self._fold_mode(a)
+        if fold == "gemv":                      # the norms move into q_b's GEMV and uk_insert
             from kimi_decode.kernels.gemv import gemv_rmsnorm
             with op_range("q_b_proj"):
                 q = gemv_rmsnorm(a, self.q_a_norm, self.q_b, ql, cfg.rms_eps).reshape(-1, H, nope + rope)
+        elif fold == "mma":                     # the same with q_b on the tensor cores (2 ≤ M ≤ 8)
+            from kimi_decode.kernels.gemv_mma import gemv_mma_rmsnorm
+            with op_range("q_b_proj"):
+                q = gemv_mma_rmsnorm(a, self.q_a_norm, self.q_b, ql, cfg.rms_eps).reshape(-1, H, nope + rope)
         else:
             with op_range("qkv_norm"):
                 qa, ckv = k.mla_norms(a, self.q_a_norm, self.kv_a_norm, ql, c, cfg.rms_eps)
@@ -638,20 +649,39 @@ class MLAAttention(stock.MLAAttention):
                 o = fx["gate"](o.reshape(B * T, -1), g)
         return _project_and_reduce(self, o)
 
-    def _fold_applies(self, a: torch.Tensor) -> bool:
-        """qkv_norm folded into q_b's GEMV (RMSNorm prologue) and uk_insert (kernel
-        "mla_norm_fold", with gemv and mla_glue on): M within the GEMV's per-M table, shapes
-        both kernels take."""
+    def _fold_mode(self, a: torch.Tensor) -> str | None:
+        """qkv_norm folded into q_b's projection (RMSNorm prologue) and uk_insert: "gemv" (kernel
+        "mla_norm_fold" with gemv and mla_glue on, M within its per-M table: the CUDA-core GEMV),
+        "mma" (kernel "mla_norm_fold_mma" with mla_glue on, 2 ≤ M ≤ its table: gemv_mma's
+        prologue), None (qkv_norm stays a launch); both kernels must take the shapes."""
         cfg = self.cfg
-        if not (self.use_fold and self.use_glue and self.use_gemv and a.shape[0] <= MAX_ROWS["mla_norm_fold"] and a.is_contiguous()):
-            return False
-        from kimi_decode.kernels.gemv import can_implement_norm
+        m = a.shape[0]
+        gemv_fold = self.use_fold and self.use_gemv and m <= MAX_ROWS["mla_norm_fold"]
+        mma_fold = self.use_fold_mma and 2 <= m <= MAX_ROWS["mla_norm_fold_mma"]   # gemv_mma's M
+        if not (self.use_glue and a.is_contiguous() and (gemv_fold or mma_fold)):
+            return None
+        from kimi_decode.kernels import gemv, gemv_mma
         from kimi_decode.kernels.mla_glue import can_implement_uk_norm
         ql, c, rope, H = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.mla_local_heads
         A = a.shape[1]
-        return (can_implement_norm(a.shape[0], self.q_b.shape[0], ql, A, (a.dtype, self.q_a_norm.dtype, self.q_b.dtype))
-                and can_implement_uk_norm(a.shape[0], cfg.tokens_per_seq, H, cfg.qk_nope_dim, rope, c, A, ql + c, ql,
-                                          (a.dtype, self.kv_a_norm.dtype, self.w_uk_t.dtype, self.cache.dtype)))
+        dts = (a.dtype, self.q_a_norm.dtype, self.q_b.dtype)
+        if not can_implement_uk_norm(m, cfg.tokens_per_seq, H, cfg.qk_nope_dim, rope, c, A, ql + c, ql,
+                                     (a.dtype, self.kv_a_norm.dtype, self.w_uk_t.dtype, self.cache.dtype)):
+            return None
+        if gemv_fold and gemv.can_implement_norm(m, self.q_b.shape[0], ql, A, dts):
+            return "gemv"
+        if mma_fold and gemv_mma.can_implement_norm(m, self.q_b.shape[0], ql, A, dts):
+            return "mma"
+        return None
+
+    def _pair_applies(self, x: torch.Tensor) -> bool:
+        """qkv_a and g_proj as one gemv_mma_pair launch: kernel on, M within the per-M table and
+        its limits (2 ≤ M ≤ 8)."""
+        if not (self.use_pair and x.shape[0] <= MAX_ROWS["gemv_mma_pair"] and x.is_contiguous()):
+            return False
+        from kimi_decode.kernels.gemv_mma_pair import can_implement
+        return can_implement(x.shape[0], self.qkv_a.shape[0], self.g_proj.shape[0], x.shape[1],
+                             (x.dtype, self.qkv_a.dtype, self.g_proj.dtype))
 
     def _multi_applies(self, x: torch.Tensor) -> bool:
         """qkv_a and g_proj as one gemv_multi launch: kernel on, M within the per-M table."""
@@ -1073,7 +1103,9 @@ class FusedDecoder(StockDecoder):
                         cfg.v_head_dim, layer.attn.mma_scratch.splits, (cfg.torch_dtype,), sm_count(dev))
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.use_multi = "gemv_multi" in on
+                layer.attn.use_pair = "gemv_mma_pair" in on
                 layer.attn.use_fold = {"mla_norm_fold", "mla_glue", "gemv"} <= on
+                layer.attn.use_fold_mma = {"mla_norm_fold_mma", "mla_glue"} <= on
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
                 layer.attn.ar_slots = ar_slots

@@ -47,7 +47,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            "router_topk",
            # thirteenth round: MLA decode attention on the tensor cores (mma.sync) for many
            # query rows (B = 1, k = 7; B = 8), the split merge in the same launch
-           "mla_attend_mma")
+           "mla_attend_mma",
+           # fourteenth round (M = 2..8): the MLA layer's qkv_a and g_proj in one gemv_mma grid;
+           # qkv_norm folded into q_b's gemv_mma (RMSNorm prologue) and uk_insert
+           "gemv_mma_pair", "mla_norm_fold_mma")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -59,7 +62,8 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "gemv_mma": "gemv_mma", "moe_up_grid": "moe_up_grid", "experts_v2_async": "moe_experts",
                  "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma", "kda_multi": "kda_multi",
                  "experts_rows": "moe_fc2_rows", "router_topk": "router_topk",
-                 "mla_attend_mma": "mla_attend_mma"}
+                 "mla_attend_mma": "mla_attend_mma", "gemv_mma_pair": "gemv_mma_pair",
+                 "mla_norm_fold_mma": "mla_norm_fold"}
 
 
 def applicable(name: str, cfg: object) -> bool:

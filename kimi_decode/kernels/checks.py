@@ -283,7 +283,8 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
         fn = getattr(mod, {"attn_res_ar": "check_ar", "attn_res_ag": "check_ag", "gemv_variants": "check_variants",
                            "mla_attend_uv": "check_uv", "experts_v2": "check_v2",
                            "gemv_tuned": "check_sweep", "experts_v2_async": "check_async",
-                           "gemv_mma_situ": "check_situ", "mla_attend_mma": "check_all"}.get(name, "check"))
+                           "gemv_mma_situ": "check_situ", "mla_attend_mma": "check_all",
+                           "mla_norm_fold_mma": "check_mma"}.get(name, "check"))
         return fn(timing=timing)
     return run
 

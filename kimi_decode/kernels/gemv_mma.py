@@ -42,6 +42,15 @@ within bf16 tolerance, not bit-equal.
 PDL chain (kernels/chain.py): launched with PDL when the chain is on; the first chunk round's
 weights are loaded before the wait (what no kernel of the step writes), x after it.
 
+RMSNorm prologue (GemvMmaNorm, gemv_mma_rmsnorm; MLA's q_b_proj with qkv_norm's q half folded
+in at 2 ≤ M ≤ 8, as gemv_rmsnorm does at M = 1): after the wait, warp r < M normalises row r
+of a[:, :K] (row stride A: qkv_a's output) into shared memory, bf16((x · rstd) · w_norm) with
+rstd = rsqrt(Σx² / K + eps) (gemv_rmsnorm's formula; stock's rounding point), one barrier,
+then the mma loop reads x from there. Why: at M = 8 qkv_norm was a launch of its own (2.2-2.5
+µs in the 6c4ee16 traces) between qkv_a and q_b; gemv_rmsnorm's CUDA-core layout took 17.2 µs
+at M = 8 (kernels/mla_norm_fold.py), this keeps q_b on the tensor cores and adds one 3 KB L2
+row read per warp and a barrier.
+
 Expected: in_proj at M = 8 46 MB at the M = 1 GEMV's ~3.3-3.5 TB/s cold, ~13-14 µs vs the
 stock skinny GEMM's 20.8 µs in the step; the check (`python -m kimi_decode.kernels.gemv_mma`)
 times both on cold weights at M = 2, 4, 8 on every K3 projection shape the step runs.
@@ -72,6 +81,7 @@ CHUNK = 32        # k per lane round: 8 bf16 per lane × 4 lanes per row, two k1
 UNROLL = 4        # chunks whose loads a lane issues before its first mma
 WARP_CHOICES = (16, 8, 4)   # warps per CTA, the first that divides the chunk count (see warps_for)
 FEW_CTAS = 132    # below this many CTAs (one per SM) a CTA takes 16 warps when K allows
+NORM_K_MULTIPLE = 256   # the RMSNorm prologue: K / 8 vectors shared evenly by a warp's 32 lanes
 MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
 
@@ -92,6 +102,10 @@ class GemvMmaConfig:
     situ: bool = False
     beta: float = 0.0
     lin_beta: float = 0.0
+    # RMSNorm prologue (MLA's q_b with qkv_norm's q half folded in, GemvMmaNorm): x is columns
+    # [0, K) of rows of width x_stride (qkv_a's output), normalised with this eps
+    eps: float = 0.0
+    x_stride: int = 0
 
 
 def warps_for(n: int, k: int) -> int:
@@ -213,13 +227,45 @@ class GemvMma:
         cute.arch.sync_threads()
 
     @cute.jit
+    def stage_norm(self, mA: cute.Tensor, mNw: cute.Tensor, sX: cute.Tensor, warp: Int32, lane: Int32):
+        """The RMSNorm prologue: warp r < M takes row r of a (K / 256 128-bit vectors per lane,
+        slices lane + 32·i), ss = Σ fp32(x)² in slice order then a butterfly, rstd = rsqrt(ss / K
+        + eps), and writes xn = bf16((fp32(x) · rstd) · fp32(w_norm)) (stock's rounding point,
+        gemv_rmsnorm's formula) into sX [M, K / 8, 8]; then one barrier."""
+        k, m, W = self.cfg.k, self.cfg.rows, self.cfg.warps
+        per_lane = k // 8 // 32
+        xv = cute.make_rmem_tensor(cute.make_layout((per_lane, 8), stride=(8, 1)), mA.element_type)
+        wv = cute.make_rmem_tensor(cute.make_layout(8), mNw.element_type)
+        ov = cute.make_rmem_tensor(cute.make_layout(8), mA.element_type)
+        for rr in cutlass.range_constexpr((m + W - 1) // W):
+            r = warp + rr * W
+            if r < m:                                   # warp-uniform
+                for i in cutlass.range_constexpr(per_lane):
+                    cute.autovec_copy(mA[r, lane + 32 * i, None], xv[i, None])
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr(per_lane):
+                    for j in cutlass.range_constexpr(8):
+                        ss += xv[i, j].to(Float32) * xv[i, j].to(Float32)
+                ss = cute.arch.warp_reduction_sum(ss)
+                rstd = cute.math.rsqrt(ss / k + Float32(self.cfg.eps))
+                for i in cutlass.range_constexpr(per_lane):
+                    cute.autovec_copy(mNw[lane + 32 * i, None], wv)
+                    for j in cutlass.range_constexpr(8):
+                        ov[j] = ((xv[i, j].to(Float32) * rstd) * wv[j].to(Float32)).to(mA.element_type)
+                    cute.autovec_copy(ov, sX[r, lane + 32 * i, None])
+        cute.arch.sync_threads()
+
+    @cute.jit
     def tile_partials(self, mX: cute.Tensor, mW: cute.Tensor, red: cute.Tensor, tile: Int32,
-                      tidx: Int32, warp: Int32, lane: Int32, release: cutlass.Constexpr[bool] = True):
+                      tidx: Int32, warp: Int32, lane: Int32, release: cutlass.Constexpr[bool] = True,
+                      mNw: cute.Tensor | None = None):
         """The CTA's 16 × M partial products over its K range: round 0's weights before the
         chain's wait, then (SiTU prologue: staged after the wait) every round's loads and mma;
         each warp's accumulators land in red[warp, lane, :] and the CTA meets at a barrier.
         mX: x as [M, K / 8, 4] words, or h [M, 2K / 8, 8] bf16 with the SiTU prologue.
-        `release=False`: the chain's wait only; the caller releases the next kernel later."""
+        `release=False`: the chain's wait only; the caller releases the next kernel later.
+        `mNw` (GemvMmaNorm): the RMSNorm weight; mX is then a [M, K / 8, 8] bf16 view of a's
+        rows, normalised into shared memory after the wait (stage_norm)."""
         n, m, U = self.cfg.n, self.cfg.rows, self.u
         g = lane // 4
         t = lane - g * 4
@@ -242,6 +288,14 @@ class GemvMma:
             sX = smem.allocate_tensor(mX.element_type, cute.make_layout((m, k // 8, 8), stride=(k, 8, 1)),
                                       byte_alignment=16)
             self.stage_situ(mX, sX, tidx)
+            mX = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=Int32),
+                                  cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1)))
+        if cutlass.const_expr(mNw is not None):
+            k = self.cfg.k
+            smem = cutlass.memory.SmemAllocator()
+            sX = smem.allocate_tensor(mX.element_type, cute.make_layout((m, k // 8, 8), stride=(k, 8, 1)),
+                                      byte_alignment=16)
+            self.stage_norm(mX, mNw, sX, warp, lane)
             mX = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=Int32),
                                   cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1)))
         self.load_x(mX, xv, Int32(0), U, warp, t, xrow)
@@ -293,6 +347,41 @@ class GemvMma:
                     mO[r, col] = tot.to(mO.element_type)
 
 
+class GemvMmaNorm(GemvMma):
+    """out = bf16(RMSNorm(a[:, :K]; w_norm, eps)) @ Wᵀ (module docstring, "RMSNorm prologue")."""
+
+    def __init__(self, cfg: GemvMmaConfig) -> None:
+        super().__init__(cfg)
+        assert cfg.k % NORM_K_MULTIPLE == 0 and cfg.x_stride >= cfg.k and cfg.x_stride % 8 == 0, cfg
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, w_norm: cute.Pointer, w: cute.Pointer, out: cute.Pointer,
+                 stream: cuda.CUstream):
+        n, k, m, xs = self.cfg.n, self.cfg.k, self.cfg.rows, self.cfg.x_stride
+        mA = cute.make_tensor(a, cute.make_layout((m, k // 8, 8), stride=(xs, 8, 1)))
+        mNw = cute.make_tensor(w_norm, cute.make_layout((k // 8, 8), stride=(8, 1)))
+        mW = cute.make_tensor(cute.recast_ptr(w, dtype=Int32), cute.make_layout((n, k // 8, 4), stride=(k // 2, 4, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+        self.kernel_norm(mA, mNw, mW, mO).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
+                                                 stream=stream, use_pdl=chain.chain_on())
+
+    @cute.kernel
+    def kernel_norm(self, mA: cute.Tensor, mNw: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
+        n, m = self.cfg.n, self.cfg.rows
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        red = self.smem_red()
+        self.tile_partials(mA, mW, red, bidx, tidx, warp, lane, True, mNw)
+        if tidx < TILE * 8:
+            c, r, tot = self.tile_sum(red, tidx)
+            col = bidx * TILE + c
+            if r < m:
+                if col < n:
+                    mO[r, col] = tot.to(mO.element_type)
+
+
 def compile_for(cfg: GemvMmaConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
     def build() -> object:
@@ -300,6 +389,14 @@ def compile_for(cfg: GemvMmaConfig) -> object:
         o = dummy_ptr(torch.float32 if cfg.out_f32 else torch.bfloat16)
         return cute.compile(GemvMma(cfg), bf, bf, o, current_stream(), options=compile_options())
     return compiled(("gemv_mma", cfg), build)
+
+
+def compile_norm(cfg: GemvMmaConfig) -> object:
+    """The compiled GemvMmaNorm for `cfg` (cached)."""
+    def build() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(GemvMmaNorm(cfg), bf, bf, bf, bf, current_stream(), options=compile_options())
+    return compiled(("gemv_mma_norm", cfg), build)
 
 
 def config_for(m: int, n: int, k: int, unroll: int = UNROLL, out_f32: bool = False) -> GemvMmaConfig:
@@ -366,6 +463,31 @@ def gemv_mma_situ(h: torch.Tensor, w: torch.Tensor, inter: int, beta: float, lin
     cfg = GemvMmaConfig(n, inter, m, warps=warps_for(n, inter), situ=True, beta=float(beta),
                         lin_beta=float(lin_beta))
     compile_for(cfg)(ptr(h), ptr(w), ptr(out), current_stream())
+    return out
+
+
+def can_implement_norm(m: int, n: int, k: int, a_cols: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """The RMSNorm prologue: can_implement's rules, K a multiple of NORM_K_MULTIPLE (whole
+    128-bit vectors per lane), a's rows at least K wide and 16-byte aligned."""
+    return (can_implement(m, n, k, dtypes) and k % NORM_K_MULTIPLE == 0 and a_cols >= k
+            and a_cols % 8 == 0)
+
+
+def gemv_mma_rmsnorm(a: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """bf16(RMSNorm(a[:, :k]; w_norm, eps)) @ w[N, k]ᵀ for 2 ≤ M ≤ 8 in one launch (MLA:
+    qkv_norm's q half + q_b_proj; kernels/gemv.py's gemv_rmsnorm at M = 1); a [M, A ≥ k]
+    contiguous bf16 (its first k columns are read), w_norm [k], w [N, k]; returns [M, N] bf16.
+    Equal to gemv_mma(xn, w) for xn = the prologue's normalised rows, which equal stock's
+    mla_norms q half except where rstd's last fp32 bits move a product across a bf16 rounding
+    boundary (kernels/mla_norm_fold.py's check)."""
+    m, A = a.shape
+    n = w.shape[0]
+    if (w.dim() != 2 or w.shape[1] != k or tuple(w_norm.shape) != (k,) or not a.is_contiguous()
+            or not w.is_contiguous() or not can_implement_norm(m, n, k, A, (a.dtype, w_norm.dtype, w.dtype))):
+        raise ValueError(f"gemv_mma_rmsnorm cannot run a {tuple(a.shape)} w {tuple(w.shape)} k={k}")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    cfg = GemvMmaConfig(n, k, m, warps=warps_for(n, k), eps=float(eps), x_stride=A)
+    compile_norm(cfg)(ptr(a), ptr(w_norm), ptr(w), ptr(out), current_stream())
     return out
 
 

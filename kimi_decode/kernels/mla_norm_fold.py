@@ -62,6 +62,7 @@ from __future__ import annotations
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -77,11 +78,12 @@ def bf16_ulps(x: torch.Tensor, y: torch.Tensor) -> int:
     return int((xi - yi).abs().max()) if x.numel() else 0
 
 
-def make_inputs(m: int, dev: torch.device, gen: torch.Generator, exact: bool) -> dict:
-    """K3 TP16 MLA operands at M = m rows (T = 1). `exact`: a's two latent halves are ±2
-    (random signs), so both RMSNorms are exact in bf16 whatever rstd's last bits."""
+def make_inputs(m: int, dev: torch.device, gen: torch.Generator, exact: bool, spec: int = 0) -> dict:
+    """K3 TP16 MLA operands at M = m rows, T = 1 + spec tokens per sequence (B = m / T).
+    `exact`: a's two latent halves are ±2 (random signs), so both RMSNorms are exact in bf16
+    whatever rstd's last bits."""
     from kimi_decode.config import k3_tp16
-    cfg = k3_tp16(batch=m, spec_tokens=0)
+    cfg = k3_tp16(batch=m // (1 + spec), spec_tokens=spec)
     H, nope, rope, c, ql = cfg.mla_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
     A = cfg.qkv_a_rows
     rnd = lambda *s, sc=1.0: (torch.randn(*s, generator=gen, device=dev) * sc).bfloat16()  # noqa: E731
@@ -92,38 +94,55 @@ def make_inputs(m: int, dev: torch.device, gen: torch.Generator, exact: bool) ->
     return dict(cfg=cfg, a=a, q_norm=(1.0 + 0.1 * torch.randn(ql, generator=gen, device=dev)).bfloat16(),
                 kv_norm=(1.0 + 0.1 * torch.randn(c, generator=gen, device=dev)).bfloat16(),
                 q_b=rnd(H * (nope + rope), ql, sc=ql ** -0.5), w_uk_t=rnd(H, nope, c, sc=c ** -0.5),
-                cache=rnd(m, cfg.cache_len, c + rope), pos=cfg.context_len + 3)
+                cache=rnd(cfg.batch, cfg.cache_len, c + rope), pos=cfg.context_len + 3)
 
 
-def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
-    """gemv_rmsnorm + uk_insert_norm against stock's mla_norms + the q_b GEMV + uk_insert at the
-    K3 TP16 shapes, M in `rows` (T = 1), on random ("random") and norm-exact ("exact")
-    inputs; the gates are the module docstring's. With timing (M = 1 and 8, random): old
-    (norm + q_b GEMV + uk_insert, the fused path without this kernel) vs new (2 launches), and
-    stock's four ops, in CUDA graphs cycling COLD_COPIES weight copies."""
+def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), *, kernel: str = "mla_norm_fold",
+          specs: tuple[int, ...] = ()) -> list[dict]:
+    """The q projection with the RMSNorm prologue (kernel "mla_norm_fold": gemv_rmsnorm;
+    "mla_norm_fold_mma": gemv_mma.gemv_mma_rmsnorm) + uk_insert_norm against stock's mla_norms +
+    the q_b projection the fused path runs without it (the GEMV at M = 1, else gemv_mma for
+    the mma kernel and stock's GEMM for the GEMV one) + uk_insert, at the K3 TP16 shapes, M in
+    `rows` with T = 1, and M = 1 + k (B = 1, T = 1 + k) for each k in `specs`; on random
+    ("random") and norm-exact ("exact") inputs; the gates are the module docstring's. With
+    timing (random inputs): old (norm + q_b projection + uk_insert, the fused path without the
+    kernel) vs new (2 launches), and stock's four ops, in CUDA graphs cycling COLD_COPIES weight
+    copies."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import checks
     from kimi_decode.kernels import gemv as k_gemv
+    from kimi_decode.kernels import gemv_mma as k_mma
     from kimi_decode.kernels import mla_glue as glue
     dev = torch.device(checks.DEVICE)
+    mma = kernel == "mla_norm_fold_mma"
     out = []
-    for m in rows:
+    for m, spec in [(m, 0) for m in rows] + [(1 + k, k) for k in specs]:
         for case in ("random", "exact"):
-            gen = torch.Generator(device=dev).manual_seed(3000 + 10 * m + (case == "exact"))
-            d = make_inputs(m, dev, gen, case == "exact")
+            gen = torch.Generator(device=dev).manual_seed(3000 + 10 * m + 1000 * spec + (case == "exact"))
+            d = make_inputs(m, dev, gen, case == "exact", spec)
             cfg = d["cfg"]
             H, nope, rope, c, ql = cfg.mla_local_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
             T, eps, A = cfg.tokens_per_seq, cfg.rms_eps, cfg.qkv_a_rows
             a, qn, kvn, q_b, w_uk_t, cache0 = d["a"], d["q_norm"], d["kv_norm"], d["q_b"], d["w_uk_t"], d["cache"]
             pos_i = d["pos"]
             pos = torch.tensor([pos_i], dtype=torch.int64, device=dev)
-            ops = stock_ops.OpSet(k3_tp16(batch=m, spec_tokens=0, compile_ops=True))  # Triton mla_norms on the GPU
+            # Triton mla_norms on the GPU
+            ops = stock_ops.OpSet(k3_tp16(batch=cfg.batch, spec_tokens=spec, compile_ops=True))
             eager = stock_ops.OpSet(cfg)
 
             def q_gemm(qa: torch.Tensor, w: torch.Tensor = q_b) -> torch.Tensor:
-                """The fused path's q_b_proj before this kernel: GEMV at M = 1, stock GEMM above."""
-                return k_gemv.gemv(qa, w) if m <= k_gemv.GEMV_MAX_ROWS else ops.linear(qa, w)
+                """The fused path's q_b_proj without the kernel: GEMV at M = 1, gemv_mma above
+                (the mma kernel's), else stock's GEMM."""
+                if m <= k_gemv.GEMV_MAX_ROWS:
+                    return k_gemv.gemv(qa, w)
+                return k_mma.gemv_mma(qa, w) if mma else ops.linear(qa, w)
+
+            def q_norm_proj(w: torch.Tensor = q_b) -> torch.Tensor:
+                """The kernel under check: the q projection with the RMSNorm prologue."""
+                if mma:
+                    return k_mma.gemv_mma_rmsnorm(a, qn, w, ql, eps)
+                return k_gemv.gemv_rmsnorm(a, qn, w, ql, eps)
 
             cache_s, cache_k, cache_u = cache0.clone(), cache0.clone(), cache0.clone()
             with torch.no_grad():
@@ -132,7 +151,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
                 q_s = q_gemm(qa_s)
                 q_t = qa_s @ q_b.t()                                     # torch's matmul (checks.py's stock)
                 qf_s = glue.stock_uk(q_s.reshape(m, H, nope + rope), a, ckv_s, w_uk_t, cache_s, pos, T, ql + c, eager)
-                q_k = k_gemv.gemv_rmsnorm(a, qn, q_b, ql, eps)
+                q_k = q_norm_proj()
                 qf_k = glue.uk_insert_norm(q_k.reshape(m, H, nope + rope), a, kvn, eps, w_uk_t, cache_k, pos, T,
                                            ql + c, ql)
                 # the verified uk_insert on the new q: the W_UK part must be bit-equal
@@ -143,7 +162,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
             rows_k = cache_k[:, pos_i:pos_i + T, :c].reshape(m, c)
             rest_k = cache_k.clone()
             rest_k[:, pos_i:pos_i + T, :c] = cache_s[:, pos_i:pos_i + T, :c]
-            r = {"kernel": "mla_norm_fold", "case": case, "M": m,
+            r = {"kernel": kernel, "case": case, "M": m, "k": spec,
                  "rel_vs_stock": checks.rel(q_k, q_t), "rel_vs_f64": checks.rel(q_k, ref_q),
                  "stock_rel_vs_f64": checks.rel(q_t, ref_q), "rel_vs_gemv_stock_qa": checks.rel(q_k, q_s),
                  "q_equal_gemv_stock_qa": torch.equal(q_k, q_s),
@@ -163,18 +182,18 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8)) -> list[dict]:
                 # the norms are exact: qa and ckv equal stock's bit for bit, so q equals the
                 # GEMV on stock's qa (M = 1: same kernel layout and order) and the cache stock's
                 ok = ok and r["ckv_bits_equal_stock"] == 1.0 and torch.equal(cache_k, cache_s)
-                if m <= k_gemv.GEMV_MAX_ROWS:
+                if m <= k_gemv.GEMV_MAX_ROWS or mma:
                     ok = ok and r["q_equal_gemv_stock_qa"]
             r["ok"] = bool(ok)
             if timing and case == "random":
-                r.update(time_paths(d, ops, q_gemm, dev))
+                r.update(time_paths(d, ops, q_gemm, q_norm_proj, dev))
             out.append(r)
     return out
 
 
-def time_paths(d: dict, ops: object, q_gemm: object, dev: torch.device) -> dict:
-    """old (qkv_norm + q_b GEMV + uk_insert), new (gemv_rmsnorm + uk_insert_norm) and stock
-    (mla_norms + GEMM + bmm + kv_insert), each cycling COLD_COPIES copies of (q_b, w_uk_t)."""
+def time_paths(d: dict, ops: object, q_gemm: Callable, q_norm_proj: Callable, dev: torch.device) -> dict:
+    """old (qkv_norm + q_gemm + uk_insert), new (q_norm_proj, the kernel, + uk_insert_norm) and
+    stock (mla_norms + GEMM + bmm + kv_insert), each cycling COLD_COPIES copies of (q_b, w_uk_t)."""
     from kimi_decode import stock_ops
     from kimi_decode.kernels import checks
     from kimi_decode.kernels import gemv as k_gemv
@@ -196,7 +215,7 @@ def time_paths(d: dict, ops: object, q_gemm: object, dev: torch.device) -> dict:
 
     def new() -> object:
         q_b, w_uk_t = next(cyc)
-        q = k_gemv.gemv_rmsnorm(a, qn, q_b, ql, eps).reshape(m, H, nope + rope)
+        q = q_norm_proj(q_b).reshape(m, H, nope + rope)
         return glue.uk_insert_norm(q, a, kvn, eps, w_uk_t, cache, pos, T, ql + c, ql)
 
     def stock() -> object:
@@ -216,6 +235,15 @@ def time_paths(d: dict, ops: object, q_gemm: object, dev: torch.device) -> dict:
     return res
 
 
+def check_mma(timing: bool = True) -> list[dict]:
+    """The device check of kernel "mla_norm_fold_mma": check() with gemv_mma's RMSNorm prologue
+    at the shapes the fused step would run it: M = 2 and 8 with T = 1 (B = 2, 8) and B = 1 with
+    k = 7 (M = 8, T = 8)."""
+    return check(timing, rows=(2, 8), kernel="mla_norm_fold_mma", specs=(7,))
+
+
 if __name__ == "__main__":
+    import sys
+
     from kimi_decode.kernels.checks import _print
-    _print(check())
+    _print(check_mma() if sys.argv[1:] == ["mma"] else check())

@@ -586,9 +586,17 @@ def _emulate_fold_kernels(monkeypatch, cfg, calls: list) -> None:
     import kimi_decode.kernels.mla_glue as k_glue
     from kimi_decode import stock_ops
 
+    import kimi_decode.kernels.gemv_mma as k_mma
+
     def gemv_rmsnorm(a, w_norm, w, k, eps, out=None):
         calls.append("gemv_rmsnorm")
         return F.rms_norm(a[:, :k], (k,), w_norm, eps) @ w.t()
+
+    def gemv_mma_rmsnorm(a, w_norm, w, k, eps):
+        calls.append("gemv_mma_rmsnorm")
+        return F.rms_norm(a[:, :k], (k,), w_norm, eps) @ w.t()
+    monkeypatch.setattr(k_mma, "gemv_mma_rmsnorm", gemv_mma_rmsnorm)
+    monkeypatch.setattr(k_mma, "can_implement_norm", lambda *a, **k: True)
 
     def uk_insert_norm(q, a, kv_norm, eps, w_uk_t, cache, pos, T, rope_off, ckv_off):
         calls.append("uk_insert_norm")
@@ -611,13 +619,15 @@ def _emulate_fold_kernels(monkeypatch, cfg, calls: list) -> None:
     monkeypatch.setattr(k_glue, "uv_gate", lambda o_lat, w_uv, g: k_glue.stock_uv(o_lat, w_uv, g, stock_ops.sigmoid_gate))
 
 
-@pytest.mark.parametrize("batch,fold", [(1, True), (1, False), (2, True)])
-def test_mla_norm_fold_call_sites_on_cpu(monkeypatch, batch: int, fold: bool) -> None:
+@pytest.mark.parametrize("batch,fold,fold_mma", [(1, True, False), (1, False, False), (2, True, False),
+                                                 (2, False, True), (2, True, True), (1, False, True)])
+def test_mla_norm_fold_call_sites_on_cpu(monkeypatch, batch: int, fold: bool, fold_mma: bool) -> None:
     """mla_norm_fold wired in (kernels emulated by their contracts): at M = 1 every MLA layer
     issues no `qkv_norm` op (q_b_proj runs gemv_rmsnorm, uk_insert the norming variant) and
     the step, its outputs, blocks and state (the latent cache included) equal stock within
     float32 rounding; with the kernel off, or at M = 2 (past the per-M table), the old sequence
-    with qkv_norm, same results."""
+    with qkv_norm, same results. mla_norm_fold_mma does the same at M = 2 with
+    gemv_mma_rmsnorm, and nothing at M = 1 (below its table: gemv_rmsnorm's, or qkv_norm)."""
     pytest.importorskip("cutlass")
     import kimi_decode.fused as fused_mod
     cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=batch, spec_tokens=0)
@@ -636,13 +646,15 @@ def test_mla_norm_fold_call_sites_on_cpu(monkeypatch, batch: int, fold: bool) ->
     for attn in mla:
         attn.use_gemv = attn.use_glue = True
         attn.use_fold = fold
+        attn.use_fold_mma = fold_mma
     run_close(stock, fused, seed=80, steps=2)
-    folded = fold and batch == 1
+    folded = (fold and batch == 1) or (fold_mma and batch >= 2)
     mla_ops = [op for op in ops if op in ("qkv_a", "qkv_norm", "q_b_proj", "uk_insert", "mla_decode")]
     per_layer = (["qkv_a", "q_b_proj", "uk_insert", "mla_decode"] if folded
                  else ["qkv_a", "qkv_norm", "q_b_proj", "uk_insert", "mla_decode"])
     assert mla_ops == per_layer * (2 * 2)                      # 2 MLA layers, 2 steps
-    assert calls == (["gemv_rmsnorm", "uk_insert_norm"] if folded else ["uk_insert"]) * (2 * 2)
+    proj = "gemv_rmsnorm" if batch == 1 else "gemv_mma_rmsnorm"
+    assert calls == ([proj, "uk_insert_norm"] if folded else ["uk_insert"]) * (2 * 2)
 
 
 def test_mla_norm_fold_enabled_only_with_its_kernels(monkeypatch) -> None:
@@ -661,6 +673,11 @@ def test_mla_norm_fold_enabled_only_with_its_kernels(monkeypatch) -> None:
     monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED - {"mla_norm_fold"})
     fused.enable(frozenset({"mla_norm_fold", "mla_glue", "gemv"}))
     assert not any(a.use_fold for a in mla)                    # not verified: never used
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"mla_norm_fold_mma"})
+    for on, want in ((("mla_norm_fold_mma", "mla_glue"), True), (("mla_norm_fold_mma",), False),
+                     (("mla_glue", "gemv"), False)):
+        fused.enable(frozenset(on))
+        assert all(a.use_fold_mma is want for a in mla), on
 
 
 @pytest.mark.parametrize("uv,batch,k", [(True, 1, 0), (True, 2, 7), (False, 1, 0)])

@@ -243,3 +243,75 @@ def test_check_harness_rejects_wrong_kernels(emulated) -> None:
         emulate_rmsnorm(a[:, 8:k + 8], wn, eps), w))
     rows = check(timing=False, rows=(1,))
     assert rows and not any(r["ok"] for r in rows)
+
+
+# --- mla_norm_fold_mma: gemv_mma's RMSNorm prologue (kernels/gemv_mma.py) ------------------
+
+def _mma(x, w, out=None, **kw):
+    return _gemv(x, w)
+
+
+def _mma_rmsnorm(a, w_norm, w, k, eps):
+    return _gemv(emulate_rmsnorm(a[:, :k], w_norm, eps), w)
+
+
+def test_check_mma_harness_passes_emulation(emulated) -> None:
+    """check_mma (M = 2 and 8 at T = 1, B = 1 at k = 7) on the CPU with gemv_mma, its RMSNorm
+    prologue and uk_insert(_norm) replaced by their contracts: every row passes, q equal to
+    gemv_mma on stock's qa where the norm is exact."""
+    from kimi_decode.kernels import gemv_mma as k_mma
+    from kimi_decode.kernels.mla_norm_fold import check_mma
+    emulated.setattr(k_mma, "gemv_mma", _mma)
+    emulated.setattr(k_mma, "gemv_mma_rmsnorm", _mma_rmsnorm)
+    rows = check_mma(timing=False)
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert {(r["case"], r["M"], r["k"]) for r in rows} == {(c, m, k) for c in ("random", "exact")
+                                                           for m, k in ((2, 0), (8, 0), (8, 7))}
+    assert all(r["kernel"] == "mla_norm_fold_mma" for r in rows)
+
+
+def test_check_mma_harness_rejects_a_wrong_prologue(emulated) -> None:
+    """The q norm taken over the wrong columns (or without its weight): every row fails."""
+    from kimi_decode.kernels import gemv_mma as k_mma
+    from kimi_decode.kernels.mla_norm_fold import check_mma
+    emulated.setattr(k_mma, "gemv_mma", _mma)
+    emulated.setattr(k_mma, "gemv_mma_rmsnorm", lambda a, wn, w, k, eps: _gemv(emulate_rmsnorm(a[:, 8:k + 8], wn, eps), w))
+    assert not any(r["ok"] for r in check_mma(timing=False) if r["case"] == "random")
+    emulated.setattr(k_mma, "gemv_mma_rmsnorm", lambda a, wn, w, k, eps: _gemv(
+        emulate_rmsnorm(a[:, :k], torch.ones_like(wn), eps), w))
+    assert not any(r["ok"] for r in check_mma(timing=False))
+
+
+def test_mma_prologue_compiles(tmp_path) -> None:
+    """GemvMmaNorm at the K3 q_b shape (M = 8, N = 1152, K = 1536, rows of A = 2112): sm_90a
+    PTX with the plain gemv_mma's mma count, the prologue's normalised row stored to shared
+    memory as 128-bit vectors and x read back from there, one barrier and one rsqrt more than
+    the plain kernel, no local memory; ptxas fits it without spills."""
+    from kimi_decode.kernels import _common
+    from kimi_decode.kernels import gemv_mma as k_mma
+    from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage
+    n, k, A = 1152, QL, 2112
+    assert k_mma.can_implement_norm(8, n, k, A, (bf,)) and not k_mma.can_implement_norm(8, n, k + 32, A + 32, (bf,))
+    assert not k_mma.can_implement_norm(8, n, k, k - 8, (bf,)) and not k_mma.can_implement_norm(1, n, k, A, (bf,))
+    P = _common.dummy_ptr(bf)
+
+    def ptx(cls, cfg, *ptrs) -> str:
+        d = tmp_path / cls.__name__
+        d.mkdir()
+        cute.compile(cls(cfg), *ptrs, _common.current_stream(),
+                     options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
+        (f,) = list(d.glob("*.ptx"))
+        return f.read_text()
+    warps = k_mma.warps_for(n, k)
+    norm = ptx(k_mma.GemvMmaNorm, k_mma.GemvMmaConfig(n, k, 8, warps=warps, eps=EPS, x_stride=A), P, P, P, P)
+    plain = ptx(k_mma.GemvMma, k_mma.GemvMmaConfig(n, k, 8, warps=warps), P, P, P)
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert norm.count(mma) == plain.count(mma) > 0
+    assert norm.count("bar.sync") == plain.count("bar.sync") + 1
+    assert norm.count("rsqrt.approx") == 1 and "ld.local" not in norm
+    # the prologue: the a row's and the norm weight's 6 vectors per lane in, xn's 6 out to shared
+    assert norm.count("st.shared.v4") >= 6 and norm.count("ld.shared.v4") > plain.count("ld.shared.v4")
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path / "GemvMmaNorm", norm)
+        assert regs <= 255 and spills == 0, (regs, spills)

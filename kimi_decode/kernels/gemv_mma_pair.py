@@ -1,0 +1,224 @@
+"""Two skinny GEMMs of the same x in one grid on the tensor cores, 2 ≤ M ≤ 8 (kernel
+"gemv_mma_pair"): out1 = x @ W1ᵀ and out2 = x @ W2ᵀ, bf16 in and out, each weight streamed
+once. The MLA layer's qkv_a and g_proj at M = 2..8 (B = 8, or B = 1 with k = 7).
+
+Why: at M = 1 gemv_multi already runs qkv_a and g_proj as one launch (op `qkv_a_g`); from
+M = 2 they were two gemv_mma launches, g_proj on the side stream beside qkv_a (30.3 MB and
+11.0 MB of weights, 14.2 and 11.6-12.4 µs in the B = 1, k = 7 and B = 8 traces of 6c4ee16):
+two grids competing for the SMs, the side stream's fork and join, and one kernel per MLA
+layer more than the issue's budget allows. One grid of 132 + 48 CTAs streams both.
+
+Layout: gemv_mma's (kernels/gemv_mma.py, whose docstring this module assumes) per CTA: CTA
+b < T1 = ceil(N1 / 16) is tile b of W1, CTA b ≥ T1 tile b − T1 of W2; both halves run with
+the warps warps_for picks for the combined grid (8 at K3), so a tile of W1 runs exactly as
+gemv_mma runs it at that warp count (the same loads, mma order and warp-order sum: bit-equal
+to gemv_mma(x, W1) when warps_for(N1, K) is the same, as at K3), and a tile of W2 as gemv_mma
+at 8 warps (standalone g_proj takes 16: another split of K over the warps, so equal to it
+within bf16 rounding, not bit for bit). The branch on the block index is CTA-uniform.
+
+PDL chain: as gemv_mma, each CTA loads its first round of weights before the wait.
+
+Check on the GPU (M = 2, 4, 8 at K3's qkv_a and g_proj: against the stock GEMMs, gemv_mma and
+float64; cold-weight timing of the stock pair, the two gemv_mma launches and this kernel):
+    python -m kimi_decode.kernels.gemv_mma_pair
+"""
+from __future__ import annotations
+
+import kimi_decode.kernels  # noqa: F401  (sm_90a target)
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from kimi_decode.kernels import chain
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels.gemv_mma import TILE, UNROLL, GemvMma, GemvMmaConfig, warps_for
+from kimi_decode.kernels.gemv_mma import can_implement as mma_can_implement
+
+
+@dataclass(frozen=True)
+class GemvMmaPairConfig:
+    """Compile-time sizes: the two outputs' columns N1, N2, the shared K and M, warps per CTA
+    (both halves) and the unroll depth."""
+
+    n1: int
+    n2: int
+    k: int
+    rows: int
+    warps: int
+    unroll: int = UNROLL
+
+
+def can_implement(m: int, n1: int, n2: int, k: int, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """gemv_mma's rules for the combined [N1 + N2, K] weight (the warp count of the grid) and
+    for each half."""
+    return (n2 >= 1 and mma_can_implement(m, n1 + n2, k, dtypes)
+            and mma_can_implement(m, n1, k, dtypes) and mma_can_implement(m, n2, k, dtypes))
+
+
+def config_for(m: int, n1: int, n2: int, k: int, unroll: int = UNROLL) -> GemvMmaPairConfig:
+    return GemvMmaPairConfig(n1, n2, k, m, warps_for(n1 + n2, k), unroll)
+
+
+class GemvMmaPair:
+    """See the module docstring: gemv_mma's tile body for W1 on the first T1 CTAs, for W2 on the
+    rest."""
+
+    def __init__(self, cfg: GemvMmaPairConfig) -> None:
+        self.cfg = cfg
+        self.first = GemvMma(GemvMmaConfig(cfg.n1, cfg.k, cfg.rows, cfg.warps, cfg.unroll))
+        self.second = GemvMma(GemvMmaConfig(cfg.n2, cfg.k, cfg.rows, cfg.warps, cfg.unroll))
+        self.t1 = self.first.ctas
+        self.ctas = self.first.ctas + self.second.ctas
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer, o1: cute.Pointer,
+                 o2: cute.Pointer, stream: cuda.CUstream):
+        n1, n2, k, m = self.cfg.n1, self.cfg.n2, self.cfg.k, self.cfg.rows
+        words = cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1))
+        mX = cute.make_tensor(cute.recast_ptr(x, dtype=Int32), words)
+        mW1 = cute.make_tensor(cute.recast_ptr(w1, dtype=Int32),
+                               cute.make_layout((n1, k // 8, 4), stride=(k // 2, 4, 1)))
+        mW2 = cute.make_tensor(cute.recast_ptr(w2, dtype=Int32),
+                               cute.make_layout((n2, k // 8, 4), stride=(k // 2, 4, 1)))
+        mO1 = cute.make_tensor(o1, cute.make_layout((m, n1), stride=(n1, 1)))
+        mO2 = cute.make_tensor(o2, cute.make_layout((m, n2), stride=(n2, 1)))
+        self.kernel(mX, mW1, mW2, mO1, mO2).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
+                                                   stream=stream, use_pdl=chain.chain_on())
+
+    @cute.jit
+    def store_tile(self, red: cute.Tensor, mO: cute.Tensor, tile: Int32, n: cutlass.Constexpr[int],
+                   tidx: Int32):
+        """gemv_mma's finish: thread tidx < 128 writes output (row, 16·tile + column)."""
+        if tidx < TILE * 8:
+            c, r, tot = self.first.tile_sum(red, tidx)
+            col = tile * TILE + c
+            if r < self.cfg.rows:
+                if col < n:
+                    mO[r, col] = tot.to(mO.element_type)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor, mO1: cute.Tensor,
+               mO2: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
+        lane = cute.arch.lane_idx()
+        red = self.first.smem_red()
+        if bidx < self.t1:                              # CTA-uniform
+            self.first.tile_partials(mX, mW1, red, bidx, tidx, warp, lane)
+            self.store_tile(red, mO1, bidx, self.cfg.n1, tidx)
+        else:
+            self.second.tile_partials(mX, mW2, red, bidx - self.t1, tidx, warp, lane)
+            self.store_tile(red, mO2, bidx - self.t1, self.cfg.n2, tidx)
+
+
+def compile_for(cfg: GemvMmaPairConfig) -> object:
+    """The compiled kernel for `cfg` (cached)."""
+    def build() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(GemvMmaPair(cfg), bf, bf, bf, bf, bf, current_stream(), options=compile_options())
+    return compiled(("gemv_mma_pair", cfg), build)
+
+
+def gemv_mma_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+                  unroll: int = UNROLL) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ w1ᵀ, x @ w2ᵀ) in one launch on the current stream for 2 ≤ M ≤ 8; x [M, K], w1
+    [N1, K], w2 [N2, K] contiguous bf16; returns two contiguous [M, N1], [M, N2] bf16 tensors."""
+    m, k = x.shape
+    n1, n2 = w1.shape[0], w2.shape[0]
+    if (w1.shape[1] != k or w2.shape[1] != k or not all(t.is_contiguous() for t in (x, w1, w2))
+            or not can_implement(m, n1, n2, k, (x.dtype, w1.dtype, w2.dtype))):
+        raise ValueError(f"gemv_mma_pair cannot run x {tuple(x.shape)} w1 {tuple(w1.shape)} "
+                         f"w2 {tuple(w2.shape)} ({x.dtype}, {w1.dtype}, {w2.dtype})")
+    o1 = torch.empty(m, n1, dtype=torch.bfloat16, device=x.device)
+    o2 = torch.empty(m, n2, dtype=torch.bfloat16, device=x.device)
+    compile_for(config_for(m, n1, n2, k, unroll))(ptr(x), ptr(w1), ptr(w2), ptr(o1), ptr(o2), current_stream())
+    return o1, o2
+
+
+def reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 statement: (x @ w1ᵀ, x @ w2ᵀ), not rounded."""
+    xd = x.double()
+    return xd @ w1.double().t(), xd @ w2.double().t()
+
+
+def check(timing: bool = True) -> list[dict]:
+    """At M = 2, 4, 8 on K3 TP16's qkv_a [2112, 7168] and g_proj [768, 7168]: both outputs
+    against the stock GEMM op (stock_ops.OpSet.linear) and float64 (checks.py's rule: within
+    1e-2 of stock, no further from float64 than 1.5x stock's error), against gemv_mma per
+    weight ("first_equal_gemv_mma": bit-equal where the warp counts agree, as at K3; the second
+    within 1e-2), repeat bit-equal. With timing, on COLD weights (the calls cycle through
+    copies ≥ 160 MB): stock_us (the two stock GEMMs in a row), mma_us (two gemv_mma launches in
+    a row), kernel_us, kernel_tbs."""
+    import itertools
+
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    from kimi_decode.kernels.gemv_mma import gemv_mma
+    dev = torch.device(checks.DEVICE)
+    cfg = k3_tp16(batch=8, spec_tokens=0)
+    ops = stock_ops.OpSet(cfg)
+    D, n1, n2 = cfg.hidden, cfg.qkv_a_rows, cfg.mla_local_heads * cfg.v_head_dim
+    out = []
+    for m in (2, 4, 8):
+        gen = torch.Generator(device=dev).manual_seed(7700 + m)
+
+        def weights() -> tuple[torch.Tensor, torch.Tensor]:
+            return ((torch.randn(n1, D, generator=gen, device=dev) * D ** -0.5).bfloat16(),
+                    (torch.randn(n2, D, generator=gen, device=dev) * D ** -0.5).bfloat16())
+        w1, w2 = weights()
+        x = torch.randn(m, D, generator=gen, device=dev).bfloat16()
+        with torch.no_grad():
+            s1, s2 = ops.linear(x, w1), ops.linear(x, w2)
+            k1, k2 = gemv_mma_pair(x, w1, w2)
+            g1, g2 = gemv_mma(x, w1), gemv_mma(x, w2)
+            r1, r2 = gemv_mma_pair(x, w1, w2)
+        checks._sync()
+        f1, f2 = reference(x, w1, w2)
+        r = {"kernel": "gemv_mma_pair", "M": m, "N1": n1, "N2": n2, "K": D,
+             "warps": warps_for(n1 + n2, D), "gemv_mma_warps": [warps_for(n1, D), warps_for(n2, D)],
+             "rel_vs_stock": max(checks.rel(k1, s1), checks.rel(k2, s2)),
+             "rel_vs_f64": max(checks.rel(k1, f1), checks.rel(k2, f2)),
+             "stock_rel_vs_f64": max(checks.rel(s1, f1), checks.rel(s2, f2)),
+             "first_equal_gemv_mma": bool(torch.equal(k1, g1)),
+             "second_rel_vs_gemv_mma": checks.rel(k2, g2),
+             "repeat_equal": bool(torch.equal(r1, k1) and torch.equal(r2, k2))}
+        same_warps = warps_for(n1, D) == r["warps"]
+        r["ok"] = bool(r["rel_vs_stock"] <= 1e-2 and r["rel_vs_f64"] <= 1.5 * r["stock_rel_vs_f64"] + 1e-3
+                       and (r["first_equal_gemv_mma"] or not same_warps)
+                       and r["second_rel_vs_gemv_mma"] <= 1e-2 and r["repeat_equal"])
+        if timing:
+            copies = max(2, -(-(160 << 20) // ((n1 + n2) * D * 2)))
+            ws = [(w1, w2)] + [weights() for _ in range(copies - 1)]
+            cyc = itertools.cycle(ws)
+
+            def stock_pair() -> None:
+                a, b = next(cyc)
+                ops.linear(x, a)
+                ops.linear(x, b)
+
+            def mma_pair() -> None:
+                a, b = next(cyc)
+                gemv_mma(x, a)
+                gemv_mma(x, b)
+            r["stock_us"] = checks.time_us(stock_pair)
+            cyc = itertools.cycle(ws)
+            r["mma_us"] = checks.time_us(mma_pair)
+            cyc = itertools.cycle(ws)
+            r["kernel_us"] = checks.time_us(lambda: gemv_mma_pair(x, *next(cyc)))
+            r["kernel_tbs"] = (n1 + n2) * D * 2 / (r["kernel_us"] * 1e-6) / 1e12
+            del ws
+        out.append(r)
+    return out
+
+
+if __name__ == "__main__":
+    for row in check():
+        print({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
