@@ -24,7 +24,8 @@ and the kernel is in `VERIFIED`):
   issued up front (a shorter dependency chain); `kda_multi` (kernels/kda_multi.py) the same for
   T ≥ 2 tokens (speculative decode) with the conv, norms and gates of all T tokens done before
   the recurrence (B = 1, k = 7: 16.6 us in its check vs 28.4 for kda_split; stock's four
-  kernels before); `kda` (kernels/kda_decode.py, one CTA per head) is the fallback.
+  kernels before), and for T = 1 at 2 ≤ B (B = 8, k = 0); `kda` (kernels/kda_decode.py, one CTA
+  per head) is the fallback.
 - Collectives finished inside kernels (tp_sim only; `Slots`, comm.SimComm.ar_slots): o_proj
   writes this rank's all-reduce slot (GEMV `out=` or cuBLAS `torch.mm(out=)`) and the
   `mlp_res` AttnRes kernel sums the slots (`attn_res_ar`): o_proj + all-reduce + AttnRes +
@@ -91,7 +92,10 @@ and the kernel is in `VERIFIED`):
   uv mode) and stock's chain at B = 8 and 64 (R ≤ MLA_MMA_MAX_ROWS rows per sequence).
   `mla_norm_fold` (M = 1): the q/kv RMSNorms (stock op `qkv_norm`) disappear: q_b's GEMV
   normalises the q part of qkv_a's output in its prologue (kernels/gemv.py gemv_rmsnorm) and
-  uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm).
+  uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm);
+  `mla_norm_fold_mma` does the same at 2 ≤ M ≤ 8 with q_b on the tensor cores (gemv_mma's
+  RMSNorm prologue, kernels/gemv_mma.py gemv_mma_rmsnorm). `gemv_mma_pair` (opt-in: slower in
+  the step) runs qkv_a and g_proj as one gemv_mma grid at 2 ≤ M ≤ 8, as gemv_multi at M = 1.
 - `pdl_chain` (kernels/chain.py): the kernels above launched with programmatic dependent
   launch, each loading what no kernel of the step writes (a weight row, kda's state) before
   `griddepcontrol.wait` and releasing its successor right after the wait, so every kernel's
@@ -102,8 +106,8 @@ and the kernel is in `VERIFIED`):
   side-stream kernel pulls the first `PREFETCH_BYTES` of the next layer's first attention
   weight into L2 (kernels/l2_prefetch.py), under its own NVTX op `prefetch`.
 
-Still stock ops: the dense layer-0 MLP; the MLA q/kv RMSNorms (`qkv_norm`) where
-`mla_norm_fold` does not apply (M ≥ 2, or the kernel not verified); and every op at shapes a
+Still stock ops: the dense layer-0 MLP; the MLA q/kv RMSNorms (`qkv_norm`) where neither
+`mla_norm_fold` (M = 1) nor `mla_norm_fold_mma` (2 ≤ M ≤ 8) applies; and every op at shapes a
 kernel's `can_implement` refuses (large M).
 
 On the CPU (no kernels) every op falls back to the stock ops, so fused equals stock exactly.
@@ -154,7 +158,11 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # thirteenth round: mla_attend_mma (both modes) checked at
                                     # 2026-12-03 19:53 UTC (bench/fused_correctness.md), step parity at
                                     # B = 1, 8, 64, k = 0 in the same call
-                                    "mla_attend_mma"})
+                                    "mla_attend_mma",
+                                    # fourteenth round: kda_multi re-checked with T = 1 rows (B = 8
+                                    # and 64, k = 0), gemv_mma_pair and mla_norm_fold_mma checked at
+                                    # 939672d (2026-12-03 21:15 UTC, bench/fused_correctness.md)
+                                    "gemv_mma_pair", "mla_norm_fold_mma"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -174,7 +182,15 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   last (FC1 29.5-31.2 us after mlp_res's end vs 28.3-30.3 without it), and the layers came out
 #   239.7 / 256.9 us (KDA / MLA, B = 1, k = 7; 12 / 21 kernels) against 238.6 / 251.9 (13 / 22),
 #   B = 8 237.2 / 266.8 against 235.2 / 262.7 (bench/fused_runs.md, every run).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma"})
+# - gemv_mma_pair (qkv_a + g_proj in one gemv_mma grid at 2 ≤ M ≤ 8, one kernel fewer per MLA
+#   layer): 17.7 us cold at M = 8 in its check against 21.2 for the two gemv_mma launches in a
+#   row (14.1 at 16 warps per CTA), but in the step g_proj runs on the side stream beside qkv_a
+#   and only uv_gate waits for it, while the pair puts its 11 MB on the path to q_b: MLA layers
+#   230.3 / 231.5 us (B = 1, k = 7 / B = 8; 229.4 / 230.0 at 16 warps) against 227.1 / 230.7
+#   without it, and 228.9 / 229.4 against 224.7 / 227.6 beside mla_norm_fold_mma
+#   (bench/fused_runs.md, session 11).
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma",
+                                    "gemv_mma_pair"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
@@ -211,6 +227,10 @@ SHARED_AFTER_ROUTER = True
 #   itself is correct to M = 8, see kernels/mla_norm_fold.py; from M = 2 q_b is stock's GEMM).
 #   H200 (bench/fused_correctness.md, 801b1da): 6.35 vs 7.49 us for qkv_norm + q_b + uk_insert
 #   at M = 1; at M = 8 17.2 vs 10.4 us.
+# - mla_norm_fold_mma: 2 ≤ M ≤ 8 (gemv_mma's prologue instead of the CUDA-core GEMV; its check
+#   at 939672d, cold weights: M = 8 7.8 us vs 9.2 for qkv_norm + gemv_mma + uk_insert, M = 2 6.7
+#   vs 8.1; MLA layers 224.7 / 227.6 us vs 227.1 / 230.7 at B = 1, k = 7 / B = 8).
+# - gemv_mma_pair: 2 ≤ M ≤ 8 where enabled (opt-in, OPT_IN's note).
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.
@@ -245,7 +265,11 @@ SHARED_AFTER_ROUTER = True
 #   38.8-40.2 us, 6 kernels -> 3 (ba774df, bench/fused_runs.md). Larger M not measured. With
 #   its gates on the tensor cores (d714341) 14.4 us in its check at B = 1, k = 7 against 16.6
 #   with the FMA gates, and the KDA layer 212.2 vs 216.1 us in the bench; with the cluster
-#   epilogue (ccfc99b) 12.7 us, the layer 209.9 vs 211.0.
+#   epilogue (ccfc99b) 12.7 us, the layer 209.9 vs 211.0. T = 1 at B = 8 (M = 8; 68dea66, its
+#   check at 939672d): 10.7 us alone against 9.7 for kda_split, but in the B = 8 step the KDA
+#   layer took 203.0-203.4 us with it (13 kernels) against 209.0 with kda_split and 210.4-210.8
+#   with stock's four kernels (16; bench/fused_runs.md, session 11). B = 64 (M = 64, past the
+#   table): 33.1 us against kda_split's 31.1.
 # - experts_rows (FC2 as a resident grid, kernels/moe_fc2_rows.py): 2 ≤ M ≤ 8 (its own
 #   MIN_ROWS: at M = 1 FC2 v2's 896 CTAs are already one wave); M = 2 40.3 vs 41.9 us, M = 8
 #   131.1 vs 141.3 us for FC1 + FC2 cold (530c2da); in the B = 1, k = 7 step FC2's end comes

@@ -37,7 +37,7 @@ from cutlass import Int32
 
 from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
-from kimi_decode.kernels.gemv_mma import TILE, UNROLL, GemvMma, GemvMmaConfig, warps_for
+from kimi_decode.kernels.gemv_mma import CHUNK, TILE, UNROLL, WARP_CHOICES, GemvMma, GemvMmaConfig, warps_for
 from kimi_decode.kernels.gemv_mma import can_implement as mma_can_implement
 
 
@@ -61,8 +61,17 @@ def can_implement(m: int, n1: int, n2: int, k: int, dtypes: tuple[torch.dtype, .
             and mma_can_implement(m, n1, k, dtypes) and mma_can_implement(m, n2, k, dtypes))
 
 
-def config_for(m: int, n1: int, n2: int, k: int, unroll: int = UNROLL) -> GemvMmaPairConfig:
-    return GemvMmaPairConfig(n1, n2, k, m, warps_for(n1 + n2, k), unroll)
+# Warps per CTA of the pair's grid: None = gemv_mma's warps_for on the combined weight (8 at K3:
+# 180 CTAs); the check also times 16.
+WARPS: int | None = None
+
+
+def config_for(m: int, n1: int, n2: int, k: int, unroll: int = UNROLL,
+               warps: int | None = None) -> GemvMmaPairConfig:
+    w = warps or WARPS or warps_for(n1 + n2, k)
+    if w not in WARP_CHOICES or (k // CHUNK) % w:
+        raise ValueError(f"gemv_mma_pair cannot split K = {k} over {w} warps")
+    return GemvMmaPairConfig(n1, n2, k, m, w, unroll)
 
 
 class GemvMmaPair:
@@ -126,10 +135,11 @@ def compile_for(cfg: GemvMmaPairConfig) -> object:
     return compiled(("gemv_mma_pair", cfg), build)
 
 
-def gemv_mma_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
-                  unroll: int = UNROLL) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_mma_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, unroll: int = UNROLL,
+                  warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ w1ᵀ, x @ w2ᵀ) in one launch on the current stream for 2 ≤ M ≤ 8; x [M, K], w1
-    [N1, K], w2 [N2, K] contiguous bf16; returns two contiguous [M, N1], [M, N2] bf16 tensors."""
+    [N1, K], w2 [N2, K] contiguous bf16; returns two contiguous [M, N1], [M, N2] bf16 tensors.
+    `unroll`, `warps`: the grid's configuration (config_for's defaults otherwise)."""
     m, k = x.shape
     n1, n2 = w1.shape[0], w2.shape[0]
     if (w1.shape[1] != k or w2.shape[1] != k or not all(t.is_contiguous() for t in (x, w1, w2))
@@ -138,7 +148,8 @@ def gemv_mma_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
                          f"w2 {tuple(w2.shape)} ({x.dtype}, {w1.dtype}, {w2.dtype})")
     o1 = torch.empty(m, n1, dtype=torch.bfloat16, device=x.device)
     o2 = torch.empty(m, n2, dtype=torch.bfloat16, device=x.device)
-    compile_for(config_for(m, n1, n2, k, unroll))(ptr(x), ptr(w1), ptr(w2), ptr(o1), ptr(o2), current_stream())
+    compile_for(config_for(m, n1, n2, k, unroll, warps))(ptr(x), ptr(w1), ptr(w2), ptr(o1), ptr(o2),
+                                                          current_stream())
     return o1, o2
 
 
@@ -155,7 +166,8 @@ def check(timing: bool = True) -> list[dict]:
     weight ("first_equal_gemv_mma": bit-equal where the warp counts agree, as at K3; the second
     within 1e-2), repeat bit-equal. With timing, on COLD weights (the calls cycle through
     copies ≥ 160 MB): stock_us (the two stock GEMMs in a row), mma_us (two gemv_mma launches in
-    a row), kernel_us, kernel_tbs."""
+    a row), kernel_us, kernel_tbs, and kernel_w{warps}_u{unroll}_us for the other grid
+    configurations (16 warps per CTA, 8 chunks in flight per lane)."""
     import itertools
 
     from kimi_decode import stock_ops
@@ -214,6 +226,10 @@ def check(timing: bool = True) -> list[dict]:
             cyc = itertools.cycle(ws)
             r["kernel_us"] = checks.time_us(lambda: gemv_mma_pair(x, *next(cyc)))
             r["kernel_tbs"] = (n1 + n2) * D * 2 / (r["kernel_us"] * 1e-6) / 1e12
+            for warps, unroll in ((8, 8), (16, 4), (16, 8)):      # the other configurations
+                cyc = itertools.cycle(ws)
+                r[f"kernel_w{warps}_u{unroll}_us"] = checks.time_us(
+                    lambda warps=warps, unroll=unroll: gemv_mma_pair(x, *next(cyc), unroll=unroll, warps=warps))
             del ws
         out.append(r)
     return out

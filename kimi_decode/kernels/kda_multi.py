@@ -72,7 +72,11 @@ KDA kernels at B = 8, k = 0 (M = 8), where kda_fast (the B = 1, T = 1 kernel) me
 against 9.6 for stock's four (fused.py's per-M table): one launch, the same prelude, one token.
 The wrapper's choice of epilogue is by grid size (kda_decode_multi): before this the cluster
 flag followed V_SPLIT alone, so B = 8, k = 7 (V_SPLIT 8, 384 CTAs) ran the clustered grid the
-CLUSTER_NORM note measured slower.
+CLUSTER_NORM note measured slower. Measured (H200, check at 939672d, bench/fused_correctness.md):
+B = 8, k = 0 10.7 µs against kda_split's 9.7 (out bit-identical to kda_split), B = 64 33.1
+against 31.1; B = 8, k = 7 23.9 µs with the counter's epilogue; but in the B = 8 step the KDA
+layer took 203.0-203.4 µs with this kernel against 209.0 with kda_split and 210.4-210.8 with
+stock's four (bench/fused_runs.md, session 11), so fused.py runs it at B = 8, k = 0.
 
 Check on the GPU (B = 1 and 8 at k = 7, B = 8 and 64 at k = 0, 3 steps with state carried;
 against the stock ops, float64 and kda_split; times the stock ops, kda_split and this kernel):

@@ -255,6 +255,13 @@ def _mma_rmsnorm(a, w_norm, w, k, eps):
     return _gemv(emulate_rmsnorm(a[:, :k], w_norm, eps), w)
 
 
+def test_mma_kernel_registered_and_on_by_default() -> None:
+    from kimi_decode.fused import DEFAULT_KERNELS
+    from kimi_decode.kernels import checks
+    assert "mla_norm_fold_mma" in KERNELS and CHECK_MODULES["mla_norm_fold_mma"] == "mla_norm_fold"
+    assert "mla_norm_fold_mma" in checks.CHECKS and "mla_norm_fold_mma" in DEFAULT_KERNELS   # 939672d
+
+
 def test_check_mma_harness_passes_emulation(emulated) -> None:
     """check_mma (M = 2 and 8 at T = 1, B = 1 at k = 7) on the CPU with gemv_mma, its RMSNorm
     prologue and uk_insert(_norm) replaced by their contracts: every row passes, q equal to
