@@ -1050,6 +1050,7 @@ class FusedDecoder(StockDecoder):
         if self._mma or "kimi_decode.kernels.gemv_mma" in sys.modules:
             from kimi_decode.kernels import gemv_mma as k_mma
             k_mma.set_enabled(self._mma)
+            k_mma.set_tuned(self._mma_tuned)
 
     def enable(self, kernels: frozenset[str]) -> frozenset[str]:
         """Switch the named kernels on where they can run (GPU, supported shapes), the rest
@@ -1068,6 +1069,8 @@ class FusedDecoder(StockDecoder):
         # the projections at 2 ≤ M ≤ 8 on the tensor cores (kernels/gemv_mma.py): a flag of
         # that module, read by _linear at each call
         self._mma = {"gemv", "gemv_mma"} <= on
+        # and their per-shape (warps, unroll) from the device sweep (gemv_mma.TUNED)
+        self._mma_tuned = {"gemv", "gemv_mma", "gemv_mma_tuned"} <= on
         self._apply_modes()
         # collectives finished inside kernels: only for the one-GPU simulation, whose slot
         # buffers the kernels can address (real NCCL keeps its own collectives)

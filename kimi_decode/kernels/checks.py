@@ -284,7 +284,7 @@ def _module_check(name: str) -> Callable[..., list[dict]]:
                            "mla_attend_uv": "check_uv", "experts_v2": "check_v2",
                            "gemv_tuned": "check_sweep", "experts_v2_async": "check_async",
                            "gemv_mma_situ": "check_situ", "mla_attend_mma": "check_all",
-                           "mla_norm_fold_mma": "check_mma"}.get(name, "check"))
+                           "mla_norm_fold_mma": "check_mma", "gemv_mma_tuned": "check_sweep"}.get(name, "check"))
         return fn(timing=timing)
     return run
 

@@ -399,8 +399,39 @@ def compile_norm(cfg: GemvMmaConfig) -> object:
     return compiled(("gemv_mma_norm", cfg), build)
 
 
-def config_for(m: int, n: int, k: int, unroll: int = UNROLL, out_f32: bool = False) -> GemvMmaConfig:
-    return GemvMmaConfig(n, k, m, warps=warps_for(n, k), unroll=unroll, out_f32=out_f32)
+# Per weight shape (N, K): (warps per CTA, chunks in flight per lane), used at 2 ≤ M ≤ 8 when
+# the kernel set "gemv_mma_tuned" is on (set_tuned; fused.FusedDecoder._apply_modes). Filled
+# from check_sweep's winners on the H200 (cold weights, M = 8); shapes not listed keep
+# warps_for and UNROLL. Every configuration computes the same products; only the split of K
+# over the warps (their fp32 partial sums) differs, so results agree within bf16 rounding.
+TUNED: dict[tuple[int, int], tuple[int, int]] = {}
+_tuned_on = False
+
+
+def set_tuned(on: bool) -> None:
+    """Use TUNED at 2 ≤ M ≤ 8 (kernel set "gemv_mma_tuned") or not."""
+    global _tuned_on
+    _tuned_on = bool(on)
+
+
+def tuned_on() -> bool:
+    return _tuned_on
+
+
+def config_valid(k: int, warps: int, unroll: int) -> bool:
+    """A (warps, unroll) the kernel can build for reduction length K."""
+    return warps in WARP_CHOICES and k % CHUNK == 0 and (k // CHUNK) % warps == 0 and unroll >= 1
+
+
+def config_for(m: int, n: int, k: int, unroll: int | None = None, out_f32: bool = False,
+               warps: int | None = None) -> GemvMmaConfig:
+    """The launch configuration: explicit `warps` / `unroll`, else TUNED's entry for (N, K) when
+    the tuned mode is on, else warps_for and UNROLL."""
+    tw, tu = TUNED.get((n, k), (None, None)) if _tuned_on else (None, None)
+    w, u = warps or tw or warps_for(n, k), unroll or tu or UNROLL
+    if not config_valid(k, w, u):
+        raise ValueError(f"gemv_mma cannot split K = {k} over {w} warps with unroll {u}")
+    return GemvMmaConfig(n, k, m, warps=w, unroll=u, out_f32=out_f32)
 
 
 # Process-wide switch (kernel "gemv_mma" with "gemv"), set by fused.enable() and each forward
@@ -418,12 +449,14 @@ def enabled() -> bool:
 
 
 def gemv_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-             unroll: int = UNROLL, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+             unroll: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             warps: int | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]ᵀ on the current stream for 2 ≤ M ≤ 8; both contiguous bf16; returns
     [M, N] in `out_dtype` (bf16, or float32 for the router's logits: the fp32 sum unrounded),
     written into `out` when given (a contiguous [M, N] tensor of that dtype, e.g. an
     all-reduce slot buf[rank]). `unroll`: chunks in flight per lane (the check times 4 and 8;
-    the result does not depend on it)."""
+    the result does not depend on it); `warps`: warps per CTA (the sum order over K does);
+    both default to config_for's choice (TUNED in the tuned mode)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or not can_implement(m, n, k, (x.dtype, w.dtype)):
@@ -435,7 +468,7 @@ def gemv_mma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
     elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
         raise ValueError(f"gemv_mma out must be a contiguous [{m}, {n}] {out_dtype} tensor, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    cfg = config_for(m, n, k, unroll, out_f32=out_dtype == torch.float32)
+    cfg = config_for(m, n, k, unroll, out_f32=out_dtype == torch.float32, warps=warps)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())
     return out
 
@@ -606,6 +639,91 @@ def check(timing: bool = True) -> list[dict]:
                 del ws
             out.append(r)
     return out
+
+
+SWEEP_WARPS = (8, 16)        # 4 only where warps_for picks it (more bytes in flight is the question)
+SWEEP_UNROLLS = (2, 4, 8)
+
+
+def sweep_shapes(cfg: object) -> dict[str, tuple[int, int]]:
+    """The (N, K) of every projection the fused step runs through gemv_mma at 2 ≤ M ≤ 8 (K3
+    TP16), by op name (the router's fp32 logits included)."""
+    D = cfg.hidden
+    return {"in_proj": (cfg.in_proj_rows, D), "o_proj": (D, cfg.kda_local_dim),
+            "latent_down": (cfg.latent_dim, D), "shared_gate_up": (2 * cfg.shared_local_inter, D),
+            "qkv_a": (cfg.qkv_a_rows, D), "g_proj": (cfg.mla_local_heads * cfg.v_head_dim, D),
+            "q_b": (cfg.mla_local_heads * cfg.qk_head_dim, cfg.q_lora_rank), "router": (cfg.num_experts, D)}
+
+
+def check_sweep(timing: bool = True, m: int = 8) -> list[dict]:
+    """Kernel set "gemv_mma_tuned": every valid (warps, unroll) of SWEEP_WARPS × SWEEP_UNROLLS (and
+    the default) at M = m on each sweep_shapes entry. Each configuration's output must pass check()'s rule
+    against the stock GEMM op and float64 (rel ≤ 1e-2 vs stock, float64 error ≤ 1.5x stock's +
+    1e-3; the router's fp32 logits too). With timing, each on COLD weights (copies ≥ 160 MB,
+    as check()): "w{warps}_u{unroll}_us", plus "best", "best_us", "default" (warps_for and
+    UNROLL) and "default_us". One row per shape; TUNED takes the winners."""
+    import itertools
+
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import checks
+    dev = torch.device(checks.DEVICE)
+    cfg = k3_tp16(batch=8, spec_tokens=0)
+    ops = stock_ops.OpSet(cfg)
+    out = []
+    for name, (n, k) in sweep_shapes(cfg).items():
+        gen = torch.Generator(device=dev).manual_seed(7900 + len(name))
+        w = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
+        x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+        od = torch.float32 if name == "router" else torch.bfloat16
+        with torch.no_grad():
+            y_s = ops.linear(x, w, od)
+        ref = x.double() @ w.double().t()
+        e_s = checks.rel(y_s, ref)
+        default = (warps_for(n, k), UNROLL)
+        configs = sorted({(wp, u) for wp in SWEEP_WARPS for u in SWEEP_UNROLLS if config_valid(k, wp, u)}
+                         | {default})
+        r = {"kernel": "gemv_mma_tuned", "op": name, "M": m, "N": n, "K": k,
+             "default": f"w{default[0]}_u{default[1]}", "stock_rel_vs_f64": e_s}
+        ok, worst = True, 0.0
+        for wp, u in configs:
+            with torch.no_grad():
+                y = gemv_mma(x, w, out_dtype=od, warps=wp, unroll=u)
+            checks._sync()
+            e_ks, e_k = checks.rel(y, y_s), checks.rel(y, ref)
+            worst = max(worst, e_k)
+            ok = ok and e_ks <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
+        r["worst_rel_vs_f64"] = worst
+        r["configs"] = len(configs)
+        r["ok"] = bool(ok)
+        if timing:
+            copies = max(2, -(-(160 << 20) // (n * k * 2)))
+            ws = [w] + [(torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).bfloat16()
+                        for _ in range(copies - 1)]
+            times = {}
+            for wp, u in configs:
+                cyc = itertools.cycle(ws)
+                times[(wp, u)] = checks.time_us(
+                    lambda wp=wp, u=u: gemv_mma(x, next(cyc), out_dtype=od, warps=wp, unroll=u))
+                r[f"w{wp}_u{u}_us"] = times[(wp, u)]
+            best = min(times, key=times.get)
+            r.update(best=f"w{best[0]}_u{best[1]}", best_warps=best[0], best_unroll=best[1],
+                     best_us=times[best], default_us=times[default],
+                     best_tbs=n * k * 2 / (times[best] * 1e-6) / 1e12)
+            del ws
+        out.append(r)
+    return out
+
+
+def tuned_from_sweep(rows: list[dict], min_gain: float = 0.03) -> dict[tuple[int, int], tuple[int, int]]:
+    """TUNED entries from check_sweep rows: a shape's winner where every configuration passed
+    and the winner beats the default by at least `min_gain` (relative), else nothing (the
+    default stays: a gain within the replays' spread is not one)."""
+    table = {}
+    for r in rows:
+        if r.get("ok") and "best_us" in r and r["best_us"] < (1 - min_gain) * r["default_us"]:
+            table[(r["N"], r["K"])] = (r["best_warps"], r["best_unroll"])
+    return table
 
 
 def check_situ(timing: bool = True) -> list[dict]:

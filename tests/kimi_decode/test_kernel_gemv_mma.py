@@ -291,3 +291,87 @@ def test_shared_down_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     moe.use_mma_situ = False
     fused.LatentMoE._shared_down(moe, torch.zeros(8, 256, dtype=bf))
     assert calls == [8] and situ == [1, 8]
+
+
+# --- gemv_mma_tuned: per-shape (warps, unroll) from the device sweep -------------------------
+
+def test_config_for_takes_the_table_only_in_the_tuned_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    n, k = SHAPES["in_proj"]
+    monkeypatch.setattr(gm, "TUNED", {(n, k): (16, 8)})
+    monkeypatch.setattr(gm, "_tuned_on", False)
+    base = gm.config_for(8, n, k)
+    assert (base.warps, base.unroll) == (gm.warps_for(n, k), gm.UNROLL)
+    gm.set_tuned(True)
+    tuned = gm.config_for(8, n, k)
+    assert (tuned.warps, tuned.unroll) == (16, 8) and gm.tuned_on()
+    other = gm.config_for(8, *SHAPES["o_proj"])                     # not in the table: defaults
+    assert (other.warps, other.unroll) == (gm.warps_for(*SHAPES["o_proj"]), gm.UNROLL)
+    explicit = gm.config_for(8, n, k, unroll=2, warps=4)           # explicit arguments win
+    assert (explicit.warps, explicit.unroll) == (4, 2)
+    with pytest.raises(ValueError, match="cannot split K"):
+        gm.config_for(8, 64, 96, warps=4)                          # 3 chunks over 4 warps
+    gm.set_tuned(False)
+
+
+def test_tuned_from_sweep_keeps_clear_winners_of_passing_shapes() -> None:
+    rows = [{"N": 1, "K": 2, "ok": True, "best_us": 9.0, "default_us": 10.0, "best_warps": 16, "best_unroll": 8},
+            {"N": 3, "K": 4, "ok": True, "best_us": 9.9, "default_us": 10.0, "best_warps": 4, "best_unroll": 2},
+            {"N": 5, "K": 6, "ok": False, "best_us": 5.0, "default_us": 10.0, "best_warps": 4, "best_unroll": 2},
+            {"N": 7, "K": 8, "ok": True}]                              # no timing: nothing to choose
+    assert gm.tuned_from_sweep(rows) == {(1, 2): (16, 8)}
+
+
+@pytest.mark.parametrize("warps,unroll", [(16, 8), (4, 2), (16, 2)])
+def test_sweep_configurations_compile(tmp_path: Path, warps: int, unroll: int) -> None:
+    """The sweep's corner configurations at in_proj's shape build without spills."""
+    n, k = SHAPES["in_proj"]
+    ptx = ptx_of(tmp_path, gm.config_for(8, n, k, unroll=unroll, warps=warps))
+    common_checks(ptx)
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 128 and spills == 0, (regs, spills)
+
+
+def test_sweep_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_sweep with the kernel replaced by its statement (the product in float64, rounded
+    once) passes every shape and times nothing without timing; a kernel that drops the last
+    32 columns of K at 16 warps fails that shape's row."""
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    calls = []
+
+    def exact(x, w, out=None, *, unroll=None, out_dtype=bf, warps=None):
+        calls.append((warps, unroll))
+        return (x.double() @ w.double().t()).to(out_dtype)
+    monkeypatch.setattr(gm, "gemv_mma", exact)
+    rows = gm.check_sweep(timing=False)
+    assert [r["op"] for r in rows] == list(gm.sweep_shapes(k3_tp16()))
+    assert all(r["ok"] and r["configs"] >= 3 for r in rows), rows
+    assert all(r["default"] == f"w{gm.warps_for(r['N'], r['K'])}_u{gm.UNROLL}" for r in rows)
+    assert {(16, 8), (8, 4), (8, 2)} <= set(calls)
+
+    def wrong(x, w, out=None, *, unroll=None, out_dtype=bf, warps=None):
+        k = x.shape[1] - (32 if warps == 16 else 0)
+        return (x[:, :k].double() @ w[:, :k].double().t()).to(out_dtype)
+    monkeypatch.setattr(gm, "gemv_mma", wrong)
+    rows = gm.check_sweep(timing=False)
+    assert not any(r["ok"] for r in rows if r["K"] // gm.CHUNK % 16 == 0)
+
+
+def test_tuned_mode_follows_the_kernel_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kimi_decode.fused as fused_mod
+    from kimi_decode import kernels
+    from kimi_decode.config import tiny
+    from kimi_decode.fused import FusedDecoder
+    from kimi_decode.kernels import CHECK_MODULES, KERNELS, checks
+    from kimi_decode.stock import StockDecoder
+    assert "gemv_mma_tuned" in KERNELS and CHECK_MODULES["gemv_mma_tuned"] == "gemv_mma"
+    assert "gemv_mma_tuned" in checks.CHECKS
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"gemv_mma_tuned"})
+    monkeypatch.setattr(kernels, "applicable", lambda name, cfg: True)
+    fused = FusedDecoder.from_stock(StockDecoder(tiny(layers=(3, 4), batch=1)))
+    fused.enable(frozenset({"gemv", "gemv_mma", "gemv_mma_tuned"}))
+    assert gm.tuned_on()
+    fused.enable(frozenset({"gemv", "gemv_mma"}))
+    assert not gm.tuned_on()
