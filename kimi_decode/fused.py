@@ -78,7 +78,8 @@ and the kernel is in `VERIFIED`):
   router's fp32 logits (LatentMoE._router_logits) on the tensor cores: in the B = 1, k = 7 step
   FC1 starts 32.1 us after the MoE front does instead of 41.6 (bench/fused_runs.md).
   With `gemv_tuned` each weight shape at M = 1 takes the configuration its device sweep found
-  fastest (gemv.TUNED / TUNED_MULTI: split-K for in_proj, cache hints, unroll 7).
+  fastest (gemv.TUNED / TUNED_MULTI: split-K for in_proj, cache hints, unroll 7); with
+  `gemv_mma_tuned` likewise at 2 ≤ M ≤ 8 where the step gained (gemv_mma.TUNED).
 - MLA: at M = 1 qkv_a and g_proj are one `gemv_multi` grid (op `qkv_a_g`; 41 MB), above it
   g_proj stays on the side stream until the gate needs it; the query positions pos + t_off
   are computed once per step by FusedDecoder, not in every MLA layer; `mla_glue` fuses W_UK
@@ -162,7 +163,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # fourteenth round: kda_multi re-checked with T = 1 rows (B = 8
                                     # and 64, k = 0), gemv_mma_pair and mla_norm_fold_mma checked at
                                     # 939672d (2026-12-03 21:15 UTC, bench/fused_correctness.md)
-                                    "gemv_mma_pair", "mla_norm_fold_mma"})
+                                    "gemv_mma_pair", "mla_norm_fold_mma",
+                                    # gemv_mma's sweep (every configuration checked) at 0bb4935,
+                                    # 21:45 UTC; step parity with its table at 21:49 UTC
+                                    "gemv_mma_tuned"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -231,6 +235,8 @@ SHARED_AFTER_ROUTER = True
 #   at 939672d, cold weights: M = 8 7.8 us vs 9.2 for qkv_norm + gemv_mma + uk_insert, M = 2 6.7
 #   vs 8.1; MLA layers 224.7 / 227.6 us vs 227.1 / 230.7 at B = 1, k = 7 / B = 8).
 # - gemv_mma_pair: 2 ≤ M ≤ 8 where enabled (opt-in, OPT_IN's note).
+# - gemv_mma_tuned: gemv_mma's per-shape (warps, unroll) at 2 ≤ M ≤ 8 (gemv_mma.TUNED: 16 warps
+#   for in_proj and qkv_a; latent_down's sweep winner measured slower in the step, see there).
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
 #   finishes; CUDA-graph replays on the H200, 2026-12-02: 26.0 vs 27.7 us at M = 1, 153.7 vs
 #   155.1 us at M = 8, same results); the two M the check covers.

@@ -400,11 +400,21 @@ def compile_norm(cfg: GemvMmaConfig) -> object:
 
 
 # Per weight shape (N, K): (warps per CTA, chunks in flight per lane), used at 2 ≤ M ≤ 8 when
-# the kernel set "gemv_mma_tuned" is on (set_tuned; fused.FusedDecoder._apply_modes). Filled
-# from check_sweep's winners on the H200 (cold weights, M = 8); shapes not listed keep
-# warps_for and UNROLL. Every configuration computes the same products; only the split of K
-# over the warps (their fp32 partial sums) differs, so results agree within bf16 rounding.
-TUNED: dict[tuple[int, int], tuple[int, int]] = {}
+# the kernel set "gemv_mma_tuned" is on (set_tuned; fused.FusedDecoder._apply_modes); shapes
+# not listed keep warps_for and UNROLL. Every configuration computes the same products; only
+# the split of K over the warps (their fp32 partial sums) differs, so results agree within
+# bf16 rounding (check_sweep holds each to check()'s rule). From check_sweep on the H200 at
+# 0bb4935 (cold weights, M = 8; bench/fused_correctness.md) and the step: 16 warps × 4 won
+# alone for in_proj (14.5 vs 16.1 µs), latent_down (15.8 vs 17.2) and qkv_a (10.9 vs 13.7),
+# but in the bench (one process per entry, fused only, bench/fused_runs.md session 11)
+# latent_down's made the KDA layer 6 µs slower (214.8 vs 208.7 µs at B = 1, k = 7: its
+# 16-warp grid beside the router's logits and FC1's resident CTAs), so only these two:
+# in_proj: KDA layer 206.9 / 201.7 µs (B = 1, k = 7 / B = 8) vs 208.7 / 203.6;
+# qkv_a: MLA layer 222.0 / 225.8 µs vs 224.7 / 229.6.
+TUNED: dict[tuple[int, int], tuple[int, int]] = {
+    (3216, 7168): (16, 4),     # in_proj
+    (2112, 7168): (16, 4),     # qkv_a
+}
 _tuned_on = False
 
 

@@ -375,3 +375,20 @@ def test_tuned_mode_follows_the_kernel_set(monkeypatch: pytest.MonkeyPatch) -> N
     assert gm.tuned_on()
     fused.enable(frozenset({"gemv", "gemv_mma"}))
     assert not gm.tuned_on()
+
+
+@pytest.mark.parametrize("shape", sorted(gm.TUNED))
+def test_tuned_entries_are_swept_shapes_and_build(tmp_path: Path, shape: tuple[int, int]) -> None:
+    """Every TUNED entry is a shape the sweep measures, a configuration the kernel can build,
+    and it compiles without spills at M = 8 and M = 2."""
+    n, k = shape
+    assert shape in set(gm.sweep_shapes(k3_tp16()).values())
+    warps, unroll = gm.TUNED[shape]
+    assert gm.config_valid(k, warps, unroll) and warps in gm.SWEEP_WARPS and unroll in gm.SWEEP_UNROLLS
+    for m in (8, 2):
+        (tmp_path / str(m)).mkdir()
+        ptx = ptx_of(tmp_path / str(m), gm.config_for(m, n, k, unroll=unroll, warps=warps))
+        common_checks(ptx)
+        if ptxas_path() is not None:
+            regs, spills = ptxas_usage(tmp_path / str(m), ptx)
+            assert regs <= 128 and spills == 0, (regs, spills)
