@@ -14,11 +14,20 @@ as bench/fused_correctness.md). Phases past --budget-s seconds are skipped, so t
 ends inside the device tool's 10-minute limit with what it has.
 
     source .device-wheels/p2/install.sh && python3 -m bench.fused_device --out $OUT
+
+An A/B of one fused setting (one process per setting; `--patch` sets module constants first,
+apply_patch; --bench-spec 0 is what includes the k = 0 shapes):
+
+    python3 -m bench.fused_device --out $OUT/a --kernels <set> --skip step ref capture \
+        --bench-variants fused --bench-batch 8 --bench-spec 0 7 \
+        --patch 'kimi_decode.kernels.gemv_mma:TUNED[(3584, 7168)]=(16, 4)'
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
+import importlib
 import json
 import time
 import traceback
@@ -257,15 +266,42 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
     return res
 
 
+def apply_patch(spec: str) -> str:
+    """One A/B setting of a module constant, applied before anything is built:
+    'package.module:NAME=LITERAL' sets an attribute, 'package.module:NAME[KEY]=LITERAL' an item
+    of a dict attribute (KEY and LITERAL are Python literals: ast.literal_eval, no code runs).
+    E.g. 'kimi_decode.kernels.gemv_mma:TUNED[(3584, 7168)]=(16, 4)' or
+    'kimi_decode.fused:MAX_ROWS["kda"]=8'. Returns the spec as applied (for the log and
+    results.json); ValueError names what is wrong."""
+    try:
+        mod_name, rest = spec.split(":", 1)
+        target, value = (p.strip() for p in rest.split("=", 1))
+        val = ast.literal_eval(value)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--patch {spec!r}: expected module:NAME=LITERAL or module:NAME[KEY]=LITERAL ({e})") from None
+    mod = importlib.import_module(mod_name)
+    if target.endswith("]") and "[" in target:
+        name, key = target[:-1].split("[", 1)
+        table = getattr(mod, name.strip(), None)
+        if not isinstance(table, dict):
+            raise ValueError(f"--patch {spec!r}: {mod_name}.{name.strip()} is not a dict")
+        table[ast.literal_eval(key)] = val
+    else:
+        if not target.isidentifier() or not hasattr(mod, target):
+            raise ValueError(f"--patch {spec!r}: {mod_name} has no attribute {target!r}")
+        setattr(mod, target, val)
+    return spec
+
+
 def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops: bool,
           batches: tuple[int, ...] = (1, 8, 64), specs: tuple[int, ...] = (0, 7),
-          copy_bw: float | None = None) -> None:
-    """bench/decode.py for stock and fused (B in `batches` at k = 0, k in `specs` at B = 1);
+          copy_bw: float | None = None, variants: tuple[str, ...] = ("stock", "fused")) -> None:
+    """bench/decode.py for `variants` (B in `batches` at k = 0, k in `specs` at B = 1);
     `copy_bw`: the copy bandwidth measured at this process's start (the floor's divisor)."""
     import kimi_decode.fused as fused_mod
     from bench.decode import main as bench_main
     fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
-    bench_main(["--variant", "stock", "fused", "--batch", *map(str, batches), "--spec", *map(str, specs),
+    bench_main(["--variant", *variants, "--batch", *map(str, batches), "--spec", *map(str, specs),
                 "--reps", str(reps), "--expert-impl", impl, "--json", str(out / "bench.json")]
                + ([] if compile_ops else ["--eager-ops"]), copy_bw=copy_bw)
 
@@ -404,11 +440,23 @@ def main() -> None:
     ap.add_argument("--bench-batch", type=int, nargs="+", default=[1, 8, 64], help="bench: B at k = 0")
     ap.add_argument("--bench-spec", type=int, nargs="+", default=[0, 7], help="bench: k (k > 0 at B = 1)")
     ap.add_argument("--step-shapes", nargs="+", help="step parity only at these B:k (default: all)")
+    ap.add_argument("--bench-variants", nargs="+", default=["stock", "fused"], choices=["stock", "fused"],
+                    help="bench: the variants timed (an A/B of fused settings needs fused only)")
+    ap.add_argument("--patch", nargs="*", default=[],
+                    help="A/B settings applied first, each 'module:NAME=LITERAL' or "
+                         "'module:NAME[KEY]=LITERAL' (apply_patch), recorded in results.json")
     args = ap.parse_args()
     if args.isolated:
         run_isolated(args.isolated)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        patches = [apply_patch(p) for p in args.patch]
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"fused_device: {e}") from None
+    if patches:
+        log("patches:", patches)
+        save(args.out, "patches", patches)
     log(f"torch {torch.__version__} cuda {torch.version.cuda} on {torch.cuda.get_device_name()}")
     # the floor's copy bandwidth, before anything else touches the GPU: measured after the
     # checks and captures, the same 2 GiB copy came out ~11 % slower (3.79 vs 4.25 TB/s on the
@@ -469,7 +517,7 @@ def main() -> None:
     if "bench" not in args.skip and time.time() - T0 < args.budget_s - args.bench_s:
         try:
             bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"],
-                  tuple(args.bench_batch), tuple(args.bench_spec), copy_bw)
+                  tuple(args.bench_batch), tuple(args.bench_spec), copy_bw, tuple(args.bench_variants))
         except Exception:
             traceback.print_exc()
         log("bench done")

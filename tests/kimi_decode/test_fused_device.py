@@ -86,3 +86,36 @@ def test_step_verdict_says_not_compared_only_when_nothing_was_left() -> None:
     assert fd.step_verdict({**base, "errors": {"m": 0.5}}) == "FAIL"
     assert fd.step_verdict({**base, "sequences_compared": "2/8"}) == "FAIL"
     assert fd.step_verdict({**base, "ok": True, "errors": {"m": 1e-3}, "sequences_compared": "1/1"}) == "pass"
+
+
+def test_patch_sets_attributes_and_dict_items(monkeypatch) -> None:
+    """--patch: an attribute and a dict item of a module set from literals; the job's A/B runs
+    (gemv_mma.TUNED entries, fused.MAX_ROWS) use exactly these two forms."""
+    import kimi_decode.kernels.gemv_mma as gm
+    monkeypatch.setattr(gm, "TUNED", {})
+    monkeypatch.setattr(gm, "UNROLL", gm.UNROLL)
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "kda", fused_mod.MAX_ROWS["kda"])
+    assert fd.apply_patch("kimi_decode.kernels.gemv_mma:TUNED[(3584, 7168)]=(16, 4)")
+    assert gm.TUNED == {(3584, 7168): (16, 4)}
+    fd.apply_patch('kimi_decode.fused:MAX_ROWS["kda"] = 8')
+    assert fused_mod.MAX_ROWS["kda"] == 8
+    fd.apply_patch("kimi_decode.kernels.gemv_mma:UNROLL=8")
+    assert gm.UNROLL == 8
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("kimi_decode.fused:MAX_ROWS", "expected module:NAME=LITERAL"),          # no value
+    ("kimi_decode.fused:MAX_ROWS=os.getcwd()", "expected module:NAME=LITERAL"),   # not a literal
+    ("kimi_decode.fused:NO_SUCH=1", "has no attribute 'NO_SUCH'"),
+    ("kimi_decode.fused:OPT_IN[1]=2", "is not a dict"),
+])
+def test_patch_refuses_what_it_cannot_set(spec: str, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        fd.apply_patch(spec)
+
+
+def test_bad_patch_is_a_one_line_error(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.argv", ["fused_device", "--out", str(tmp_path / "o"), "--patch", "kimi_decode.fused:X=1"])
+    with pytest.raises(SystemExit) as e:
+        fd.main()
+    assert "fused_device: --patch" in str(e.value) and "has no attribute 'X'" in str(e.value)
