@@ -18,9 +18,10 @@ ends inside the device tool's 10-minute limit with what it has.
 An A/B of one fused setting (one process per setting; `--patch` sets module constants first,
 apply_patch; --bench-spec 0 is what includes the k = 0 shapes):
 
-    python3 -m bench.fused_device --out $OUT/a --kernels <set> --skip step ref capture \
-        --bench-variants fused --bench-batch 8 --bench-spec 0 7 \
+    python3 -m bench.fused_device --out $OUT/a --kernels <set> --skip step ref capture
+        --bench-variants fused --bench-batch 8 --bench-spec 0 7
         --patch 'kimi_decode.kernels.gemv_mma:TUNED[(3584, 7168)]=(16, 4)'
+(one command line).
 """
 from __future__ import annotations
 
