@@ -264,7 +264,7 @@ SHARED_AFTER_ROUTER = True
 #   GEMM: in_proj 16.6 vs 17.4 us, latent_down 17.4 vs 17.9, q_b 3.7 vs 5.5, router (fp32
 #   logits) 8.0 vs 11.9, qkv_a 13.6 vs 13.2 (the one shape it does not win alone; kept: in the
 #   step a Triton GEMM beside a gemv_mma grid waits for SMs, bench/fused_runs.md).
-# - kda_multi: T ≥ 2 up to M = 8 (B = 1, k = 7: the shape the bench runs; its check also
+# - kda_multi: M ≤ 8 except B = 1, T = 1 (B = 1, k = 7: the shape the bench runs; its check also
 #   covers B = 8, k = 7: 23.6 us vs kda_split's 47.9), the T-token kernel with the per-token
 #   prelude done for all tokens at once (kernels/kda_multi.py) in place of stock's four
 #   kernels: in the B = 1, k = 7 step the KDA attention part (AttnRes to AttnRes) 46.8-48.2 ->
