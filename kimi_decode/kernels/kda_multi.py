@@ -125,6 +125,11 @@ MMA_CTAS_PER_SM = 2
 # (d714341), so larger grids keep kda_split's splits_for. False: the counter everywhere.
 CLUSTER_NORM = True
 CLUSTER_SPLITS = 8
+# The most CTAs per SM a grid may have for the wrapper to take the cluster epilogue. 1: at
+# B = 8, k = 7 the clustered 384-CTA grid ran 33.9 µs against 23.9 for the counter's (939672d);
+# at B = 8, k = 0 (T = 1) it ran 10.2 against 10.7, not yet tried in the step (an A/B:
+# bench/fused_device.py --patch 'kimi_decode.kernels.kda_multi:CLUSTER_MAX_CTAS_PER_SM=3').
+CLUSTER_MAX_CTAS_PER_SM = 1
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -460,8 +465,8 @@ def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
     and rec_state advance in place by T tokens; scratch from kda_split.make_scratch. Returns
     out [B·T, P] bf16. V_SPLIT: `splits`, else CLUSTER_SPLITS where that grid has at most one
     CTA per SM, else kda_split's splits_for. The epilogue: `cluster`, else the cluster's where
-    it applies and the grid has at most one CTA per SM (larger clustered grids measured slower,
-    CLUSTER_NORM's note), else the counter's. `fma_gates`: the first build's gates (the check
+    it applies and the grid has at most CLUSTER_MAX_CTAS_PER_SM CTAs per SM (larger clustered
+    grids measured slower, CLUSTER_NORM's note), else the counter's. `fma_gates`: the first build's gates (the check
     times both); also taken where the grid would not fit at MMA_CTAS_PER_SM CTAs per SM."""
     batch = conv_state.shape[0]
     sms = sm_count(z.device)
@@ -471,7 +476,8 @@ def kda_decode_multi(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,
         splits = CLUSTER_SPLITS if fits and applies else splits_for(batch)
     ctas = batch * kcfg.heads * splits
     if cluster is None:
-        cluster = cluster_applies(splits, kcfg.tokens, kcfg.head_dim // splits) and ctas <= sms
+        cluster = (cluster_applies(splits, kcfg.tokens, kcfg.head_dim // splits)
+                   and ctas <= CLUSTER_MAX_CTAS_PER_SM * sms)
     fma_gates = fma_gates or ctas > MMA_CTAS_PER_SM * sms
     build = functools.partial(compile_fma if fma_gates else compile_for, cluster=cluster)
     return launch("kda_decode_multi", build,

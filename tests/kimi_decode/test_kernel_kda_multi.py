@@ -221,3 +221,18 @@ def test_build_switches_are_part_of_the_compile_key(monkeypatch) -> None:
     assert km._cluster_for(cfg8, None) and not km._cluster_for(cfg8, False)
     monkeypatch.setattr(km, "CLUSTER_NORM", False)
     assert not km._cluster_for(cfg8, None)
+
+
+def test_cluster_grid_limit_is_a_switch(monkeypatch) -> None:
+    """CLUSTER_MAX_CTAS_PER_SM = 3 lets B = 8, k = 0 (384 CTAs of V_SPLIT 8) take the cluster
+    epilogue (the A/B the constant exists for); at 1 it keeps the counter's."""
+    chosen: list[object] = []
+    monkeypatch.setattr(km, "launch", lambda name, fn, *a, **kw: chosen.append(fn))
+    kcfg = k3_kcfg(0)
+    p = kcfg.heads * kcfg.head_dim
+    args = (torch.zeros(8, kcfg.in_proj_rows, dtype=bf), None, None, torch.zeros(8, 3 * p, 3, dtype=bf),
+            None, None, None, None, kcfg, None)
+    km.kda_decode_multi(*args)
+    monkeypatch.setattr(km, "CLUSTER_MAX_CTAS_PER_SM", 3)
+    km.kda_decode_multi(*args)
+    assert [fn.keywords["cluster"] for fn in chosen] == [False, True]
