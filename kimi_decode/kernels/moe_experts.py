@@ -21,7 +21,10 @@ the result is bit-identical to reading them, and 25% fewer bytes are read. With 
 (I = Ip) everything is read and nothing is assumed.
 
 Kernel 1 (ExpertsFC1): one warp per (pair p, output column c < I); grid = P·I / 8 CTAs of 8
-warps (warp g = p·I + c, so a CTA covers 8 consecutive rows of one expert). The warp computes
+warps (warp g = p·I + c, so a CTA covers 8 consecutive rows of one expert). CTA order
+(FC1_COLUMN_MAJOR, fc1_warp_index): column-block major, CTA b = pair b mod P, so the P pairs'
+CTAs for one block of 8 columns run together and a repeat of an expert in a later row reads
+lines another CTA is reading at that moment (L2), where pair-major order re-read it from HBM. The warp computes
 both gate row c and up row Ip + c of w13[e] (so the GLU is local): lane l reads the 128-bit
 slices l, l+32, ... of both rows (coalesced 512-byte warp loads; the loop unrolled 14 deep at
 K3, one trip: 36 registers and no spill, where 7 deep took 40 and spilled 12 B, ~7 us slower
@@ -130,6 +133,14 @@ MAX_ROWS = 8     # M
 MAX_PAIRS = 128  # M·K
 FC1_UNROLL = 14  # slices of the L loop in flight per lane (L / 256 = 14 at K3: one round; 7 ran
                  # ~7 us slower per M = 8 layer with 40 registers and a spill: bench/fused_runs.md)
+# FC1's CTA order: True = column-block major (CTA b: pair b % P, columns 8·(b // P) ..), so
+# the CTAs of all P pairs for the same 8 columns run at the same time and two rows that picked
+# the same expert request the same weight lines together (one HBM read, the other an L2 hit);
+# False = pair major (CTA b: pair b // (I/8)), where at M = 8 such a repeat comes ~1/8 of the
+# kernel later and is read from HBM again (ncu, session 9: 347 MB from DRAM for 352 MB of
+# (pair, expert) slices; ~331 MB are distinct experts). Same warps, same code: `a` is
+# bit-identical either way (check_fc1_order).
+FC1_COLUMN_MAJOR = True
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
@@ -219,15 +230,30 @@ def fc2_views(cfg: ExpertsConfig, act: cute.Pointer, idx: cute.Pointer, w: cute.
     return mA, mIdx, mWt, mW2, mO
 
 
+def fc1_warp_index(bidx, warp, pairs, inter: int, column_major: bool):
+    """FC1's warp number g = p·I + c (fc1_warp's pair p, column c) of warp `warp` in CTA `bidx`:
+    pair major, CTA b covers columns 8·(b mod I/8) .. of pair b div (I/8); column major, CTA b
+    covers columns 8·(b div P) .. of pair b mod P. Plain arithmetic, so the kernel traces it
+    on its Int32 values and the tests run it on Python ints (a bijection onto 0 .. P·I - 1)."""
+    if column_major:
+        cb = bidx // pairs
+        return (bidx - cb * pairs) * inter + cb * WARPS + warp
+    return bidx * WARPS + warp
+
+
 class ExpertsFC1:
     """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
 
-    def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL) -> None:
+    def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL, column_major: bool | None = None) -> None:
         """`unroll`: slices of the L loop per trip (FC1_UNROLL; experts_one builds its FC1
-        items at its own depth and compares them with this kernel at that depth)."""
+        items at its own depth and compares them with this kernel at that depth).
+        `column_major`: the CTA order (FC1_COLUMN_MAJOR when None); it needs I % 8 == 0
+        (a CTA's 8 columns within one pair), which can_implement's I % VEC == 0 gives."""
         self.cfg = cfg
         self.slices = cfg.latent // (VEC * 32)
         self.unroll = unroll if self.slices % unroll == 0 else 1
+        cm = FC1_COLUMN_MAJOR if column_major is None else column_major
+        self.column_major = bool(cm) and cfg.inter % WARPS == 0
 
     @cute.jit
     def __call__(self, z: cute.Pointer, idx: cute.Pointer, w13: cute.Pointer, act: cute.Pointer,
@@ -258,7 +284,7 @@ class ExpertsFC1:
             chain.enter()
         else:
             cute.arch.griddepcontrol_launch_dependents()
-        g = bidx * WARPS + warp
+        g = fc1_warp_index(bidx, warp, m * K, I, self.column_major)
         fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll)
 
 
@@ -580,20 +606,28 @@ def can_implement_v2(m: int, k: int, latent: int, inter_padded: int, dtypes: tup
             and (k // V2_GROUPS) * (i // (VEC * V2_GROUP_LANES)) <= 16)
 
 
+def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None) -> object:
+    """FC1 compiled for `cfg` in the given CTA order (FC1_COLUMN_MAJOR when None; cached per
+    order, so flipping the module constant in a process cannot reuse the other build)."""
+    cm = FC1_COLUMN_MAJOR if column_major is None else column_major
+    cfg1 = dataclasses.replace(cfg, pdl=False, stage_async=False)   # FC1 does not depend on them
+
+    def build() -> object:
+        bf = dummy_ptr(torch.bfloat16)
+        return cute.compile(ExpertsFC1(cfg1, column_major=cm), bf, dummy_ptr(cfg.idx_dtype), bf, bf, Int32(1),
+                            Float32(4.0), Float32(25.0), current_stream(), options=compile_options())
+    return compiled(("experts_fc1", cfg1, bool(cm)), build)
+
+
 def compile_for(cfg: ExpertsConfig, v2: bool = False) -> tuple[object, object]:
     """The two compiled kernels for `cfg` (cached); `v2`: FC2 is ExpertsFC2v2."""
-    def build1() -> object:
-        bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(ExpertsFC1(cfg), bf, dummy_ptr(cfg.idx_dtype), bf, bf, Int32(1),
-                            Float32(4.0), Float32(25.0), current_stream(), options=compile_options())
 
     def build2() -> object:
         bf = dummy_ptr(torch.bfloat16)
         return cute.compile((ExpertsFC2v2 if v2 else ExpertsFC2)(cfg), bf, dummy_ptr(cfg.idx_dtype),
                             dummy_ptr(torch.float32), bf, bf, Int32(1), current_stream(), options=compile_options())
     # FC1 does not depend on `pdl` (its launch_dependents hint is always there): one compile
-    return (compiled(("experts_fc1", dataclasses.replace(cfg, pdl=False, stage_async=False)), build1),
-            compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2))
+    return compile_fc1(cfg), compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
 
 
 def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -784,6 +818,62 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), v2: bool = False)
             out.append({"kernel": name, "M": m, "skip_pad": True, "pdl": True, "ok": True,
                         "skipped": f"pdl unsupported here: {type(exc).__name__}: {exc}"[:300]})
     del w13, w2, cases
+    if not v2:                           # the plain FC1 check also covers FC1's CTA order
+        out += check_fc1_order(timing=timing, rows=tuple(m for m in rows if m > 1) or rows)
+    return out
+
+
+def fc1_launch(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, beta: float,
+               lin_beta: float, inter: int, column_major: bool) -> None:
+    """FC1 alone into `act` [M·K, Ip] in the given CTA order (check_fc1_order's A/B)."""
+    m, k = idx.shape
+    E, two_ip, L = w13.shape
+    fc1 = compile_fc1(ExpertsConfig(L, two_ip // 2, inter, k, E, idx.dtype), column_major)
+    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), current_stream())
+
+
+def check_fc1_order(timing: bool = True, rows: tuple[int, ...] = (2, 8)) -> list[dict]:
+    """FC1 in column-block order (FC1_COLUMN_MAJOR) against pair order, on the real weights at
+    K3 TP16 shapes: `a` must be bit-identical (the same warps run the same code; only which
+    CTA runs which warp changes), nothing written past column I; both timed alone on cold
+    weights (4 routings cycled, as `check`), with the routing's repeats reported: the rows'
+    (row, expert) pairs whose expert an earlier row also picked, the bytes column order
+    should read once instead of twice."""
+    from kimi_decode.kernels.checks import DEVICE, _sync, time_us
+    dev = torch.device(DEVICE)
+    cfg0, w13, w2 = check_weights(dev)
+    beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
+    I, K, L = cfg0.expert_local_inter, cfg0.top_k, cfg0.latent_dim
+    ip = w13.shape[1] // 2
+    out = []
+    for m in rows:
+        z, routings = check_inputs(cfg0, m, 3000 + m, dev)
+        idx = routings[0][0].int().contiguous()
+        acts = {}
+        for cm in (False, True):
+            acts[cm] = torch.full((m * K, ip), float("nan"), dtype=torch.bfloat16, device=dev)
+            with torch.no_grad():
+                fc1_launch(z, idx, w13, acts[cm], beta, lin_beta, I, cm)
+        _sync()
+        ids = routings[0][0]
+        repeats = int(m * K - ids.unique().numel())
+        equal = torch.equal(acts[True][:, :I], acts[False][:, :I])
+        pad_untouched = bool(torch.isnan(acts[True][:, I:]).all()) if I < ip else True
+        r = {"kernel": "experts", "case": "fc1_order", "M": m, "repeat_pairs": repeats,
+             "a_equal": equal, "pad_untouched": pad_untouched,
+             "ok": equal and pad_untouched and bool(torch.isfinite(acts[True][:, :I]).all())}
+        if timing:
+            ids_all = [i.int().contiguous() for i, _ in routings]
+            dst = torch.empty(m * K, ip, dtype=torch.bfloat16, device=dev)
+            for cm, key in ((False, "pair_order_us"), (True, "column_order_us")):
+                n = itertools.count()
+                r[key] = time_us(lambda cm=cm, n=n: fc1_launch(z, ids_all[next(n) % len(ids_all)], w13, dst,
+                                                               beta, lin_beta, I, cm))
+            distinct = sum(int(i.unique().numel()) for i, _ in routings) / len(routings)
+            r["distinct_tbs_column"] = distinct * 2 * I * L * 2 / (r["column_order_us"] * 1e-6) / 1e12
+            r["pair_tbs_pair"] = m * K * 2 * I * L * 2 / (r["pair_order_us"] * 1e-6) / 1e12
+        out.append(r)
+    del w13, w2
     return out
 
 

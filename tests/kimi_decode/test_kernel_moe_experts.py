@@ -36,8 +36,9 @@ from kimi_decode import stock_ops  # noqa: E402
 from kimi_decode.comm import LocalComm, SideStream  # noqa: E402
 from kimi_decode.config import k3_tp16, tiny  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
-from kimi_decode.kernels.moe_experts import (ExpertsConfig, ExpertsFC1, ExpertsFC2,  # noqa: E402
-                                             ExpertsFC2v2, can_implement, can_implement_v2, reference)
+from kimi_decode.kernels.moe_experts import (WARPS, ExpertsConfig, ExpertsFC1, ExpertsFC2,  # noqa: E402
+                                             ExpertsFC2v2, can_implement, can_implement_v2, fc1_warp_index,
+                                             reference)
 from kimi_decode.stock import LatentMoE, Runtime  # noqa: E402
 from kimi_decode.weights import Seeder  # noqa: E402
 
@@ -112,6 +113,53 @@ def test_fc1_compiles(tmp_path: Path) -> None:
     assert ptx.count("shfl.sync.bfly") == 2 * 5      # two butterflies (gate, up)
     assert "st.global.b16" in ptx
     assert "griddepcontrol.launch_dependents" in ptx  # the PDL hint for FC2
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_fc1_orders_compile_the_same_loads(tmp_path: Path, column_major: bool) -> None:
+    """Both CTA orders: the same loads, butterflies and store (only the warp's index math
+    differs), no local memory, registers at the pair-major build's level."""
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major), P(bf), P(i64), P(bf), P(bf), Int32(8),
+                 Float32(4.0), Float32(25.0))
+    common_checks(ptx)
+    assert ptx.count("ld.global.v4") == 3 * 14 and ptx.count("shfl.sync.bfly") == 2 * 5
+    regs, spill_st, spill_ld = ptxas_usage(tmp_path)
+    assert regs <= 40 and spill_st == 0 and spill_ld == 0
+    # column order divides the CTA index by the runtime pair count; pair order does not
+    assert (("div.s32" in ptx or "div.u32" in ptx) or not column_major)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_fc1_warp_index_is_a_bijection(m: int, column_major: bool) -> None:
+    """Every (pair, column) warp of FC1's grid exactly once, in both orders; column order
+    puts all M·K pairs of a column block in consecutive CTAs (the point of it: two rows that
+    picked one expert load its rows at the same time)."""
+    I, K = K3.expert_local_inter, K3.top_k
+    pairs = m * K
+    ctas = pairs * I // WARPS
+    gs = [fc1_warp_index(b, w, pairs, I, column_major) for b in range(ctas) for w in range(WARPS)]
+    assert sorted(gs) == list(range(pairs * I))
+    first_wave = {fc1_warp_index(b, 0, pairs, I, column_major) // I for b in range(pairs)}
+    assert len(first_wave) == (pairs if column_major else -(-pairs * WARPS // I))   # pair order: ceil(P·8 / I)
+
+
+def test_fc1_order_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExpertsFC1 reads FC1_COLUMN_MAJOR when built (the bench's --patch A/B sets it), and the
+    compile cache keys on the order (compile_fc1), so a flip cannot reuse the other build."""
+    import kimi_decode.kernels.moe_experts as mx
+    monkeypatch.setattr(mx, "FC1_COLUMN_MAJOR", False)
+    assert not ExpertsFC1(K3_CFG).column_major
+    monkeypatch.setattr(mx, "FC1_COLUMN_MAJOR", True)
+    assert ExpertsFC1(K3_CFG).column_major
+    odd = ExpertsConfig(K3_CFG.latent, K3_CFG.inter_padded, 190, K3_CFG.top_k, K3_CFG.experts, i64)
+    assert not ExpertsFC1(odd).column_major                      # I % 8 != 0 (can_implement refuses it): pair order
+    seen = []
+    monkeypatch.setattr(mx, "compiled", lambda key, build: seen.append(key))
+    mx.compile_fc1(K3_CFG, False)
+    mx.compile_fc1(K3_CFG, True)
+    mx.compile_fc1(K3_CFG)
+    assert seen[0] != seen[1] and seen[2] == seen[1]
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -265,6 +313,22 @@ def test_reference_matches_stock_k3_shapes() -> None:
     assert rel(r_s, reference(z, idx, w, w13, w2, K3.situ_beta, K3.situ_linear_beta, round_bf16=False)) < 1e-2
 
 
+def _emulate_a(z, idx, w13, beta, lin_beta, i):
+    """FC1's math in torch: a [M·K, i] bf16 (fp32 sums, bf16 h, SiTU in fp32)."""
+    K = idx.shape[1]
+    ip = w13.shape[1] // 2
+    e = idx.reshape(-1).long()
+    zz = z.float().repeat_interleave(K, 0)[:, :, None]
+    g = torch.bmm(w13[e, :i].float(), zz)[..., 0].bfloat16().float()
+    u = torch.bmm(w13[e, ip:ip + i].float(), zz)[..., 0].bfloat16().float()
+    return ((beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))).bfloat16()
+
+
+def _emulate_fc1(z, idx, w13, act, beta, lin_beta, inter, column_major):
+    """moe_experts.fc1_launch emulated (either order: the same `a`)."""
+    act[:, :inter] = _emulate_a(z, idx, w13, beta, lin_beta, inter)
+
+
 def _emulate(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False):
     """The kernels' math in torch (fp32 sums, the same bf16 rounding points), for the CPU run
     of `check`."""
@@ -272,10 +336,7 @@ def _emulate(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=Fa
     ip = w2.shape[-1]
     i = ip if inter is None else inter
     e = idx.reshape(-1).long()
-    zz = z.float().repeat_interleave(K, 0)[:, :, None]
-    g = torch.bmm(w13[e, :i].float(), zz)[..., 0].bfloat16().float()
-    u = torch.bmm(w13[e, ip:ip + i].float(), zz)[..., 0].bfloat16().float()
-    a = ((beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))).bfloat16()
+    a = _emulate_a(z, idx, w13, beta, lin_beta, i)
     eo = torch.bmm(w2[e, :, :i].float(), a.float()[:, :, None])[..., 0].bfloat16().float()
     r = (w.float().reshape(M, K, 1) * eo.reshape(M, K, -1)).sum(1).bfloat16()
     if out is None:
@@ -294,6 +355,7 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(config, "k3_tp16", lambda **kw: small.with_(**kw))
     monkeypatch.setattr(moe_experts, "experts", _emulate)
+    monkeypatch.setattr(moe_experts, "fc1_launch", _emulate_fc1)
     calls = []
 
     def fake_time_us(fn) -> float:                  # time_us needs CUDA: call fn, count calls
@@ -302,12 +364,25 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
         calls.append(5)
         return 1.0
     monkeypatch.setattr(checks, "time_us", fake_time_us)
-    rows = moe_experts.check(timing=True, rows=(1, 2))
-    assert len(rows) == 6 and all(r["ok"] for r in rows), rows
+    all_rows = moe_experts.check(timing=True, rows=(1, 2))
+    rows = [r for r in all_rows if r.get("case") != "fc1_order"]
+    order = [r for r in all_rows if r.get("case") == "fc1_order"]
+    assert len(rows) == 6 and all(r["ok"] for r in all_rows), all_rows
     assert all(r["kernel_us"] == r["stock_us"] == r["kernel_same_us"] == 1.0 for r in rows)
-    assert len(calls) == 4 * 6
+    assert len(calls) == 4 * 6 + 2                   # + FC1 alone in both orders at M = 2
     assert [(r["M"], r["skip_pad"], r["pdl"]) for r in rows] == [
         (1, True, False), (1, False, False), (2, True, False), (2, False, False), (1, True, True), (2, True, True)]
+    assert [r["M"] for r in order] == [2] and order[0]["a_equal"] and order[0]["pad_untouched"]
+    assert order[0]["pair_order_us"] == order[0]["column_order_us"] == 1.0
+
+    def order_dependent(z, idx, w13, act, beta, lin_beta, inter, column_major):   # must fail
+        _emulate_fc1(z, idx, w13, act, beta, lin_beta, inter, column_major)
+        if column_major:
+            act[0, 0] = act[0, 0] * 2 + 1
+    monkeypatch.setattr(moe_experts, "fc1_launch", order_dependent)
+    bad = [r for r in moe_experts.check(timing=False, rows=(2,)) if r.get("case") == "fc1_order"]
+    assert len(bad) == 1 and not bad[0]["ok"] and not bad[0]["a_equal"]
+    monkeypatch.setattr(moe_experts, "fc1_launch", _emulate_fc1)
 
     def no_pdl(*a, pdl=False, **kw):                # a stack without PDL: only those rows skip
         if pdl:
@@ -315,12 +390,12 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
         return _emulate(*a, **kw)
     monkeypatch.setattr(moe_experts, "experts", no_pdl)
     rows = moe_experts.check(timing=False, rows=(2,))
-    assert all(r["ok"] for r in rows) and [("skipped" in r) for r in rows] == [False, False, True]
+    assert all(r["ok"] for r in rows) and [("skipped" in r) for r in rows] == [False, False, True, False]
 
     def broken(z, idx, w, *a, **kw):
         return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]), *a, **kw)
     monkeypatch.setattr(moe_experts, "experts", broken)
-    assert not any(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)))
+    assert not any(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)) if r.get("case") != "fc1_order")
 
 
 def test_check_v2_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -357,6 +432,7 @@ def test_check_v2_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPat
             w = torch.full_like(w, 1.0 / w.shape[1])
         return _emulate(z, idx, w, *a, **kw)
     monkeypatch.setattr(moe_experts, "experts", broken)
+    monkeypatch.setattr(moe_experts, "fc1_launch", _emulate_fc1)      # check's FC1-order rows
     rows = moe_experts.check_v2(timing=False, rows=(2,))
     assert not any(r["ok"] for r in rows) and all(r["rel_vs_old"] > 1e-2 for r in rows)
     assert all(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)))
