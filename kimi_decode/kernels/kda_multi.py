@@ -127,8 +127,9 @@ CLUSTER_NORM = True
 CLUSTER_SPLITS = 8
 # The most CTAs per SM a grid may have for the wrapper to take the cluster epilogue. 1: at
 # B = 8, k = 7 the clustered 384-CTA grid ran 33.9 µs against 23.9 for the counter's (939672d);
-# at B = 8, k = 0 (T = 1) it ran 10.2 against 10.7, not yet tried in the step (an A/B:
-# bench/fused_device.py --patch 'kimi_decode.kernels.kda_multi:CLUSTER_MAX_CTAS_PER_SM=3').
+# at B = 8, k = 0 (T = 1) it ran 10.2 against 10.7 alone, but the B = 8 KDA layer 200.1 against
+# 200.4 µs with the limit at 3 (d9ea8dc, `bench/fused_device.py --patch
+# 'kimi_decode.kernels.kda_multi:CLUSTER_MAX_CTAS_PER_SM=3'`, bench/fused_runs.md session 12).
 CLUSTER_MAX_CTAS_PER_SM = 1
 
 

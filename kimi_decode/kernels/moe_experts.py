@@ -139,7 +139,9 @@ FC1_UNROLL = 14  # slices of the L loop in flight per lane (L / 256 = 14 at K3: 
 # False = pair major (CTA b: pair b // (I/8)), where at M = 8 such a repeat comes ~1/8 of the
 # kernel later and is read from HBM again (ncu, session 9: 347 MB from DRAM for 352 MB of
 # (pair, expert) slices; ~331 MB are distinct experts). Same warps, same code: `a` is
-# bit-identical either way (check_fc1_order).
+# bit-identical either way (check_fc1_order). In the step (d9ea8dc, bench/fused_runs.md
+# session 12) column order took 1.3-2.6 µs off every M = 8 layer (B = 1, k = 7 KDA 206.8 ->
+# 204.7, MLA 222.6 -> 220.9; B = 8 201.7 -> 200.4, 225.8 -> 223.2).
 FC1_COLUMN_MAJOR = True
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
