@@ -96,7 +96,7 @@ def layer_bytes(layer: torch.nn.Module, cfg: Any) -> dict[str, int]:
 
 
 def bench_config(variant: str, cfg: Any, reps: int) -> dict[str, Any]:
-    from kimi_decode.runner import build, eager_step, prepare
+    from kimi_decode.runner import build, capture_stream, eager_step, prepare
     from tracer.capture import kernels_with_ops, profile_trace
 
     model, _ = build(variant, cfg, "cuda")
@@ -111,7 +111,7 @@ def bench_config(variant: str, cfg: Any, reps: int) -> dict[str, Any]:
     with torch.no_grad():
         for layer in model.layers:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, stream=capture_stream()):   # as the step's graph (runner.prepare)
                 layer(m, prefix, blocks, model.pos)
             us = time_replays(g, reps)
             name = f"L{layer.idx}.{layer.kind}"

@@ -20,6 +20,33 @@ from kimi_decode.stock import Runtime
 from kimi_decode.variants import variant_class
 
 
+# CUDA priority of the stream a step's graph is captured on (bench/decode.py's per-layer graphs
+# too); lower is higher, 0 (CUDA's lowest) is every stream's default, comm.SIDE_STREAM_PRIORITY
+# the aux stream's. torch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority, so a
+# captured kernel keeps its stream's priority. Why it is a setting: in the d9ea8dc B = 1, k = 7
+# and B = 8 traces router_topk (main stream) starts ~5-6 us after the router's logits end while
+# latent_down (aux stream) places its last CTAs, and FC1 then waits ~5 us for it. Measured on
+# the H200 (2026-12-04, bench/fused_runs.md "Session 13"), fused layers in us: main at -1 makes
+# B = 1, k = 7 KDA 202-206 -> 213-216 and B = 8 198-203 -> 206-211 (B = 1, k = 0 +1); the aux
+# stream at -1 changes nothing (within 0.5 us), and router_topk still starts ~5 us late, so
+# the delay is not the block scheduler's priority order. Both stay 0.
+MAIN_STREAM_PRIORITY = 0
+
+_capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | str | None = None) -> torch.cuda.Stream:
+    """The stream steps are captured on: one per device and MAIN_STREAM_PRIORITY, created on
+    first use (torch clamps the priority to the device's range)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (dev, int(MAIN_STREAM_PRIORITY))
+    if key not in _capture_streams:
+        _capture_streams[key] = torch.cuda.Stream(dev, priority=key[1])
+    return _capture_streams[key]
+
+
 def make_runtime(cfg: KimiConfig, device: torch.device) -> Runtime:
     """Real collectives when a process group of world > 1 exists, tp_sim when asked, else tp = 1."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -87,7 +114,7 @@ def prepare(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], graph: boo
     if not cuda:
         raise ValueError("CUDA-graph mode needs a CUDA device")
     g = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(g):
+    with torch.no_grad(), torch.cuda.graph(g, stream=capture_stream(inputs[0].device)):
         outs = model(*inputs)
     torch.cuda.synchronize()
 
