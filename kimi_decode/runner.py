@@ -38,7 +38,7 @@ _capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 def capture_stream(device: torch.device | str | None = None) -> torch.cuda.Stream:
     """The stream steps are captured on: one per device and MAIN_STREAM_PRIORITY, created on
     first use (torch clamps the priority to the device's range)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    dev = torch.device("cuda" if device is None else device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     key = (dev, int(MAIN_STREAM_PRIORITY))

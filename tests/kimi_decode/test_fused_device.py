@@ -103,6 +103,33 @@ def test_patch_sets_attributes_and_dict_items(monkeypatch) -> None:
     assert gm.UNROLL == 8
 
 
+def test_patched_stream_priorities_reach_the_streams(monkeypatch) -> None:
+    """The session-13 A/B (bench/fused_runs.md): --patch sets runner.MAIN_STREAM_PRIORITY and
+    comm.SIDE_STREAM_PRIORITY before anything is built, and the capture stream and the aux
+    stream are created with them (torch.cuda.Stream replaced: no GPU here)."""
+    import kimi_decode.comm as comm
+    import kimi_decode.runner as runner
+    made: list[tuple[object, int]] = []
+
+    class FakeStream:
+        def __init__(self, device: object = None, priority: int = 0) -> None:
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runner, "_capture_streams", {})
+    monkeypatch.setattr(runner, "MAIN_STREAM_PRIORITY", runner.MAIN_STREAM_PRIORITY)
+    monkeypatch.setattr(comm, "SIDE_STREAM_PRIORITY", comm.SIDE_STREAM_PRIORITY)
+    default = runner.capture_stream()
+    assert made == [(torch.device("cuda", 0), 0)] and runner.capture_stream("cuda:0") is default
+    fd.apply_patch("kimi_decode.runner:MAIN_STREAM_PRIORITY=-1")
+    high = runner.capture_stream("cuda")
+    assert high is not default and made[-1] == (torch.device("cuda", 0), -1)
+    fd.apply_patch("kimi_decode.comm:SIDE_STREAM_PRIORITY=-1")
+    comm.SideStream(torch.device("cuda", 0))
+    assert made[-1] == (torch.device("cuda", 0), -1) and len(made) == 3
+
+
 @pytest.mark.parametrize("spec,msg", [
     ("kimi_decode.fused:MAX_ROWS", "expected module:NAME=LITERAL"),          # no value
     ("kimi_decode.fused:MAX_ROWS=os.getcwd()", "expected module:NAME=LITERAL"),   # not a literal
