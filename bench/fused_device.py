@@ -21,7 +21,8 @@ apply_patch; --bench-spec 0 is what includes the k = 0 shapes):
     python3 -m bench.fused_device --out $OUT/a --kernels <set> --skip step ref capture
         --bench-variants fused --bench-batch 8 --bench-spec 0 7
         --patch 'kimi_decode.kernels.gemv_mma:TUNED[(3584, 7168)]=(16, 4)'
-(one command line).
+(one command line). An opt-in kernel (fused.OPT_IN) is timed only when named in --kernels and
+in --opt-in.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import json
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -267,6 +268,12 @@ def reference_check(kernels: frozenset[str], base: dict[str, Any]) -> list[dict]
     return res
 
 
+def timed_set(passed: frozenset[str], opt_in: Iterable[str] = ()) -> frozenset[str]:
+    """The kernels the bench and the captures run: those that passed, less fused.OPT_IN (slower
+    where they would run) except the ones named in --opt-in (an A/B of one of them)."""
+    return frozenset(passed) - (OPT_IN - frozenset(opt_in))
+
+
 def apply_patch(spec: str) -> str:
     """One A/B setting of a module constant, applied before anything is built:
     'package.module:NAME=LITERAL' sets an attribute, 'package.module:NAME[KEY]=LITERAL' an item
@@ -446,6 +453,9 @@ def main() -> None:
     ap.add_argument("--patch", nargs="*", default=[],
                     help="A/B settings applied first, each 'module:NAME=LITERAL' or "
                          "'module:NAME[KEY]=LITERAL' (apply_patch), recorded in results.json")
+    ap.add_argument("--opt-in", nargs="*", default=[], choices=sorted(OPT_IN),
+                    help="opt-in kernels (fused.OPT_IN) the bench and captures run too when they pass "
+                         "(an A/B of a kernel kept out of the headline set)")
     args = ap.parse_args()
     if args.isolated:
         run_isolated(args.isolated)
@@ -510,7 +520,7 @@ def main() -> None:
     save(args.out, "reference", refs)
     if krows or steps or refs:
         (args.out / "fused_correctness.md").write_text(report(krows, steps, refs, passed))
-    timed_kernels = passed - OPT_IN
+    timed_kernels = timed_set(passed, args.opt_in)
     # Captures first: they compile the op groups for the four shapes, which bench then reuses.
     if "capture" not in args.skip:
         captures(args.out, timed_kernels, timed, args.steps, args.budget_s,

@@ -52,7 +52,9 @@ and the kernel is in `VERIFIED`):
 - Router at 2 ≤ M ≤ 8: gemv_mma's fp32 logits, then `router_topk` (kernels/router_topk.py:
   router_fast's selection, one warp-CTA per row) instead of stock's Triton routing kernel;
   `router_mma` (opt-in: OPT_IN): the logits split over K and the top-k in the last CTA, one
-  launch; slower in the step (see OPT_IN).
+  launch; at its default 4 K slices slower in the step; at one slice of 16 warps with the
+  shared expert after it (SHARED_AFTER_ROUTER_MMA) 6-10 µs faster per 4-layer step graph at
+  M = 8, within noise per layer (kernels/router_mma.py, bench/fused_runs.md session 14).
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
@@ -201,6 +203,10 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # router instead of after latent_down: the front then streams latent_down and the router's
 # weights only, and the shared expert's 11 MB run beside the routed experts.
 SHARED_AFTER_ROUTER = True
+# The same where router_mma is issued first (the side stream forked before it): False keeps the
+# shared expert right after latent_down, in the front beside the router's grid (as router_mma
+# was measured before session 14); True issues it after the router as above.
+SHARED_AFTER_ROUTER_MMA = False
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -868,7 +874,7 @@ class LatentMoE(stock.LatentMoE):
             if router_first:
                 with op_range("router"):
                     idx, w = self._route(y)                                            # [M, K]
-            defer = SHARED_AFTER_ROUTER and not router_first
+            defer = SHARED_AFTER_ROUTER_MMA if router_first else SHARED_AFTER_ROUTER
             with _on_side(self.rt, y, after=fork):
                 with op_range("latent_down"):
                     z = _linear(y, self.down, self.use_gemv, self.k)                   # [M, L]

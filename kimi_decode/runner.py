@@ -29,7 +29,9 @@ from kimi_decode.variants import variant_class
 # the H200 (2026-12-04, bench/fused_runs.md "Session 13"), fused layers in us: main at -1 makes
 # B = 1, k = 7 KDA 202-206 -> 213-216 and B = 8 198-203 -> 206-211 (B = 1, k = 0 +1); the aux
 # stream at -1 changes nothing (within 0.5 us), and router_topk still starts ~5 us late, so
-# the delay is not the block scheduler's priority order. Both stay 0.
+# the delay is not the block scheduler's priority order. Both stay 0. (Session 14: with the
+# selection in the logits grid's last CTA, router_mma at one K slice, FC1 follows latent_down
+# within 0.4-2.4 us: the delay was router_topk's own launch.)
 MAIN_STREAM_PRIORITY = 0
 
 _capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}

@@ -14,6 +14,13 @@ Measured (H200, cold weights, bench/fused_correctness.md and fused_runs.md): 11.
 top-k alone 8 µs). In the B = 1, k = 7 step it is not faster than gemv_mma's logits + stock's
 routing kernel: issued first it slows latent_down beside it, which then finishes last; so the
 kernel is opt-in (fused.OPT_IN).
+Session 14 (bench/fused_runs.md): at S = 1 with 16 warps (gemv_mma's own 56-CTA logits grid,
+14.7 µs at M = 8, of which the grid 9.9) and the shared expert issued after it
+(fused.SHARED_AFTER_ROUTER_MMA) FC1 starts 0.4-2.4 µs after latent_down in every M = 8 layer of
+the step graph, where the two-kernel router left it 3.9-6.7 µs late in most KDA layers: the
+4-layer step 6-10 µs faster (B = 1, k = 7 and B = 8), one kernel fewer per MoE layer, but
+within noise in the per-layer bench (KDA −0.4 to −1.5, MLA +0.4 to +0.9 µs). Not yet the
+default (it needs the full device pipeline).
 
 Math (as router_fast / router.py, every intermediate fp32):
     logits[m, e] = Σ_s part[s, m, e],  s = 0 .. S-1 in order,  part[s] = x[:, K_s] @ W[:, K_s]ᵀ
@@ -64,8 +71,10 @@ from kimi_decode.kernels import gemv_mma as gm
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr
 
-WARPS = 8          # per CTA (gemv_mma's layout; the top-k uses warps 0 .. M-1)
+WARPS = 8          # per CTA, 8 or 16 (gemv_mma's layout; the top-k uses warps 0 .. M-1)
 SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
+# route() and can_implement() read both when called, so `bench/fused_device.py --patch` can A/B
+# them in the step (S = 1 with 16 warps is gemv_mma's own 56-CTA logits grid plus the tail)
 
 
 @dataclass(frozen=True)
@@ -83,15 +92,19 @@ class RouterMmaConfig:
     tail: bool = True
     # False (timing only, with tail): the last CTA sums the slices but runs no top-k
     topk: bool = True
+    warps: int = WARPS   # per CTA: 8, or 16 (gemv_mma's choice for its 56-CTA logits grid)
 
 
 def can_implement(m: int, hidden: int, experts: int, top_k: int, dtypes: tuple[torch.dtype, ...],
-                  splits: int = SPLITS) -> bool:
-    """gemv_mma's rows (2..8); D in `splits` slices of whole chunks that WARPS warps share
-    evenly; router_fast's top-k limits (E a multiple of 32, ≤ 2048; k ≤ 32)."""
+                  splits: int | None = None, warps: int | None = None) -> bool:
+    """gemv_mma's rows (2..8); D in `splits` slices of whole chunks that `warps` warps share
+    evenly (8 or 16); router_fast's top-k limits (E a multiple of 32, ≤ 2048; k ≤ 32). `splits`
+    defaults to SPLITS as it is when called (so `--patch` A/Bs reach the step's router)."""
+    splits = SPLITS if splits is None else splits
+    warps = WARPS if warps is None else warps
     chunks = hidden // gm.CHUNK
     return (gm.MIN_ROWS <= m <= gm.MAX_ROWS and hidden % gm.CHUNK == 0 and chunks % splits == 0
-            and (chunks // splits) % WARPS == 0 and experts % 32 == 0 and 1 <= experts // 32 <= 64
+            and warps in (8, 16) and (chunks // splits) % warps == 0 and experts % 32 == 0 and 1 <= experts // 32 <= 64
             and 1 <= top_k <= 32 and top_k <= experts and all(d == torch.bfloat16 for d in dtypes))
 
 
@@ -102,7 +115,7 @@ class RouterMma:
         self.cfg = cfg
         self.ks = cfg.hidden // cfg.splits
         # one K slice of gemv_mma's tile (its loads, mma rounds, warp sums)
-        self.mma = gm.GemvMma(gm.GemvMmaConfig(cfg.experts, self.ks, cfg.rows, warps=WARPS, out_f32=True))
+        self.mma = gm.GemvMma(gm.GemvMmaConfig(cfg.experts, self.ks, cfg.rows, warps=cfg.warps, out_f32=True))
         # router_fast's top-k (topk_row: one warp per row); its GEMV is not used
         self.sel = rf.RouterFast(rf.RouterFastConfig(cfg.hidden, cfg.experts, cfg.top_k, cfg.rows, cfg.scaling))
         self.tiles = (cfg.experts + gm.TILE - 1) // gm.TILE
@@ -124,7 +137,7 @@ class RouterMma:
         mI = cute.make_tensor(ids, cute.make_layout((m, K), stride=(K, 1)))
         mO = cute.make_tensor(weights, cute.make_layout((m, K), stride=(K, 1)))
         self.kernel(mX, mW, mB, mP, mC, mI, mO).launch(
-            grid=[self.tiles, S, 1], block=[WARPS * 32, 1, 1], stream=stream, use_pdl=chain.chain_on())
+            grid=[self.tiles, S, 1], block=[self.cfg.warps * 32, 1, 1], stream=stream, use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor, mP: cute.Tensor,
@@ -179,9 +192,10 @@ class RouterMma:
         the last CTA: every load independent (one L2 round trip), indices clamped instead of
         branched."""
         E, m, S = self.cfg.experts, self.cfg.rows, self.cfg.splits
+        nt = self.cfg.warps * 32
         n_l = m * E
-        for i in cutlass.range_constexpr((n_l + WARPS * 32 - 1) // (WARPS * 32)):
-            t = tidx + i * (WARPS * 32)
+        for i in cutlass.range_constexpr((n_l + nt - 1) // nt):
+            t = tidx + i * nt
             tc = cutlass.min(t, Int32(n_l - 1))
             r_ = tc // E
             e_ = tc - r_ * E
@@ -190,8 +204,8 @@ class RouterMma:
                 v = v + mP[sp, r_, e_]
             if t < n_l:
                 sL[r_, e_] = v
-        for i in cutlass.range_constexpr((E + WARPS * 32 - 1) // (WARPS * 32)):
-            t = tidx + i * (WARPS * 32)
+        for i in cutlass.range_constexpr((E + nt - 1) // nt):
+            t = tidx + i * nt
             if t < E:
                 sB[t] = mB[t]
 
@@ -207,19 +221,20 @@ def compile_for(cfg: RouterMmaConfig) -> object:
 
 
 def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-          counter: torch.Tensor, splits: int = SPLITS, tail: bool = True,
+          counter: torch.Tensor, splits: int | None = None, tail: bool = True,
           topk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """router.route's contract for 2 ≤ M ≤ 8: y [M, D] bf16, w_gate [E, D] bf16, bias [E]
     fp32, counter a zeroed int32 [1] buffer (left zeroed). Returns (ids [M, k] int64,
     weights [M, k] fp32), ordered by biased score, descending. `tail=False` (timing only):
     the GEMV grid alone, ids and weights left unwritten; `topk=False` (timing only): the grid
-    and the last CTA's slice sums, no top-k."""
+    and the last CTA's slice sums, no top-k. `splits`: SPLITS as it is when called."""
+    splits = SPLITS if splits is None else splits
     m, d = y.shape
     e = w_gate.shape[0]
-    if (not can_implement(m, d, e, top_k, (y.dtype, w_gate.dtype), splits) or w_gate.shape[1] != d
+    if (not can_implement(m, d, e, top_k, (y.dtype, w_gate.dtype), splits, WARPS) or w_gate.shape[1] != d
             or bias.dtype != torch.float32 or bias.numel() != e or not y.is_contiguous()):
         raise ValueError(f"router_mma cannot run M={m} D={d} E={e} k={top_k} splits={splits}")
-    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail, topk)
+    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail, topk, WARPS)
     part = torch.empty(splits, m, e, dtype=torch.float32, device=y.device)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)

@@ -48,6 +48,11 @@ from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
 
 MIN_ROWS, MAX_ROWS = 2, 8    # M = 1 keeps router_fast (GEMV + top-k in one launch); 8: verified
+# Launched with PDL when the chain is on (its CTAs become resident under the logits and wait).
+# False: launched as a plain kernel after the logits complete; an A/B switch (`--patch`) for
+# the late start in the M = 8 KDA layers: measured 1.3-1.7 us slower per M = 8 layer
+# (bench/fused_runs.md, session 14), so PDL stays.
+USE_PDL = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class RouterTopKConfig:
     top_k: int
     rows: int
     scaling: float = 1.0
+    pdl: bool = True      # USE_PDL when route_logits built it
 
 
 def can_implement(m: int, experts: int, top_k: int) -> bool:
@@ -85,7 +91,7 @@ class RouterTopK:
         mI = cute.make_tensor(ids, cute.make_layout((m, K), stride=(K, 1)))
         mO = cute.make_tensor(weights, cute.make_layout((m, K), stride=(K, 1)))
         self.kernel(mL, mB, mI, mO).launch(grid=[m, 1, 1], block=[32, 1, 1], stream=stream,
-                                           use_pdl=chain.chain_on())
+                                           use_pdl=self.cfg.pdl and chain.chain_on())
 
     @cute.kernel
     def kernel(self, mL: cute.Tensor, mB: cute.Tensor, mI: cute.Tensor, mO: cute.Tensor):
@@ -131,7 +137,7 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int,
         raise ValueError(f"router_topk cannot run M={m} E={e} k={top_k} ({logits.dtype}, bias {bias.dtype})")
     ids = torch.empty(m, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=logits.device)
-    compile_for(RouterTopKConfig(e, top_k, m, float(scaling)))(ptr(logits), ptr(bias), ptr(ids), ptr(weights),
+    compile_for(RouterTopKConfig(e, top_k, m, float(scaling), USE_PDL))(ptr(logits), ptr(bias), ptr(ids), ptr(weights),
                                                               current_stream())
     return ids, weights
 

@@ -146,3 +146,20 @@ def test_bad_patch_is_a_one_line_error(tmp_path, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         fd.main()
     assert "fused_device: --patch" in str(e.value) and "has no attribute 'X'" in str(e.value)
+
+
+def test_opt_in_kernels_are_timed_only_when_named() -> None:
+    """--opt-in: an opt-in kernel (fused.OPT_IN) that passed is left out of the bench and the
+    captures unless named (the session-14 router_mma A/Bs); kernels outside OPT_IN always run,
+    a failed kernel never does."""
+    passed = frozenset({"gemv", "router_topk", "router_mma", "experts_one"})
+    assert fd.timed_set(passed) == {"gemv", "router_topk"}
+    assert fd.timed_set(passed, ["router_mma"]) == {"gemv", "router_topk", "router_mma"}
+    assert fd.timed_set(passed - {"router_mma"}, ["router_mma"]) == {"gemv", "router_topk"}
+
+
+def test_unknown_opt_in_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.argv", ["fused_device", "--out", str(tmp_path / "o"), "--opt-in", "gemv"])
+    with pytest.raises(SystemExit) as e:
+        fd.main()
+    assert e.value.code == 2 and "invalid choice: 'gemv'" in capsys.readouterr().err

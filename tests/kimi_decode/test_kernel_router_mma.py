@@ -97,6 +97,44 @@ def test_compiles(tmp_path: Path, m: int) -> None:
         assert regs <= 128 and spills == 0, (regs, spills)
 
 
+def test_one_slice_sixteen_warps_compiles(tmp_path: Path) -> None:
+    """S = 1 with 16 warps (the session-14 A/B: gemv_mma's own 56-CTA logits grid plus the
+    top-k tail): 14 chunks per warp, the tile sum over 16 warps' partials, no spills (ptxas
+    gives it the 128 registers a 512-thread CTA can have)."""
+    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, 8, K3.routed_scaling, splits=1, warps=16)
+    ptx = ptx_of(tmp_path, rm.RouterMma(cfg), P(bf), P(bf), P(torch.float32), P(torch.float32),
+                 P(torch.int32), P(torch.int64), P(torch.float32))
+    common_checks(ptx)
+    per_warp = K3.hidden // gm.CHUNK // 16                               # 14 chunks
+    u = min(gm.UNROLL, per_warp)
+    # round 0 (peeled: loaded before the wait), one loop body for rounds 1 and 2, the remainder
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * (2 * u + per_warp % u)
+    assert ptx.count("atom.") == 1
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 128 and spills == 0, (regs, spills)
+    assert rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=1, warps=16)
+    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=8, warps=16)  # 28 chunks
+    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=1, warps=4)
+
+
+def test_route_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """route() and can_implement() take SPLITS and WARPS as they are at the call, so a
+    `bench/fused_device.py --patch` reaches the step's router (the compiled kernel replaced)."""
+    built: list[rm.RouterMmaConfig] = []
+    monkeypatch.setattr(rm, "compile_for", lambda cfg: built.append(cfg) or (lambda *a: None))
+    monkeypatch.setattr(rm, "ptr", lambda t: None)
+    args = (torch.zeros(8, K3.hidden, dtype=bf), torch.zeros(K3.num_experts, K3.hidden, dtype=bf),
+            torch.zeros(K3.num_experts), K3.top_k, 1.0, torch.zeros(1, dtype=torch.int32))
+    rm.route(*args)
+    monkeypatch.setattr(rm, "SPLITS", 1)
+    monkeypatch.setattr(rm, "WARPS", 16)
+    rm.route(*args)
+    assert [(c.splits, c.warps) for c in built] == [(4, 8), (1, 16)]
+    monkeypatch.setattr(rm, "SPLITS", 8)     # 28 chunks per slice: not a multiple of 16 warps
+    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf))
+
+
 def test_chained_build_waits_before_reading_x(tmp_path: Path) -> None:
     """PDL chain on: only weight loads (2 per chunk of round 0) precede griddepcontrol.wait;
     y, the partials, the counter and the bias are read after it; it never releases the next
@@ -188,3 +226,38 @@ def test_router_issued_before_the_side_stream_when_it_applies(monkeypatch: pytes
         per_layer = [tuple(moe[i:i + (3 if on else 2)]) for i in range(0, len(moe), 3 if on else 2)]
         want = ("fork", "router", "latent_down") if on else ("latent_down", "router")
         assert per_layer and all(p == want for p in per_layer), (on, per_layer)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_shared_expert_after_router_mma_when_set(monkeypatch: pytest.MonkeyPatch, deferred: bool) -> None:
+    """fused.SHARED_AFTER_ROUTER_MMA: with router_mma issued first, the shared expert is issued
+    on the side stream right after latent_down (False, the block _on_side(after=fork) opened)
+    or in a block of its own that waits for the main stream, i.e. for the router (True, as
+    SHARED_AFTER_ROUTER does for the two-kernel router). The step equals stock either way."""
+    from kimi_decode import fused
+    from kimi_decode.config import tiny
+    from kimi_decode.runner import build
+    from tests.kimi_decode.test_fused import record_ops, run_close
+    order = record_ops(monkeypatch)
+    real_on_side = fused._on_side
+
+    def on_side(rt, *inputs, after=None):
+        order.append("side(fork)" if after is not None else "side(main)")
+        return real_on_side(rt, *inputs, after=after)
+    monkeypatch.setattr(fused, "_on_side", on_side)
+    monkeypatch.setattr(fused, "_fork", lambda rt: order.append("fork") or object())
+    monkeypatch.setattr(fused, "SHARED_AFTER_ROUTER_MMA", deferred)
+    monkeypatch.setattr(rm, "route", lambda y, w, b, k, s, c: _emulate_route(y, w, b, k, s, c))
+    monkeypatch.setattr(fused.LatentMoE, "_router_mma_applies", lambda self, y: True)
+    cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)
+    stock, _ = build("stock", cfg, "cpu")
+    model = fused.FusedDecoder.from_stock(stock)
+    for layer in model.layers:
+        layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
+    run_close(stock, model, seed=7, steps=1)
+    moe = [o for o in order if o in ("fork", "router", "side(fork)", "side(main)", "latent_down", "shared_expert")]
+    want = (("fork", "router", "side(fork)", "latent_down", "side(main)", "shared_expert") if deferred
+            else ("fork", "router", "side(fork)", "latent_down", "shared_expert"))
+    n = len(want)
+    per_layer = [tuple(moe[i:i + n]) for i in range(0, len(moe), n)]
+    assert per_layer and all(p == want for p in per_layer), per_layer

@@ -82,6 +82,20 @@ def test_registered_for_the_device_check() -> None:
     assert "router_topk" in checks.CHECKS
 
 
+def test_pdl_switch_reaches_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """USE_PDL (the session-14 A/B: router_topk launched as a plain kernel) is read when
+    route_logits is called and is part of the compiled configuration (the cache key), so the
+    two launch modes never share a build."""
+    built: list[rt.RouterTopKConfig] = []
+    monkeypatch.setattr(rt, "compile_for", lambda cfg: built.append(cfg) or (lambda *a: None))
+    monkeypatch.setattr(rt, "ptr", lambda t: None)
+    logits, bias = torch.zeros(8, 896), torch.zeros(896)
+    rt.route_logits(logits, bias, 16, 2.5)
+    monkeypatch.setattr(rt, "USE_PDL", False)
+    rt.route_logits(logits, bias, 16, 2.5)
+    assert [c.pdl for c in built] == [True, False] and built[0] != built[1]
+
+
 def _emulate(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
              drop_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel in torch: router_fast's selection (emulate_select) row by row, in fp32."""
