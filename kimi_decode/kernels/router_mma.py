@@ -43,10 +43,11 @@ zero). S = 4 at K3 (224 CTAs instead of gemv_mma's 56: more of the 132 SMs strea
 12.8 MB).
 
 PDL chain (kernels/chain.py): launched with PDL when the chain is on; tile_partials loads its
-first round of weights before the wait. It never releases the next kernel: FC1 (next on the
-stream) starts once this grid has completed, as after stock's routing kernel. FC1 waits
-before it reads the ids (moe_experts.ExpertsFC1) anyway, and FC2 reads them only once FC1's
-CTAs have all passed their wait.
+first round of weights before the wait. By default it never releases the next kernel: FC1
+(next on the stream) starts once this grid has completed, as after stock's routing kernel.
+With RELEASE_AFTER_ARRIVAL the last CTA releases it on arrival (every other CTA has exited by
+then). Either way FC1 waits before it reads the ids (moe_experts.ExpertsFC1), and FC2 reads
+them only once FC1's CTAs have all passed their wait, i.e. after this grid has completed.
 
 Check on the GPU (against stock's GEMM + routing op, gemv_mma's logits + that op, router_fast
 and the float64 reference; times stock's two kernels, gemv_mma + stock routing and this one
@@ -75,6 +76,13 @@ WARPS = 8          # per CTA, 8 or 16 (gemv_mma's layout; the top-k uses warps 0
 SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
 # route() and can_implement() read both when called, so `bench/fused_device.py --patch` can A/B
 # them in the step (S = 1 with 16 warps is gemv_mma's own 56-CTA logits grid plus the tail)
+# True: the last CTA releases FC1 (griddepcontrol.launch_dependents) as soon as it has arrived,
+# so FC1's CTAs are resident and waiting while it sums and selects (every other CTA has exited,
+# so the release takes effect at once; FC1 still reads the ids only after its wait, i.e. after
+# this grid has completed). Why a setting: with the two-kernel router the MLA layer's FC1 starts
+# ~2 us before latent_down ends through its programmatic edge, which router_mma, releasing
+# nothing, loses (bench/fused_runs.md session 14). Read by route() when called; an A/B switch.
+RELEASE_AFTER_ARRIVAL = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,8 @@ class RouterMmaConfig:
     # False (timing only, with tail): the last CTA sums the slices but runs no top-k
     topk: bool = True
     warps: int = WARPS   # per CTA: 8, or 16 (gemv_mma's choice for its 56-CTA logits grid)
+    # the last CTA releases the next kernel (PDL) on arrival, before its slice sums and top-k
+    release_tail: bool = False
 
 
 def can_implement(m: int, hidden: int, experts: int, top_k: int, dtypes: tuple[torch.dtype, ...],
@@ -177,6 +187,8 @@ class RouterMma:
         # SMs the grid and the other stream's GEMVs needed: bench/fused_runs.md)
         if flag[0] == self.tiles * S - 1:               # CTA-uniform: the last CTA
             cute.arch.fence_acq_rel_gpu()
+            if cutlass.const_expr(self.cfg.release_tail):
+                chain.release()                         # FC1 may become resident (RELEASE_AFTER_ARRIVAL)
             if cutlass.const_expr(self.cfg.tail):
                 self.sum_slices(mP, mB, sL, sB, tidx)
                 cute.arch.sync_threads()                # the summed logits, seen by every warp
@@ -234,7 +246,7 @@ def route(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
     if (not can_implement(m, d, e, top_k, (y.dtype, w_gate.dtype), splits, WARPS) or w_gate.shape[1] != d
             or bias.dtype != torch.float32 or bias.numel() != e or not y.is_contiguous()):
         raise ValueError(f"router_mma cannot run M={m} D={d} E={e} k={top_k} splits={splits}")
-    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail, topk, WARPS)
+    cfg = RouterMmaConfig(d, e, top_k, m, float(scaling), splits, tail, topk, WARPS, RELEASE_AFTER_ARRIVAL)
     part = torch.empty(splits, m, e, dtype=torch.float32, device=y.device)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=y.device)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=y.device)

@@ -119,8 +119,9 @@ def test_one_slice_sixteen_warps_compiles(tmp_path: Path) -> None:
 
 
 def test_route_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
-    """route() and can_implement() take SPLITS and WARPS as they are at the call, so a
-    `bench/fused_device.py --patch` reaches the step's router (the compiled kernel replaced)."""
+    """route() and can_implement() take SPLITS, WARPS (and route() RELEASE_AFTER_ARRIVAL) as
+    they are at the call, so a `bench/fused_device.py --patch` reaches the step's router (the
+    compiled kernel replaced)."""
     built: list[rm.RouterMmaConfig] = []
     monkeypatch.setattr(rm, "compile_for", lambda cfg: built.append(cfg) or (lambda *a: None))
     monkeypatch.setattr(rm, "ptr", lambda t: None)
@@ -130,7 +131,9 @@ def test_route_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(rm, "SPLITS", 1)
     monkeypatch.setattr(rm, "WARPS", 16)
     rm.route(*args)
-    assert [(c.splits, c.warps) for c in built] == [(4, 8), (1, 16)]
+    monkeypatch.setattr(rm, "RELEASE_AFTER_ARRIVAL", True)
+    rm.route(*args)
+    assert [(c.splits, c.warps, c.release_tail) for c in built] == [(4, 8, False), (1, 16, False), (1, 16, True)]
     monkeypatch.setattr(rm, "SPLITS", 8)     # 28 chunks per slice: not a multiple of 16 warps
     assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf))
 
@@ -145,6 +148,21 @@ def test_chained_build_waits_before_reading_x(tmp_path: Path) -> None:
     before = [s for s in lines[:wait] if s.startswith(("ld.global", "atom", "ld.shared"))]
     per_warp = K3.hidden // rm.SPLITS // gm.CHUNK // rm.WARPS
     assert len(before) == 2 * min(gm.UNROLL, per_warp) and all(s.startswith("ld.global") for s in before)
+
+
+def test_release_after_arrival_is_the_last_ctas_only(tmp_path: Path) -> None:
+    """RELEASE_AFTER_ARRIVAL's build (chain on): one griddepcontrol.launch_dependents, after the
+    grid-completion atomic (only the last CTA, which has seen every other CTA arrive, reaches
+    it) and before the top-k's ids store; the default build has none (the test above)."""
+    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, 8, K3.routed_scaling, splits=1, warps=16,
+                             release_tail=True)
+    lines, wait = chained_ptx_at_wait(lambda: ptx_of(tmp_path, rm.RouterMma(cfg), P(bf), P(bf), P(torch.float32),
+                                                     P(torch.float32), P(torch.int32), P(torch.int64),
+                                                     P(torch.float32)))
+    rel = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.launch_dependents")]
+    atom = next(i for i, s in enumerate(lines) if s.startswith("atom."))
+    ids_store = next(i for i, s in enumerate(lines) if s.startswith("st.global.u64") or s.startswith("st.global.b64"))
+    assert len(rel) == 1 and wait < atom < rel[0] < ids_store, (wait, atom, rel, ids_store)
 
 
 def test_registered_for_the_device_check() -> None:
