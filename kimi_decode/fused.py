@@ -39,7 +39,9 @@ and the kernel is in `VERIFIED`):
   weights (75 MB), all on the main stream; bit-identical to the separate kernels. In the B = 1
   step it replaced 39.8 us (latent_down and the shared expert on the side stream, the router
   starting ~15 us late beside them) with 24-25 us. The shared expert's down GEMV then runs on
-  the side stream beside the routed experts, joined before the tail.
+  the side stream beside the routed experts, joined before the tail. With FRONT_SHARED off
+  (an A/B setting, not yet measured) the grid streams the router and latent_down only and the
+  whole shared expert runs on the side stream after it, beside the routed experts.
 - Shared expert (M > 1) on the side stream after the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts) and the
   routed experts, which wait only for latent_down's event (_mark / _wait_mark; the tail joins
@@ -207,6 +209,12 @@ SHARED_AFTER_ROUTER = True
 # shared expert right after latent_down, in the front beside the router's grid (as router_mma
 # was measured before session 14); True issues it after the router as above.
 SHARED_AFTER_ROUTER_MMA = False
+# The one-launch MoE front at M = 1 (gemv_multi): the shared expert's gate/up as one of its
+# segments (True, 75 MB in one grid), or issued on the side stream after the front (False: the
+# front streams the router and latent_down only, 64 MB, and the shared expert's 16.5 MB share
+# the expert window, whose FC1 streams at ~58 % of the DRAM peak at M = 1 while it waits on
+# the ids and ramps up: bench/ncu_fused_b1.md; one launch more per layer). An A/B setting.
+FRONT_SHARED = True
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -859,10 +867,15 @@ class LatentMoE(stock.LatentMoE):
             # the side stream beside the routed experts, joined before the tail needs it
             from kimi_decode.kernels.gemv_multi import route_and_project
             with op_range("moe_front"):
-                idx, w, (z, h) = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
-                                                   self.router_counter, [self.down, self.shared_gate_up])
-            with _on_side(self.rt, h), op_range("shared_expert"):
-                sh = self._shared_down(h)                                              # [M, D] partial
+                idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
+                                                 self.router_counter, self._front_weights())
+            z = outs[0]
+            if FRONT_SHARED:
+                with _on_side(self.rt, outs[1]), op_range("shared_expert"):
+                    sh = self._shared_down(outs[1])                                    # [M, D] partial
+            else:   # after the front, beside the routed experts (FRONT_SHARED's note)
+                with _on_side(self.rt, y), op_range("shared_expert"):
+                    sh = self._shared(y)                                               # [M, D] partial
         else:
             # latent_down then the shared expert on the side stream, the router on the main one;
             # the routed experts wait for latent_down only (its event), so the shared expert's
@@ -932,14 +945,20 @@ class LatentMoE(stock.LatentMoE):
         with op_range("moe_gather"):
             return comm.all_gather_cols(part)
 
+    def _front_weights(self) -> list[torch.Tensor]:
+        """The projections the one-launch front streams beside the router: latent_down, and
+        the shared expert's gate/up where FRONT_SHARED."""
+        return [self.down, self.shared_gate_up] if FRONT_SHARED else [self.down]
+
     def _front_applies(self, y: torch.Tensor) -> bool:
         """The MoE front in one launch (gemv_multi with the router): kernel on, M within the
         per-M table, shapes the kernel takes."""
         if not (self.use_front and y.shape[0] <= MAX_ROWS["gemv_multi"] and y.is_contiguous()):
             return False
         from kimi_decode.kernels.gemv_multi import can_implement
-        return can_implement(y.shape[0], y.shape[1], [self.down.shape[0], self.shared_gate_up.shape[0]],
-                             (y.dtype, self.router.dtype, self.down.dtype, self.shared_gate_up.dtype),
+        ws = self._front_weights()
+        return can_implement(y.shape[0], y.shape[1], [w.shape[0] for w in ws],
+                             (y.dtype, self.router.dtype, *(w.dtype for w in ws)),
                              router=(self.router.shape[0], self.cfg.top_k)) and self.bias.dtype == torch.float32
 
     def _up_applies(self, y: torch.Tensor) -> bool:

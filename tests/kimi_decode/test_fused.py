@@ -439,20 +439,23 @@ def test_enable_switches_the_cluster_kernel(monkeypatch) -> None:
         assert all(r.use_mc == want and r.use_kernel == ("attn_res" in on) for r in res)
 
 
-@pytest.mark.parametrize("tp_sim", [False, True])
-def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
+@pytest.mark.parametrize("tp_sim,front_shared", [(False, True), (True, True), (False, False), (True, False)])
+def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool, front_shared: bool) -> None:
     """The one-launch fronts (kernels/gemv_multi.py) wired in, each emulated by its contract
     (route_and_project = the router's (ids, weights) + y @ wᵀ per projection; gemv_multi = x @ wᵀ
     per weight): the step equals stock within float32 rounding, state and blocks included, with
     the stock SimComm collectives or the slot path; every MoE layer issues exactly one front
     (no separate router / latent_down launch) with the router, latent down and shared gate/up
-    weights in that order, and every MLA layer one qkv_a + g_proj launch."""
+    weights in that order (without the shared gate/up where fused.FRONT_SHARED is off: the
+    shared expert then runs after the front, and the step still equals stock), and every MLA
+    layer one qkv_a + g_proj launch."""
     pytest.importorskip("cutlass")
     import kimi_decode.fused as fused_mod
     import kimi_decode.kernels.gemv_multi as k_multi
     import kimi_decode.kernels.attn_res as k_ar
     from kimi_decode.runner import build
     monkeypatch.setitem(fused_mod.MAX_ROWS, "gemv_multi", 64)   # the wiring at every M
+    monkeypatch.setattr(fused_mod, "FRONT_SHARED", front_shared)
     fronts, multis, routes = [], [], []
 
     def route_and_project(y, w_gate, bias, top_k, scaling, counter, ws):
@@ -495,7 +498,8 @@ def test_gemv_multi_call_sites_on_cpu(monkeypatch, tp_sim: bool) -> None:
     steps = 3 if tp_sim else 2
     moe = [layer.mlp for layer in fused.layers]
     assert routes == []                                            # no separate router launch
-    assert fronts == [(l.router.data_ptr(), l.down.data_ptr(), l.shared_gate_up.data_ptr()) for l in moe] * steps
+    assert fronts == [(l.router.data_ptr(), l.down.data_ptr()) + ((l.shared_gate_up.data_ptr(),) if front_shared else ())
+                      for l in moe] * steps
     mla = [layer.attn for layer in fused.layers if hasattr(layer.attn, "use_multi")]
     assert len(mla) == 2
     assert multis == [(a.qkv_a.data_ptr(), a.g_proj.data_ptr()) for a in mla] * steps

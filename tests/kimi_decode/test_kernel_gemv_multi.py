@@ -52,6 +52,15 @@ def test_moe_front_compiles(tmp_path: Path) -> None:
     assert ptx.count("st.global.b16") >= 2 or ptx.count("st.global.u16") >= 2
 
 
+def test_moe_front_without_the_shared_expert_compiles(tmp_path: Path) -> None:
+    """fused.FRONT_SHARED off: the router and latent_down alone (one GEMV segment)."""
+    rcfg = rf.RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling)
+    ptx = ptx_of(tmp_path, MultiConfig(K3.hidden, 1, (K3.latent_dim,), rcfg))
+    assert ".target sm_90a" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("ld.global.v4") == 2 * 7 + 2 * 4          # the router CTA's, one segment's loop
+    assert ptx.count("atom.global.acq_rel.add") == 1
+
+
 def test_mla_front_compiles(tmp_path: Path) -> None:
     cfg = MultiConfig(K3.hidden, 1, (K3.qkv_a_rows, K3.mla_local_heads * K3.v_head_dim))
     ptx = ptx_of(tmp_path, cfg)
