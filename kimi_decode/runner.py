@@ -31,7 +31,8 @@ from kimi_decode.variants import variant_class
 # stream at -1 changes nothing (within 0.5 us), and router_topk still starts ~5 us late, so
 # the delay is not the block scheduler's priority order. Both stay 0. (Session 14: with the
 # selection in the logits grid's last CTA, router_mma at one K slice, FC1 follows latent_down
-# within 0.4-2.4 us: the delay was router_topk's own launch.)
+# within 0.4-2.4 us: the delay comes with router_topk as a kernel of its own, its late start
+# and ~7 us run; what inside it costs the time is not isolated.)
 MAIN_STREAM_PRIORITY = 0
 
 _capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}

@@ -75,7 +75,8 @@ from kimi_decode.kernels._common import arrive_count, compile_options, compiled,
 WARPS = 8          # per CTA, 8 or 16 (gemv_mma's layout; the top-k uses warps 0 .. M-1)
 SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
 # route() and can_implement() read both when called, so `bench/fused_device.py --patch` can A/B
-# them in the step (S = 1 with 16 warps is gemv_mma's own 56-CTA logits grid plus the tail)
+# them in the step (S = 1 with 16 warps is gemv_mma's own 56-CTA logits grid plus the tail).
+
 # True: the last CTA releases FC1 (griddepcontrol.launch_dependents) as soon as it has arrived,
 # so FC1's CTAs are resident and waiting while it sums and selects (every other CTA has exited,
 # so the release takes effect at once; FC1 still reads the ids only after its wait, i.e. after
