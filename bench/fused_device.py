@@ -22,7 +22,7 @@ apply_patch; --bench-spec 0 is what includes the k = 0 shapes):
         --bench-variants fused --bench-batch 8 --bench-spec 0 7
         --patch 'kimi_decode.kernels.gemv_mma:TUNED[(3584, 7168)]=(16, 4)'
 (one command line). An opt-in kernel (fused.OPT_IN) is timed only when named in --kernels and
-in --opt-in.
+in --opt-in. bench/fused_ab.py runs several such settings in order and returns one table.
 """
 from __future__ import annotations
 
