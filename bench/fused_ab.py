@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("kda", "mla")
+MAX_CAPTURE_VARIANTS = 6   # a tar each, plus ab.json and ab.md: the 8 files a device call returns
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     names = [n for n, _ in variants]
     if len(set(names)) != len(names):
         raise SystemExit(f"fused_ab: variant names repeat: {names} (name each run: base, base2, ...)")
+    if a.captures and len(variants) > MAX_CAPTURE_VARIANTS:
+        raise SystemExit(f"fused_ab: --captures keeps one trace tar per variant and the GPU machine returns 8 "
+                         f"files: at most {MAX_CAPTURE_VARIANTS} variants, got {len(variants)}")
     from kimi_decode.fused import DEFAULT_KERNELS
     work = a.work or Path(tempfile.mkdtemp(prefix="fused_ab_"))
     run(variants, a.out, work, frozenset(DEFAULT_KERNELS), a.batch, a.spec, a.reps, a.timeout_s, a.captures)

@@ -104,6 +104,9 @@ def test_bad_variant_is_a_one_line_error(spec: str) -> None:
 def test_repeated_names_and_bad_render_input_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="variant names repeat"):
         ab.main(["--out", str(tmp_path), "--variant", "base:", "--variant", "base:"])
+    seven = [f"--variant=v{i}:" for i in range(7)]
+    with pytest.raises(SystemExit, match="at most 6 variants, got 7"):
+        ab.main(["--out", str(tmp_path), "--captures", *seven])
     bad = tmp_path / "ab.json"
     bad.write_text("{}")
     with pytest.raises(SystemExit, match=r"fused_ab: .*ab.json: not an ab.json"):
