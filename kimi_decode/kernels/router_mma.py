@@ -19,7 +19,7 @@ Session 14 (bench/fused_runs.md): at S = 1 with 16 warps (gemv_mma's own 56-CTA 
 (fused.SHARED_AFTER_ROUTER_MMA) FC1 starts 0.4-2.4 µs after latent_down in every M = 8 layer of
 the step graph, where the two-kernel router left it 3.9-6.7 µs late in most KDA layers: the
 4-layer step 6-10 µs faster (B = 1, k = 7 and B = 8), one kernel fewer per MoE layer, but
-within noise in the per-layer bench (KDA −0.4 to −1.5, MLA +0.4 to +0.9 µs). Not yet the
+within noise in the per-layer bench (KDA −0.6 to −1.5, MLA +0.8 to +0.9 µs). Not yet the
 default (it needs the full device pipeline).
 
 Math (as router_fast / router.py, every intermediate fp32):

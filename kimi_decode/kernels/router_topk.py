@@ -50,7 +50,7 @@ from kimi_decode.kernels._common import compile_options, compiled, current_strea
 MIN_ROWS, MAX_ROWS = 2, 8    # M = 1 keeps router_fast (GEMV + top-k in one launch); 8: verified
 # Launched with PDL when the chain is on (its CTAs become resident under the logits and wait).
 # False: launched as a plain kernel after the logits complete; an A/B switch (`--patch`) for
-# the late start in the M = 8 KDA layers: measured 1.3-1.7 us slower per M = 8 layer
+# the late start in the M = 8 KDA layers: measured 1.3-1.8 us slower per M = 8 KDA layer
 # (bench/fused_runs.md, session 14), so PDL stays.
 USE_PDL = True
 
