@@ -49,11 +49,14 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 def kernels_for(args: list[str], default: frozenset[str]) -> list[str]:
     """The --kernels list of a variant: the default set plus the kernels its --opt-in names."""
     extra: list[str] = []
-    if "--opt-in" in args:
-        for a in args[args.index("--opt-in") + 1:]:
-            if a.startswith("--"):
-                break
-            extra.append(a)
+    for i, a in enumerate(args):
+        if a.startswith("--opt-in="):
+            extra.append(a.split("=", 1)[1])
+        elif a == "--opt-in":
+            for name in args[i + 1:]:
+                if name.startswith("--"):
+                    break
+                extra.append(name)
     return sorted(default | frozenset(extra))
 
 
@@ -108,7 +111,7 @@ def shapes(result: dict[str, Any]) -> list[tuple[int, int]]:
 
 def cell(bench: dict[str, Any], shape: tuple[int, int]) -> str:
     """'KDA min-max / MLA µs (kernels KDA/MLA)' of the fused variant at one shape; layers of a
-    kind that differ in kernel count show their range."""
+    kind that differ in kernel count show their range (e.g. 12-13/20)."""
     res = [r for r in bench.get("results", []) if (r["batch"], r["spec_tokens"]) == shape and r["variant"] == "fused"]
     if not res:
         return "-"
@@ -122,7 +125,7 @@ def cell(bench: dict[str, Any], shape: tuple[int, int]) -> str:
         us = [layer["median_us"] for layer in ls]
         ks = sorted({layer["kernels"] for layer in ls})
         times.append(f"{min(us):.1f}" if len(us) == 1 else f"{min(us):.1f}-{max(us):.1f}")
-        kern.append("/".join(map(str, ks)) if len(ks) > 1 else str(ks[0]))
+        kern.append(f"{ks[0]}-{ks[-1]}" if len(ks) > 1 else str(ks[0]))
     return f"{times[0]} / {times[1]} ({kern[0]}/{kern[1]})"
 
 

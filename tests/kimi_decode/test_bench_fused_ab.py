@@ -35,12 +35,12 @@ def test_cells_are_the_kda_range_and_the_mla_layer() -> None:
     result = {"reps": 50, "variants": [{"name": "w16d", "args": ["--patch", "m:X=1"], "clock_utc": "15:40", "rc": 0,
                                          "bench": b}]}
     assert ab.shapes(result) == [(1, 0), (1, 7), (8, 0)]           # M = 1, then M = 8 at B = 1 before B = 8
-    assert ab.cell(b, (1, 7)) == "201.5-205.1 / 220.4 (12/13/20)"
+    assert ab.cell(b, (1, 7)) == "201.5-205.1 / 220.4 (12-13/20)"
     assert ab.cell(b, (8, 0)) == "198.3-202.3 / 224.4 (13/17)"
     assert ab.cell(b, (1, 0)) == "84.5 / 97.7 (10/13)"
     assert ab.cell(b, (64, 0)) == "-"
     md = ab.render(result)
-    assert "| 15:40 | w16d | `--patch m:X=1` | 84.5 / 97.7 (10/13) | 201.5-205.1 / 220.4 (12/13/20) |" in md
+    assert "| 15:40 | w16d | `--patch m:X=1` | 84.5 / 97.7 (10/13) | 201.5-205.1 / 220.4 (12-13/20) |" in md
     assert "| B = 1, k = 0 | B = 1, k = 7 | B = 8, k = 0 |" in md
     assert "commit abc1234" in md and "4.23 TB/s" in md
 
@@ -60,6 +60,7 @@ def test_run_keeps_going_past_a_failed_and_a_timed_out_variant(tmp_path: Path) -
         (work / name / "bench.json").write_text(json.dumps(bench({(1, 7): layers([200.0, 202.0], 219.0, 12, 20)})))
         return SimpleNamespace(returncode=0)
 
+    assert ab.kernels_for(["--opt-in=router_mma", "--patch", "m:X=1"], DEFAULT) == ["gemv", "router_mma", "router_topk"]
     variants = [ab.parse_variant("base:"), ab.parse_variant("bad: --patch m:X=1"),
                 ab.parse_variant("mma: --opt-in router_mma experts_one --patch 'm:Y=(1, 2)'"),
                 ab.parse_variant("slow: --patch m:Z=0")]
