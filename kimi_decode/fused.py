@@ -197,8 +197,7 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   230.3 / 231.5 us (B = 1, k = 7 / B = 8; 229.4 / 230.0 at 16 warps) against 227.1 / 230.7
 #   without it, and 228.9 / 229.4 against 224.7 / 227.6 beside mla_norm_fold_mma
 #   (bench/fused_runs.md, session 11).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "router_mma",
-                                    "gemv_mma_pair"})
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
@@ -208,7 +207,7 @@ SHARED_AFTER_ROUTER = True
 # The same where router_mma is issued first (the side stream forked before it): False keeps the
 # shared expert right after latent_down, in the front beside the router's grid (as router_mma
 # was measured before session 14); True issues it after the router as above.
-SHARED_AFTER_ROUTER_MMA = False
+SHARED_AFTER_ROUTER_MMA = True
 # The one-launch MoE front at M = 1 (gemv_multi): the shared expert's gate/up as one of its
 # segments (True, 75 MB in one grid), or issued on the side stream after the front (False: the
 # front streams the router and latent_down only, 64 MB, and the shared expert's 16.5 MB share

@@ -72,8 +72,8 @@ from kimi_decode.kernels import gemv_mma as gm
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels._common import arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr
 
-WARPS = 8          # per CTA, 8 or 16 (gemv_mma's layout; the top-k uses warps 0 .. M-1)
-SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
+WARPS = 16         # per CTA, 8 or 16 (gemv_mma's layout; the top-k uses warps 0 .. M-1)
+SPLITS = 1         # K slices (1: gemv_mma's own 56-CTA grid at K3; 4 measured 3-6 µs slower)
 # route() and can_implement() read both when called, so `bench/fused_device.py --patch` can A/B
 # them in the step (S = 1 with 16 warps is gemv_mma's own 56-CTA logits grid plus the tail).
 
@@ -82,8 +82,9 @@ SPLITS = 4         # K slices at K3 (D = 7168: 56 chunks each, 7 per warp)
 # so the release takes effect at once; FC1 still reads the ids only after its wait, i.e. after
 # this grid has completed). Why a setting: with the two-kernel router the MLA layer's FC1 starts
 # ~2 us before latent_down ends through its programmatic edge, which router_mma, releasing
-# nothing, loses (bench/fused_runs.md session 14). Read by route() when called; an A/B switch.
-RELEASE_AFTER_ARRIVAL = False
+# nothing, loses (bench/fused_runs.md session 14); with it on that FC1 starts 0.4-0.5 µs after
+# latent_down's end instead of 1.6-2.7 (session 15's step graphs). Read by route() when called.
+RELEASE_AFTER_ARRIVAL = True
 
 
 @dataclass(frozen=True)

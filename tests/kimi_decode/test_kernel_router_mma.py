@@ -36,8 +36,11 @@ P = _common.dummy_ptr
 K3 = k3_tp16()
 
 
-def k3_ptx(tmp_path: Path, m: int) -> str:
-    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, m, K3.routed_scaling)
+def k3_ptx(tmp_path: Path, m: int, release: bool = rm.RELEASE_AFTER_ARRIVAL) -> str:
+    """The build route() compiles at K3 with the module's settings (SPLITS, WARPS, and
+    RELEASE_AFTER_ARRIVAL unless `release` says otherwise)."""
+    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, m, K3.routed_scaling, splits=rm.SPLITS,
+                             warps=rm.WARPS, release_tail=release)
     return ptx_of(tmp_path, rm.RouterMma(cfg), P(bf), P(bf), P(torch.float32), P(torch.float32),
                   P(torch.int32), P(torch.int64), P(torch.float32))
 
@@ -83,39 +86,46 @@ def test_limits() -> None:
                  torch.zeros(K3.num_experts, dtype=torch.float64), K3.top_k, 1.0, torch.zeros(1, dtype=torch.int32))
 
 
+def mma_count(per_warp: int) -> int:
+    """mma.sync instructions in a build whose warps take `per_warp` chunks each: two per chunk
+    of round 0 (peeled: loaded before the wait), of one loop body (when there are more rounds)
+    and of the remainder."""
+    u = min(gm.UNROLL, per_warp)
+    return 2 * (u * (1 + (per_warp // u > 1)) + per_warp % u)
+
+
 @pytest.mark.parametrize("m", [2, 8])
 def test_compiles(tmp_path: Path, m: int) -> None:
+    """The step's build (S = 1, 16 warps since session 15: gemv_mma's own 56-CTA logits grid
+    plus the top-k tail, 14 chunks per warp): no spills (ptxas gives a 512-thread CTA 128
+    registers), one arrival atomic at .gpu scope."""
+    assert (rm.SPLITS, rm.WARPS) == (1, 16)
     ptx = k3_ptx(tmp_path, m)
     common_checks(ptx)
-    per_warp = K3.hidden // rm.SPLITS // gm.CHUNK // rm.WARPS          # 7 chunks
-    u = min(gm.UNROLL, per_warp)
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * (u + per_warp % u)
+    per_warp = K3.hidden // rm.SPLITS // gm.CHUNK // rm.WARPS          # 14 chunks
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mma_count(per_warp) == 20
     assert ptx.count("atom.") == 1 and "atom.global.acq_rel.add" in ptx     # one arrival, .gpu scope by default
     assert "fence.acq_rel.gpu" in ptx
     if ptxas_path() is not None:
         regs, spills = ptxas_usage(tmp_path, ptx)
         assert regs <= 128 and spills == 0, (regs, spills)
+    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=8, warps=16)  # 28 chunks
+    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=1, warps=4)
 
 
-def test_one_slice_sixteen_warps_compiles(tmp_path: Path) -> None:
-    """S = 1 with 16 warps (the session-14 A/B: gemv_mma's own 56-CTA logits grid plus the
-    top-k tail): 14 chunks per warp, the tile sum over 16 warps' partials, no spills (ptxas
-    gives it the 128 registers a 512-thread CTA can have)."""
-    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, 8, K3.routed_scaling, splits=1, warps=16)
+def test_four_slices_eight_warps_compiles(tmp_path: Path) -> None:
+    """S = 4 with 8 warps (the default until session 15, 224 CTAs; 3-6 µs slower per layer in
+    the step, still selectable): 7 chunks per warp, no loop body, no spills."""
+    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, 8, K3.routed_scaling, splits=4, warps=8)
     ptx = ptx_of(tmp_path, rm.RouterMma(cfg), P(bf), P(bf), P(torch.float32), P(torch.float32),
                  P(torch.int32), P(torch.int64), P(torch.float32))
     common_checks(ptx)
-    per_warp = K3.hidden // gm.CHUNK // 16                               # 14 chunks
-    u = min(gm.UNROLL, per_warp)
-    # round 0 (peeled: loaded before the wait), one loop body for rounds 1 and 2, the remainder
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * (2 * u + per_warp % u)
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mma_count(7) == 14
     assert ptx.count("atom.") == 1
     if ptxas_path() is not None:
         regs, spills = ptxas_usage(tmp_path, ptx)
         assert regs <= 128 and spills == 0, (regs, spills)
-    assert rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=1, warps=16)
-    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=8, warps=16)  # 28 chunks
-    assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=1, warps=4)
+    assert rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf), splits=4, warps=8)
 
 
 def test_route_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,21 +138,23 @@ def test_route_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -
     args = (torch.zeros(8, K3.hidden, dtype=bf), torch.zeros(K3.num_experts, K3.hidden, dtype=bf),
             torch.zeros(K3.num_experts), K3.top_k, 1.0, torch.zeros(1, dtype=torch.int32))
     rm.route(*args)
-    monkeypatch.setattr(rm, "SPLITS", 1)
+    monkeypatch.setattr(rm, "SPLITS", 4)
+    monkeypatch.setattr(rm, "WARPS", 8)
+    rm.route(*args)
+    monkeypatch.setattr(rm, "RELEASE_AFTER_ARRIVAL", False)
+    rm.route(*args)
+    assert [(c.splits, c.warps, c.release_tail) for c in built] == [(1, 16, True), (4, 8, True), (4, 8, False)]
     monkeypatch.setattr(rm, "WARPS", 16)
-    rm.route(*args)
-    monkeypatch.setattr(rm, "RELEASE_AFTER_ARRIVAL", True)
-    rm.route(*args)
-    assert [(c.splits, c.warps, c.release_tail) for c in built] == [(4, 8, False), (1, 16, False), (1, 16, True)]
     monkeypatch.setattr(rm, "SPLITS", 8)     # 28 chunks per slice: not a multiple of 16 warps
     assert not rm.can_implement(8, K3.hidden, K3.num_experts, K3.top_k, (bf, bf))
 
 
 def test_chained_build_waits_before_reading_x(tmp_path: Path) -> None:
     """PDL chain on: only weight loads (2 per chunk of round 0) precede griddepcontrol.wait;
-    y, the partials, the counter and the bias are read after it; it never releases the next
-    kernel (FC1 starts when it completes: released earlier, FC1's waiting CTAs took the SMs)."""
-    lines, wait = chained_ptx_at_wait(lambda: k3_ptx(tmp_path, 8))
+    y, the partials, the counter and the bias are read after it. Without RELEASE_AFTER_ARRIVAL
+    it never releases the next kernel (FC1 starts when it completes: released by every CTA,
+    FC1's waiting CTAs took the SMs)."""
+    lines, wait = chained_ptx_at_wait(lambda: k3_ptx(tmp_path, 8, release=False))
     assert not any(s.startswith("griddepcontrol.launch_dependents") for s in lines)
     assert next(i for i, s in enumerate(lines) if s.startswith("atom.")) > wait
     before = [s for s in lines[:wait] if s.startswith(("ld.global", "atom", "ld.shared"))]
@@ -153,12 +165,10 @@ def test_chained_build_waits_before_reading_x(tmp_path: Path) -> None:
 def test_release_after_arrival_is_the_last_ctas_only(tmp_path: Path) -> None:
     """RELEASE_AFTER_ARRIVAL's build (chain on): one griddepcontrol.launch_dependents, after the
     grid-completion atomic (only the last CTA, which has seen every other CTA arrive, reaches
-    it) and before the top-k's ids store; the default build has none (the test above)."""
-    cfg = rm.RouterMmaConfig(K3.hidden, K3.num_experts, K3.top_k, 8, K3.routed_scaling, splits=1, warps=16,
-                             release_tail=True)
-    lines, wait = chained_ptx_at_wait(lambda: ptx_of(tmp_path, rm.RouterMma(cfg), P(bf), P(bf), P(torch.float32),
-                                                     P(torch.float32), P(torch.int32), P(torch.int64),
-                                                     P(torch.float32)))
+    it) and before the top-k's ids store: the step's build (on since session 15); without it
+    none (the test above)."""
+    assert rm.RELEASE_AFTER_ARRIVAL
+    lines, wait = chained_ptx_at_wait(lambda: k3_ptx(tmp_path, 8))
     rel = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.launch_dependents")]
     atom = next(i for i, s in enumerate(lines) if s.startswith("atom."))
     ids_store = next(i for i, s in enumerate(lines) if s.startswith("st.global.u64") or s.startswith("st.global.b64"))
