@@ -11,7 +11,8 @@ order, each `bench.fused_device` process with its own settings; what comes back 
 
 On the GPU machine (one command line; a variant is 'NAME: fused_device arguments'):
     python3 -m bench.fused_ab --out $OUT --variant 'base:' \
-        --variant 'w16d: --opt-in router_mma --patch kimi_decode.kernels.router_mma:SPLITS=1'
+        --variant 's4w8: --patch kimi_decode.kernels.router_mma:SPLITS=4 kimi_decode.kernels.router_mma:WARPS=8' \
+        --variant 'pair: --opt-in gemv_mma_pair'
 Here, to render a fetched result again:
     python -m bench.fused_ab --render ab.json
 

@@ -40,8 +40,8 @@ and the kernel is in `VERIFIED`):
   step it replaced 39.8 us (latent_down and the shared expert on the side stream, the router
   starting ~15 us late beside them) with 24-25 us. The shared expert's down GEMV then runs on
   the side stream beside the routed experts, joined before the tail. With FRONT_SHARED off
-  (an A/B setting, not yet measured) the grid streams the router and latent_down only and the
-  whole shared expert runs on the side stream after it, beside the routed experts.
+  (an A/B setting: 2.8 us slower per KDA layer, session 15) the grid streams the router and
+  latent_down only and the whole shared expert runs on the side stream after it.
 - Shared expert (M > 1) on the side stream after the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts) and the
   routed experts, which wait only for latent_down's event (_mark / _wait_mark; the tail joins
@@ -51,12 +51,14 @@ and the kernel is in `VERIFIED`):
   With SHARED_AFTER_ROUTER (default) the shared expert is issued after the router, so the
   front streams latent_down and the router's weights only and the shared expert runs beside
   the routed experts.
-- Router at 2 ≤ M ≤ 8: gemv_mma's fp32 logits, then `router_topk` (kernels/router_topk.py:
-  router_fast's selection, one warp-CTA per row) instead of stock's Triton routing kernel;
-  `router_mma` (opt-in: OPT_IN): the logits split over K and the top-k in the last CTA, one
-  launch; at its default 4 K slices slower in the step; at one slice of 16 warps with the
-  shared expert after it (SHARED_AFTER_ROUTER_MMA) 6-10 µs faster per 4-layer step graph at
-  M = 8, within noise per layer (kernels/router_mma.py, bench/fused_runs.md session 14).
+- Router at 2 ≤ M ≤ 8: `router_mma` (kernels/router_mma.py), one launch: gemv_mma's 56-CTA
+  fp32 logits grid (one K slice, 16 warps) with the sigmoid + correction-bias top-k in its last
+  CTA, which releases FC1 on arrival; the shared expert is issued after it
+  (SHARED_AFTER_ROUTER_MMA). Since session 15 the default: the 4-layer step graph 823-829 µs
+  against 838-842 at B = 1, k = 7 and one kernel fewer per layer, per layer within the
+  run-to-run spread (bench/fused_runs.md sessions 14-15). Where it cannot run, gemv_mma's
+  logits then `router_topk` (kernels/router_topk.py: router_fast's selection, one warp-CTA per
+  row) instead of stock's Triton routing kernel.
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
   weighted top-k sum written into the all-reduce slot; each selected expert's weights read
   once, the zero padding of the intermediate skipped; FC2 launched with programmatic dependent
@@ -184,12 +186,6 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   141.3 at M = 8) but slower in the chained step: FC2 took 90-95 us at B = 1, k = 7 (72 with
 #   the rolled staging) and the layers 271.3 / 280.9 us (KDA / MLA) against 247.2 / 256.7
 #   (bench/fused_runs.md); why is not known.
-# - router_mma (the router at 2 ≤ M ≤ 8 in one launch, one kernel fewer per layer): 11.4-14.2
-#   us cold in its check (7efa548; gemv_mma's logits + stock's routing op 33-35 there), but the
-#   step does not gain: issued first, its grid slows latent_down beside it, which then ends
-#   last (FC1 29.5-31.2 us after mlp_res's end vs 28.3-30.3 without it), and the layers came out
-#   239.7 / 256.9 us (KDA / MLA, B = 1, k = 7; 12 / 21 kernels) against 238.6 / 251.9 (13 / 22),
-#   B = 8 237.2 / 266.8 against 235.2 / 262.7 (bench/fused_runs.md, every run).
 # - gemv_mma_pair (qkv_a + g_proj in one gemv_mma grid at 2 ≤ M ≤ 8, one kernel fewer per MLA
 #   layer): 17.7 us cold at M = 8 in its check against 21.2 for the two gemv_mma launches in a
 #   row (14.1 at 16 warps per CTA), but in the step g_proj runs on the side stream beside qkv_a
@@ -206,13 +202,17 @@ PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 SHARED_AFTER_ROUTER = True
 # The same where router_mma is issued first (the side stream forked before it): False keeps the
 # shared expert right after latent_down, in the front beside the router's grid (as router_mma
-# was measured before session 14); True issues it after the router as above.
+# was measured before session 14); True (the default since session 15) issues it after the
+# router as above: with 8 warps per CTA it was 4-5.5 us slower per layer, with 16 the best
+# setting of session 14 (bench/fused_runs.md).
 SHARED_AFTER_ROUTER_MMA = True
 # The one-launch MoE front at M = 1 (gemv_multi): the shared expert's gate/up as one of its
 # segments (True, 75 MB in one grid), or issued on the side stream after the front (False: the
 # front streams the router and latent_down only, 64 MB, and the shared expert's 16.5 MB share
 # the expert window, whose FC1 streams at ~58 % of the DRAM peak at M = 1 while it waits on
-# the ids and ramps up: bench/ncu_fused_b1.md; one launch more per layer). An A/B setting.
+# the ids and ramps up: bench/ncu_fused_b1.md; one launch more per layer). Measured in session
+# 15: B = 1, k = 0 KDA layers 87.4-87.9 us with it off against 84.6-85.0 (bench/fused_runs.md),
+# so True.
 FRONT_SHARED = True
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
@@ -297,6 +297,16 @@ FRONT_SHARED = True
 #   one launch); 6.0 us alone at M = 8, 7.6 us in the B = 1, k = 7 step against 10.6-12.1 for
 #   stock's Triton kernel, but the layers do not move beyond the run-to-run spread (the front
 #   then waits for latent_down; bench/fused_runs.md); kept for the Triton kernel it removes.
+#   Since session 15 only where router_mma cannot run (below).
+# - router_mma (the router at 2 ≤ M ≤ 8 in one launch, kernels/router_mma.py): every M its
+#   can_implement allows. At 4 K slices of 8 warps (7efa548: 11.4-14.2 us cold in its check)
+#   the step did not gain: issued first, its 224-CTA grid slowed latent_down beside it (layers
+#   239.7 / 256.9 us KDA / MLA at B = 1, k = 7 against 238.6 / 251.9; bench/fused_runs.md). At
+#   one slice of 16 warps (gemv_mma's own logits grid; 13.0 / 14.5 us at M = 2 / 8 at 421b9f0)
+#   with the shared expert after it and FC1 released on the last CTA's arrival, FC1 starts
+#   0.4-0.5 us after latent_down in every M = 8 layer (3.9-6.7 late in most KDA layers with
+#   router_topk) and the 4-layer step graph took 823-829 us against 838-842 at B = 1, k = 7
+#   (818.8-823.2 vs 822.4-835.4 at B = 8), per layer within the spread (sessions 14-15).
 # - mla_attend_mma (the attention on the tensor cores in one launch, kernels/mla_attend_mma.py;
 #   with mla_attend_uv on, its uv mode does uv_gate in the same launch): R = T·H ≤
 #   MLA_MMA_MAX_ROWS query rows per sequence, every B whose plan fits (one CTA per SM). In

@@ -8,19 +8,18 @@ routed experts started ~5 µs after latent_down had finished. router_fast's top-
 row, candidate ranks) finishes the GEMV grid in its last CTA; its own GEMV loses at M = 8
 (CUDA-core FMAs: 50 µs in the step, fused.MAX_ROWS), gemv_mma's does not.
 
-Measured (H200, cold weights, bench/fused_correctness.md and fused_runs.md): 11.4 / 12.7 / 14.2
-µs at M = 2 / 4 / 8 (7efa548), of which the GEMV grid alone 7.4 / 9.2 / 10.1 and the slice sums
-0.8-2.3; the first form, whose top-k read the logits from global memory, took 16.0-18.4 (the
-top-k alone 8 µs). In the B = 1, k = 7 step it is not faster than gemv_mma's logits + stock's
-routing kernel: issued first it slows latent_down beside it, which then finishes last; so the
-kernel is opt-in (fused.OPT_IN).
-Session 14 (bench/fused_runs.md): at S = 1 with 16 warps (gemv_mma's own 56-CTA logits grid,
-14.7 µs at M = 8, of which the grid 9.9) and the shared expert issued after it
-(fused.SHARED_AFTER_ROUTER_MMA) FC1 starts 0.4-2.4 µs after latent_down in every M = 8 layer of
-the step graph, where the two-kernel router left it 3.9-6.7 µs late in most KDA layers: the
-4-layer step 6-10 µs faster (B = 1, k = 7 and B = 8), one kernel fewer per MoE layer, but
-within noise in the per-layer bench (KDA −0.6 to −1.5, MLA +0.8 to +0.9 µs). Not yet the
-default (it needs the full device pipeline).
+Measured (H200, cold weights, bench/fused_correctness.md and fused_runs.md): at 4 K slices of 8
+warps 11.4 / 12.7 / 14.2 µs at M = 2 / 4 / 8 (7efa548), of which the GEMV grid alone 7.4 / 9.2 /
+10.1; but in the B = 1, k = 7 step that build was not faster than gemv_mma's logits + a
+separate selection kernel: issued first, its 224-CTA grid slowed latent_down beside it, which
+then finished last. At one slice of 16 warps (gemv_mma's own 56-CTA logits grid; 13.0 / 13.6 /
+14.5 µs at 421b9f0, the grid alone 10.0-10.1) with the shared expert issued after it
+(fused.SHARED_AFTER_ROUTER_MMA) and FC1 released on the last CTA's arrival
+(RELEASE_AFTER_ARRIVAL), FC1 starts 0.4-0.5 µs after latent_down in every M = 8 layer of the
+step graph, where the two-kernel router left it 3.9-6.7 µs late in most KDA layers: the 4-layer
+step 823-829 µs against 838-842 at B = 1, k = 7, one kernel fewer per MoE layer, within the
+run-to-run spread in the one-layer bench (sessions 14-15). That build is the default since
+session 15.
 
 Math (as router_fast / router.py, every intermediate fp32):
     logits[m, e] = Σ_s part[s, m, e],  s = 0 .. S-1 in order,  part[s] = x[:, K_s] @ W[:, K_s]ᵀ
@@ -39,14 +38,14 @@ and bumps the counter (atom.add.acq_rel.gpu); the CTA that reads gridDim − 1 s
 partials in slice order into shared memory (all loads independent: one L2 round trip) and
 copies the bias there, a barrier, then one warp per row runs RouterFast.topk_row on them
 (router_fast's staged path), and thread 0 re-zeroes the counter (CUDA-graph replays find it
-zero). S = 4 at K3 (224 CTAs instead of gemv_mma's 56: more of the 132 SMs stream the
-12.8 MB).
+zero). S = 1 at K3 by default (56 CTAs of 16 warps, 14 chunks per warp); S = 4 (224 CTAs of 8
+warps: more SMs stream the 12.8 MB, but beside latent_down) stays selectable.
 
 PDL chain (kernels/chain.py): launched with PDL when the chain is on; tile_partials loads its
-first round of weights before the wait. By default it never releases the next kernel: FC1
-(next on the stream) starts once this grid has completed, as after stock's routing kernel.
-With RELEASE_AFTER_ARRIVAL the last CTA releases it on arrival (every other CTA has exited by
-then). Either way FC1 waits before it reads the ids (moe_experts.ExpertsFC1), and FC2 reads
+first round of weights before the wait. With RELEASE_AFTER_ARRIVAL (the default) the last CTA
+releases the next kernel (FC1) on arrival (every other CTA has exited by then), so FC1's CTAs
+are resident while it sums and selects; without it FC1 starts once this grid has completed, as
+after stock's routing kernel (released by every CTA, FC1's waiting CTAs took the SMs). Either way FC1 waits before it reads the ids (moe_experts.ExpertsFC1), and FC2 reads
 them only once FC1's CTAs have all passed their wait, i.e. after this grid has completed.
 
 Check on the GPU (against stock's GEMM + routing op, gemv_mma's logits + that op, router_fast

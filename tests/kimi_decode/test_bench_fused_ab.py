@@ -60,15 +60,15 @@ def test_run_keeps_going_past_a_failed_and_a_timed_out_variant(tmp_path: Path) -
         (work / name / "bench.json").write_text(json.dumps(bench({(1, 7): layers([200.0, 202.0], 219.0, 12, 20)})))
         return SimpleNamespace(returncode=0)
 
-    assert ab.kernels_for(["--opt-in=router_mma", "--patch", "m:X=1"], DEFAULT) == ["gemv", "router_mma", "router_topk"]
+    assert ab.kernels_for(["--opt-in=gemv_mma_pair", "--patch", "m:X=1"], DEFAULT) == ["gemv", "gemv_mma_pair", "router_topk"]
     variants = [ab.parse_variant("base:"), ab.parse_variant("bad: --patch m:X=1"),
-                ab.parse_variant("mma: --opt-in router_mma experts_one --patch 'm:Y=(1, 2)'"),
+                ab.parse_variant("mma: --opt-in gemv_mma_pair experts_one --patch 'm:Y=(1, 2)'"),
                 ab.parse_variant("slow: --patch m:Z=0")]
     res = ab.run(variants, out, work, DEFAULT, [1], [7], 50, 10.0, False, runner=runner)
     assert [v["rc"] for v in res["variants"]] == [0, 1, 0, "timeout"]
     kern = cmds["mma"][cmds["mma"].index("--kernels") + 1:cmds["mma"].index("--skip")]
-    assert kern == ["experts_one", "gemv", "router_mma", "router_topk"]
-    assert cmds["mma"][-5:] == ["--opt-in", "router_mma", "experts_one", "--patch", "m:Y=(1, 2)"]
+    assert kern == ["experts_one", "gemv", "gemv_mma_pair", "router_topk"]
+    assert cmds["mma"][-5:] == ["--opt-in", "gemv_mma_pair", "experts_one", "--patch", "m:Y=(1, 2)"]
     base = cmds["base"]
     assert base[base.index("--skip") + 1:base.index("--skip") + 4] == ["step", "ref", "capture"]
     assert base[base.index("--bench-spec") + 1] == "7" and base[base.index("--reps") + 1] == "50"
