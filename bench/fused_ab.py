@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="where ab.json and ab.md go (the device's $OUT)")
     ap.add_argument("--variant", action="append", default=[], help="'NAME: fused_device arguments', in run order")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="B at k = 0")
+    ap.add_argument("--batch", type=int, nargs="+",
+                    help="B at k = 0 (default 1 8; runs only when --spec includes 0, as in bench/decode.py)")
     ap.add_argument("--spec", type=int, nargs="+", default=[0, 7], help="k at B = 1")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--timeout-s", type=float, default=150.0, help="per variant")
@@ -183,9 +184,15 @@ def main(argv: list[str] | None = None) -> None:
     if a.captures and len(variants) > MAX_CAPTURE_VARIANTS:
         raise SystemExit(f"fused_ab: --captures keeps one trace tar per variant and the GPU machine returns 8 "
                          f"files: at most {MAX_CAPTURE_VARIANTS} variants, got {len(variants)}")
+    if a.batch is not None and 0 not in a.spec:
+        # bench/decode.py times B > 1 at k = 0 only, and only when 0 is among the k values:
+        # without this the B column would silently be missing (session 15's first try)
+        raise SystemExit(f"fused_ab: --batch {' '.join(map(str, a.batch))} runs at k = 0, but --spec "
+                         f"{' '.join(map(str, a.spec))} has no 0: add 0 to --spec or leave --batch out")
+    batches = a.batch if a.batch is not None else [1, 8]
     from kimi_decode.fused import DEFAULT_KERNELS
     work = a.work or Path(tempfile.mkdtemp(prefix="fused_ab_"))
-    run(variants, a.out, work, frozenset(DEFAULT_KERNELS), a.batch, a.spec, a.reps, a.timeout_s, a.captures)
+    run(variants, a.out, work, frozenset(DEFAULT_KERNELS), batches, a.spec, a.reps, a.timeout_s, a.captures)
     print((a.out / "ab.md").read_text(), end="")
 
 

@@ -445,7 +445,7 @@ def main() -> None:
     ap.add_argument("--no-timing", action="store_true", help="with --check: skip the timed re-run of the checks")
     ap.add_argument("--kernels-ok", nargs="*", help="with --check: kernels that passed in an earlier run")
     ap.add_argument("--kernels-from", type=Path, help="skip the kernel checks: read the passing set from this file")
-    ap.add_argument("--bench-batch", type=int, nargs="+", default=[1, 8, 64], help="bench: B at k = 0")
+    ap.add_argument("--bench-batch", type=int, nargs="+", default=[1, 8, 64], help="bench: B at k = 0 (only when --bench-spec includes 0)")
     ap.add_argument("--bench-spec", type=int, nargs="+", default=[0, 7], help="bench: k (k > 0 at B = 1)")
     ap.add_argument("--step-shapes", nargs="+", help="step parity only at these B:k (default: all)")
     ap.add_argument("--bench-variants", nargs="+", default=["stock", "fused"], choices=["stock", "fused"],

@@ -112,3 +112,18 @@ def test_repeated_names_and_bad_render_input_are_refused(tmp_path: Path) -> None
     bad.write_text("{}")
     with pytest.raises(SystemExit, match=r"fused_ab: .*ab.json: not an ab.json"):
         ab.main(["--render", str(bad)])
+
+
+def test_batches_without_k0_are_refused_not_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/decode.py times B at k = 0 only when 0 is among the k values, so `--batch 8 --spec 7`
+    would have run B = 1, k = 7 alone (session 15's first try): refused in one line, before any
+    variant runs; `--spec 7` alone (the default batches unused) and `--batch 8 --spec 0 7` run."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(ab, "run", lambda variants, out, work, default, batches, specs, *rest:
+                        calls.append((batches, specs)) or (out / "ab.md").write_text(""))
+    with pytest.raises(SystemExit, match=r"^fused_ab: --batch 8 runs at k = 0, but --spec 7 has no 0"):
+        ab.main(["--out", str(tmp_path), "--batch", "8", "--spec", "7", "--variant", "base:"])
+    assert calls == []
+    ab.main(["--out", str(tmp_path), "--spec", "7", "--variant", "base:"])
+    ab.main(["--out", str(tmp_path), "--batch", "8", "--spec", "0", "7", "--variant", "base:"])
+    assert calls == [([1, 8], [7]), ([8], [0, 7])]
