@@ -45,8 +45,10 @@ PDL chain (kernels/chain.py): launched with PDL when the chain is on; tile_parti
 first round of weights before the wait. With RELEASE_AFTER_ARRIVAL (the default) the last CTA
 releases the next kernel (FC1) on arrival (every other CTA has exited by then), so FC1's CTAs
 are resident while it sums and selects; without it FC1 starts once this grid has completed, as
-after stock's routing kernel (released by every CTA, FC1's waiting CTAs took the SMs). Either way FC1 waits before it reads the ids (moe_experts.ExpertsFC1), and FC2 reads
-them only once FC1's CTAs have all passed their wait, i.e. after this grid has completed.
+after stock's routing kernel. (A release from every CTA is not an option: FC1's waiting CTAs
+then take the SMs this grid still needs.) Either way FC1 waits before it reads the ids
+(moe_experts.ExpertsFC1), and FC2 reads them only once FC1's CTAs have all passed their wait,
+i.e. after this grid has completed.
 
 Check on the GPU (against stock's GEMM + routing op, gemv_mma's logits + that op, router_fast
 and the float64 reference; times stock's two kernels, gemv_mma + stock routing and this one

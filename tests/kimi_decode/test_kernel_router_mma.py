@@ -152,8 +152,8 @@ def test_route_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -
 def test_chained_build_waits_before_reading_x(tmp_path: Path) -> None:
     """PDL chain on: only weight loads (2 per chunk of round 0) precede griddepcontrol.wait;
     y, the partials, the counter and the bias are read after it. Without RELEASE_AFTER_ARRIVAL
-    it never releases the next kernel (FC1 starts when it completes: released by every CTA,
-    FC1's waiting CTAs took the SMs)."""
+    it never releases the next kernel (FC1 starts when it completes; a release from every CTA
+    would let FC1's waiting CTAs take the SMs this grid still needs)."""
     lines, wait = chained_ptx_at_wait(lambda: k3_ptx(tmp_path, 8, release=False))
     assert not any(s.startswith("griddepcontrol.launch_dependents") for s in lines)
     assert next(i for i, s in enumerate(lines) if s.startswith("atom.")) > wait
