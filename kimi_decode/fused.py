@@ -304,7 +304,7 @@ FRONT_SHARED = True
 #   239.7 / 256.9 us KDA / MLA at B = 1, k = 7 against 238.6 / 251.9; bench/fused_runs.md). At
 #   one slice of 16 warps (gemv_mma's own logits grid; 13.0 / 14.5 us at M = 2 / 8 at 421b9f0)
 #   with the shared expert after it and FC1 released on the last CTA's arrival, FC1 starts
-#   0.4-0.5 us after latent_down in every M = 8 layer (3.9-6.7 late in most KDA layers with
+#   0.4-0.8 us after latent_down in every M = 8 layer (3.9-6.7 late in most KDA layers with
 #   router_topk) and the 4-layer step graph took 823-829 us against 838-842 at B = 1, k = 7
 #   (818.8-823.2 vs 822.4-835.4 at B = 8), per layer within the spread (sessions 14-15).
 # - mla_attend_mma (the attention on the tensor cores in one launch, kernels/mla_attend_mma.py;

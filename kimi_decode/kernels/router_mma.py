@@ -15,7 +15,7 @@ separate selection kernel: issued first, its 224-CTA grid slowed latent_down bes
 then finished last. At one slice of 16 warps (gemv_mma's own 56-CTA logits grid; 13.0 / 13.6 /
 14.5 µs at 421b9f0, the grid alone 10.0-10.1) with the shared expert issued after it
 (fused.SHARED_AFTER_ROUTER_MMA) and FC1 released on the last CTA's arrival
-(RELEASE_AFTER_ARRIVAL), FC1 starts 0.4-0.5 µs after latent_down in every M = 8 layer of the
+(RELEASE_AFTER_ARRIVAL), FC1 starts 0.4-0.8 µs after latent_down in every M = 8 layer of the
 step graph, where the two-kernel router left it 3.9-6.7 µs late in most KDA layers: the 4-layer
 step 823-829 µs against 838-842 at B = 1, k = 7, one kernel fewer per MoE layer, within the
 run-to-run spread in the one-layer bench (sessions 14-15). That build is the default since
