@@ -38,6 +38,15 @@ store make sure every CTA of the cluster has started before its shared memory is
 memory, so no trailing barrier is needed before exit. Barriers: 4 bar.sync + 3 cluster
 arrive/wait pairs, whatever nb.
 
+Loads first (LOADS_FIRST, the default): right after the chain's wait every thread issues all of
+its pass-1 loads (the nb block vectors, the prefix unless reset, the delta or the world slot
+vectors) into registers as stored, then mixes them in exactly as before (the same conversions,
+adds and roundings in the same order, so every output bit is unchanged). Why: the first build
+loaded each source where it was mixed in, and ptxas kept that order, one or two loads per
+dependent round trip: ncu on the B = 1, k = 7 step at 3582044 (cold) had mlp_res (attn_res_ar,
+16 slots, M = 8) at 7.9 us with eight such stalls after its wait (~half its warp-state samples)
+and attn_res (ag) at 4.5 us. Register cost: ~8 more per thread at nb = 4 (83 vs 75, ptxas).
+
 Rounding points: exactly the one-CTA kernel's (fp32 accumulation; prefix' = bf16 of the same
 fp32 expression per element, delta = bf16(Σ slots in slot order); out rounded once to bf16).
 prefix' and the block write are therefore bit-equal to the one-CTA kernel's; only the fp32
@@ -84,6 +93,12 @@ from kimi_decode.kernels.attn_res import VEC, AttnResConfig, AttnResRMSNorm
 from kimi_decode.kernels.attn_res import can_implement as one_cta_can_implement
 
 MAX_CTAS = 8     # the portable cluster size on sm_90 (no non-portable opt-in needed)
+# Every global load of pass 1 (the block sources, the prefix, the delta or the world slots)
+# issued into registers before the first conversion (module docstring, "Loads first"). False:
+# the first build's order (each source loaded where it is mixed in), which ptxas scheduled as
+# one or two loads per dependent round trip: ncu at 3582044 (mlp_res at M = 8, 16 slots) had
+# eight such stalls, ~half the kernel's 7.9 us.
+LOADS_FIRST = True
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,11 @@ class AttnResMC(AttnResRMSNorm):
         self.cta_vecs = self.threads * self.vpt          # vectors owned by one CTA
         self.nred = 2 * self.nsrc + 1                    # pass-1 sums, then Σh²
         self.xcols = (cfg.ctas + 3) // 4 * 4             # xred row padded to 16 bytes
+        self.loads_first = LOADS_FIRST
+        # raw vectors per thread vector: the nb blocks, the prefix (unless reset), the delta
+        # (1) or the world slots
+        self.has_prefix = not (cfg.world > 0 and cfg.reset)
+        self.ndel = cfg.world if cfg.world > 0 else (1 if cfg.has_delta else 0)
 
     @cute.jit
     def __call__(self, out: cute.Pointer, blocks: cute.Pointer, prefix: cute.Pointer,
@@ -172,6 +192,74 @@ class AttnResMC(AttnResRMSNorm):
                 cute.autovec_copy(mP[row, c, None], buf)
                 for j in cutlass.range_constexpr(VEC):
                     vr[S, i, j] = (buf[j].to(Float32) + vr[S, i, j]).to(self.src_t).to(Float32)
+            for j in cutlass.range_constexpr(VEC):
+                buf[j] = vr[S, i, j].to(self.src_t)
+            cute.autovec_copy(buf, mPOut[row, c, None])
+            if cutlass.const_expr(self.cfg.has_write):
+                cute.autovec_copy(buf, mBlk[row, write_slot, c, None])
+
+    @cute.jit
+    def issue_loads(self, row: Int32, q: Int32, nrows: Int32, mBlk: cute.Tensor, mP: cute.Tensor,
+                    mDel: cute.Tensor, rawb: cute.Tensor, rawd: cute.Tensor):
+        """Loads first: every source vector of this thread as stored, no arithmetic between
+        the loads (so all of them are in flight together): rawb[s] = block s (s < nb), rawb[nb]
+        = the prefix (unless reset); rawd[r] = slot r (attn_res_ar) or rawd[0] = the delta
+        (plain, or the all-gather slot's vector in attn_res_ag; load_source's indexing)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        nb = self.cfg.num_blocks
+        for i in cutlass.range_constexpr(self.vpt):
+            c = self.col(q, tidx, i)
+            for s in cutlass.range_constexpr(nb):
+                cute.autovec_copy(mBlk[row, s, c, None], rawb[s, i, None])
+            if cutlass.const_expr(self.has_prefix):
+                cute.autovec_copy(mP[row, c, None], rawb[nb, i, None])
+            if cutlass.const_expr(self.cfg.world > 0):
+                for r in cutlass.range_constexpr(self.cfg.world):
+                    cute.autovec_copy(mDel[r * nrows + row, c, None], rawd[r, i, None])
+            elif cutlass.const_expr(self.cfg.has_delta):
+                if cutlass.const_expr(self.cfg.gather > 0):
+                    nvs = self.cfg.gather // VEC
+                    cute.autovec_copy(mDel[(c // nvs) * nrows + row, c % nvs, None], rawd[0, i, None])
+                else:
+                    cute.autovec_copy(mDel[row, c, None], rawd[0, i, None])
+
+    @cute.jit
+    def source_from_raw(self, s: cutlass.Constexpr[int], i: cutlass.Constexpr[int], rawb: cute.Tensor,
+                        rawd: cute.Tensor, acc: cute.Tensor):
+        """acc[0:8] = source s at this thread's vector i from the loaded raws, load_source's
+        arithmetic (prefix' = bf16(prefix + delta) where there is a delta; the ar mode's
+        prefix' is sum_slots_from_raw's)."""
+        for j in cutlass.range_constexpr(VEC):
+            acc[j] = rawb[s, i, j].to(Float32)
+        if cutlass.const_expr(s == self.cfg.num_blocks and self.cfg.has_delta):
+            for j in cutlass.range_constexpr(VEC):
+                acc[j] = (acc[j] + rawd[0, i, j].to(Float32)).to(self.src_t).to(Float32)
+
+    @cute.jit
+    def sum_slots_from_raw(self, rawb: cute.Tensor, rawd: cute.Tensor, vr: cute.Tensor):
+        """attn_res_ar from the loaded raws: vr[nb, i, :] = prefix', sum_slots' arithmetic
+        (delta = bf16(Σ_r slot_r) in slot order; prefix' = delta, or bf16(prefix + delta))."""
+        S = self.nsrc - 1
+        for i in cutlass.range_constexpr(self.vpt):
+            for j in cutlass.range_constexpr(VEC):
+                vr[S, i, j] = Float32(0.0)
+            for r in cutlass.range_constexpr(self.cfg.world):
+                for j in cutlass.range_constexpr(VEC):
+                    vr[S, i, j] = vr[S, i, j] + rawd[r, i, j].to(Float32)
+            for j in cutlass.range_constexpr(VEC):
+                vr[S, i, j] = vr[S, i, j].to(self.src_t).to(Float32)
+            if cutlass.const_expr(not self.cfg.reset):
+                for j in cutlass.range_constexpr(VEC):
+                    vr[S, i, j] = (rawb[S, i, j].to(Float32) + vr[S, i, j]).to(self.src_t).to(Float32)
+
+    @cute.jit
+    def store_prefix(self, row: Int32, q: Int32, write_slot: Int32, mBlk: cute.Tensor,
+                     mPOut: cute.Tensor, buf: cute.Tensor, vr: cute.Tensor):
+        """prefix' (vr's last source) to mPOut and, with a block write, to the block slot."""
+        tidx, _, _ = cute.arch.thread_idx()
+        S = self.nsrc - 1
+        for i in cutlass.range_constexpr(self.vpt):
+            c = self.col(q, tidx, i)
             for j in cutlass.range_constexpr(VEC):
                 buf[j] = vr[S, i, j].to(self.src_t)
             cute.autovec_copy(buf, mPOut[row, c, None])
@@ -239,11 +327,28 @@ class AttnResMC(AttnResRMSNorm):
         vr = cute.make_rmem_tensor(cute.make_layout((self.nsrc, self.vpt, VEC),
                                                     stride=(self.vpt * VEC, VEC, 1)), Float32)
 
-        # Pass 1 on this CTA's columns (the one-CTA kernel's pass 1)
+        # Pass 1 on this CTA's columns (the one-CTA kernel's pass 1); with LOADS_FIRST every
+        # source vector is loaded before the first conversion and mixed in from registers
+        rawb = cute.make_rmem_tensor(cute.make_layout((self.nsrc, self.vpt, VEC),
+                                                      stride=(self.vpt * VEC, VEC, 1)), self.src_t)
+        rawd = cute.make_rmem_tensor(cute.make_layout((max(self.ndel, 1), self.vpt, VEC),
+                                                      stride=(self.vpt * VEC, VEC, 1)), self.src_t)
+        if cutlass.const_expr(self.loads_first):
+            self.issue_loads(row, q, nrows, mBlk, mP, mDel, rawb, rawd)
         for s in cutlass.range_constexpr(self.nsrc):
             a_ss = Float32(0.0)
             a_dw = Float32(0.0)
-            if cutlass.const_expr(self.cfg.world > 0 and s == self.nsrc - 1):
+            if cutlass.const_expr(self.loads_first):
+                if cutlass.const_expr(self.cfg.world > 0 and s == self.nsrc - 1):
+                    self.sum_slots_from_raw(rawb, rawd, vr)
+                else:
+                    for i in cutlass.range_constexpr(self.vpt):
+                        self.source_from_raw(s, i, rawb, rawd, acc)
+                        for j in cutlass.range_constexpr(VEC):
+                            vr[s, i, j] = acc[j]
+                if cutlass.const_expr(s == self.nsrc - 1 and self.cfg.has_delta):
+                    self.store_prefix(row, q, write_slot, mBlk, mPOut, buf, vr)
+            elif cutlass.const_expr(self.cfg.world > 0 and s == self.nsrc - 1):
                 self.sum_slots(row, q, nrows, write_slot, mBlk, mP, mDel, mPOut, buf, vr)
             else:
                 for i in cutlass.range_constexpr(self.vpt):
@@ -287,7 +392,7 @@ class AttnResMC(AttnResRMSNorm):
 
 def compile_for(cfg: AttnResMCConfig, norm_dtype: torch.dtype) -> object:
     """The compiled kernel for `cfg` (cached; compiles to sm_90a PTX even without a GPU)."""
-    return attn_res.compile_for(cfg, norm_dtype, AttnResMC, "attn_res_mc")
+    return attn_res.compile_for(cfg, norm_dtype, AttnResMC, ("attn_res_mc", LOADS_FIRST))
 
 
 def attn_res_mc(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | None,

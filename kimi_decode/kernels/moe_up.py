@@ -28,8 +28,10 @@ times 4 and 16 warps: 112 / 28 CTAs). Per warp:
      from HBM while the CTA does the collective sums (the load latency hides under them).
   2. Lane s < world loads its shared partial for every row m (slot s, or sh_full for s = rank).
   3. CTA prologue, per chunk of ≤ CHUNK = 2 rows: each thread sums the world slots of its 128-bit
-     vectors of r for every row of the chunk (straight-line code: all slot loads of the chunk
-     can be in flight, L2-resident), rounds to bf16 and keeps them in registers; then per row
+     vectors of r for every row of the chunk (straight-line code meant to keep all slot loads
+     of the chunk in flight; written load-add-load, ptxas kept that order, so since
+     SLOT_LOADS_FIRST each r vector's world slot loads are issued before its first add),
+     rounds to bf16 and keeps them in registers; then per row
      block_sum gives Σr², and the thread writes xn = bf16(r·rstd·norm) into shared memory
      [chunk, L] bf16 (≤ 14 KB); barrier.
   4. Dot products from registers (weights) × shared memory (xn, conflict-free 512-byte warp
@@ -65,6 +67,10 @@ WARPS = 8        # warps (output columns) per CTA: the default (alternatives tim
 CHUNK = 2        # at most this many rows per prologue chunk (xn in shared memory: 2 × 7 KB at L = 3584)
 MAX_ROWS = 8
 ALT_WARPS = (4, 16)   # CTA sizes check() also verifies and times (112 / 28 CTAs at n = 448)
+# Step 3a's world slot vectors of one r vector loaded before the first add (False: the first
+# build's load-add order, one or two loads per dependent round trip: ncu at 3582044 showed
+# that pattern in moe_up_grid's copy of this loop and in attn_res_mc's slot sums)
+SLOT_LOADS_FIRST = True
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ class MoeUp:
         acc8 = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         rv = cute.make_rmem_tensor(cute.make_layout((C, self.it, VEC), stride=(self.it * VEC, VEC, 1)), Float32)
         acc = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        raw = cute.make_rmem_tensor(cute.make_layout((world, VEC), stride=(VEC, 1)), bf16)
         for ch in cutlass.range_constexpr(self.chunks):
             m0 = ch * C
             rows = min(C, M - m0)
@@ -166,10 +173,20 @@ class MoeUp:
                     if cutlass.const_expr((i + 1) * self.threads > self.nv):
                         c = c % self.nv
                     acc8.fill(0.0)
-                    for s in cutlass.range_constexpr(world):
-                        cute.autovec_copy(mR[s, m0 + j, c, None], buf)
-                        for e in cutlass.range_constexpr(VEC):
-                            acc8[e] = acc8[e] + buf[e].to(Float32)
+                    if cutlass.const_expr(SLOT_LOADS_FIRST):
+                        # the world slot vectors in flight together, then the same adds in
+                        # the same order (the first build's load-add-load order kept one or
+                        # two loads per dependent round trip)
+                        for s in cutlass.range_constexpr(world):
+                            cute.autovec_copy(mR[s, m0 + j, c, None], raw[s, None])
+                        for s in cutlass.range_constexpr(world):
+                            for e in cutlass.range_constexpr(VEC):
+                                acc8[e] = acc8[e] + raw[s, e].to(Float32)
+                    else:
+                        for s in cutlass.range_constexpr(world):
+                            cute.autovec_copy(mR[s, m0 + j, c, None], buf)
+                            for e in cutlass.range_constexpr(VEC):
+                                acc8[e] = acc8[e] + buf[e].to(Float32)
                     for e in cutlass.range_constexpr(VEC):
                         rv[j, i, e] = acc8[e].to(bf16).to(Float32)
             # 3b. per row: Σ r² over the CTA, rstd, xn = bf16(r · rstd · norm) into shared memory
@@ -240,7 +257,7 @@ def compile_for(cfg: MoeUpConfig) -> object:
         bf = dummy_ptr(torch.bfloat16)
         return cute.compile(MoeUp(cfg), bf, bf, bf, bf, bf, bf, Int32(0), Float32(1e-5),
                             current_stream(), options=compile_options())
-    return compiled(("moe_up", cfg), build)
+    return compiled(("moe_up", cfg, SLOT_LOADS_FIRST), build)
 
 
 def moe_up(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,

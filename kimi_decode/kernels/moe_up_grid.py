@@ -33,8 +33,29 @@ Layout (grid = n / warps CTAs of `warps` warps, as moe_up: warp = one output col
      check, 13.4 in the step (expected 7-8).
 Rounding points are moe_up's (r, shared, xn, y, out); only Σ r²'s fp32 order differs (per thread
 8 elements, a warp butterfly, the warps in order, vs moe_up's per-thread + CTA sum), so rstd may
-move in its last bits and an xn element by one bf16 ulp now and then: within the checks' 1e-2 of
+move in its last bits and an xn element by one bf16 ulp now and then, and with the tensor-core
+dots (below) y's fp32 sum order (the mma's, then the warps in order): within the checks' 1e-2 of
 moe_up and of the stock ops, not bit-equal.
+
+Tensor-core dot products (DOTS_MMA, the default at 8 warps). ncu on the B = 1, k = 7 step at
+3582044 (cold, `--section SourceCounters`, 560 warp-state samples of this kernel's 12.4 us):
+~34 % of the samples in step 4's dot products, ~28 % waiting at the grid barrier (42 of the 56
+CTAs have no phase-1 vector and wait there for the 14 that do), ~19 % in phase 1 and the shared
+partials' loads. moe_up's dot products are one warp per column, 14 vectors × M rows of (a
+shared-memory load, 8 bf16 → fp32 conversions of xn, 8 of the weights, 8 FMAs) per lane:
+~2.8 K instructions per warp at M = 8, two warps per scheduler. Here the CTA's 8 columns are
+the n of mma.m16n8k16 and its 8 warps split K (448 each at L = 3584): A = xn (token g in row
+g = lane / 4, rows 8-15 zero: half of each mma is padding, the mma count is tiny anyway), B =
+the weights, loaded before the chain's wait as the fragments (lane (g, t) holds vectors
+warp·56 + 4·i + t of column 8·bidx + g, i < 14: the same 112 values per lane as moe_up's row,
+the 4 lanes of a quad reading 64 contiguous bytes). Each 128-bit vector feeds two mma steps
+(words 0-1, then 2-3, gemv_mma's k permutation, the same for A and B); 28 mma and 14
+shared-memory loads per warp into two accumulators, then the warps' [8 × 8] partials meet in
+shared memory and 8·M threads write out. The xn rows are padded by SX_PAD elements so a
+quarter-warp's two token rows fall on different banks. The shared partials stay bf16 in
+registers until the epilogue (the first build converted each right after its load, so the
+warp stalled there for that load before issuing phase 1's), and phase 1 issues all world slot
+loads before its first add (SLOT_LOADS_FIRST; the same adds in the same order).
 
 Expected at M = 8: slot loads 16 × 128-bit per busy thread (3,584 of 14,336 threads), all in
 flight: ~1.5 µs; barrier ~2 µs (mla_attend's: 2.2 µs for 130 CTAs); read-back and 4 chunks of
@@ -62,11 +83,22 @@ from kimi_decode.kernels import chain
 from kimi_decode.kernels import moe_up as k_up
 from kimi_decode.kernels._common import (compile_options, compiled, current_stream, dummy_ptr,
                                          grid_arrive_and_wait, ptr)
+from kimi_decode.kernels.gemv_mma import mma_bf16
 
 VEC = k_up.VEC
 MIN_ROWS = 2          # M = 1: moe_up (one CTA per column block re-summing is cheap there)
 MAX_ROWS = k_up.MAX_ROWS
 MAX_CTAS = 132        # every CTA resident for the grid barrier: at most one per SM of the H200
+# The dot products on the tensor cores (module docstring, "Tensor-core dot products"): the
+# CTA's 8 columns are an mma's n, its warps split K. False: moe_up's per-warp column dot
+# products (CUDA cores); also where the CTA is not 8 warps (ALT_WARPS).
+DOTS_MMA = True
+# Phase 1's world slot vectors all loaded before the first add (the first build loaded one,
+# added it, loaded the next: ptxas kept that order, one dependent round trip per slot or two)
+SLOT_LOADS_FIRST = True
+MMA_WARPS = 8         # the mma's n: one CTA's columns
+SX_PAD = 32           # bf16 elements of padding after each xn row in shared memory (64 B:
+                      # the two token rows of a quarter-warp's 128-bit loads hit other banks)
 
 
 @dataclass
@@ -109,6 +141,11 @@ class MoeUpGrid(k_up.MoeUp):
         # step 4 takes every row at once (xn of M ≤ 8 rows: ≤ 56 KB of shared memory at
         # L = 3584), not moe_up's chunks of 2: r is read back from rbuf, not held in registers
         self.chunk, self.chunks = cfg.rows, 1
+        # the tensor-core dots: 8 warps (the mma's n), each warp's K range a whole number of
+        # 4-vector groups (one 128-bit vector per lane quad member and step pair)
+        self.mma = bool(DOTS_MMA and cfg.warps == MMA_WARPS and self.nv % (cfg.warps * 4) == 0)
+        self.vw = self.nv // cfg.warps                   # 128-bit vectors of K per warp (56)
+        self.nq = self.vw // 4                           # of them per lane (14)
 
     @cute.jit
     def __call__(self, r_slots: cute.Pointer, sh_slots: cute.Pointer, sh_full: cute.Pointer,
@@ -120,7 +157,10 @@ class MoeUpGrid(k_up.MoeUp):
         mRb = cute.make_tensor(rbuf, cute.make_layout((m, self.nv, VEC), stride=(L, VEC, 1)))
         mWs = cute.make_tensor(wss, cute.make_layout(m * self.wpr))
         mSy = cute.make_tensor(sync, cute.make_layout(2))
-        self.kernel_grid(mR, mS, mF, mN, mW, mO, mRb, mWs, mSy, rank, eps).launch(
+        # the up rows as [n, L / 8, 4] packed bf16 pairs (the mma's B fragments)
+        mW32 = cute.make_tensor(cute.recast_ptr(up_rows, dtype=Int32),
+                                cute.make_layout((self.cfg.n, self.nv, 4), stride=(L // 2, 4, 1)))
+        self.kernel_grid(mR, mS, mF, mN, mW, mW32, mO, mRb, mWs, mSy, rank, eps).launch(
             grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
             use_pdl=chain.chain_on())
 
@@ -135,8 +175,8 @@ class MoeUpGrid(k_up.MoeUp):
 
     @cute.kernel
     def kernel_grid(self, mR: cute.Tensor, mS: cute.Tensor, mF: cute.Tensor, mN: cute.Tensor,
-                    mW: cute.Tensor, mO: cute.Tensor, mRb: cute.Tensor, mWs: cute.Tensor,
-                    mSy: cute.Tensor, rank: Int32, eps: Float32):
+                    mW: cute.Tensor, mW32: cute.Tensor, mO: cute.Tensor, mRb: cute.Tensor,
+                    mWs: cute.Tensor, mSy: cute.Tensor, rank: Int32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes (a full-warp shuffle)
@@ -147,14 +187,22 @@ class MoeUpGrid(k_up.MoeUp):
         bf16 = mW.element_type
 
         smem = cutlass.memory.SmemAllocator()
-        sX = smem.allocate_tensor(bf16, cute.make_layout((C, nv, VEC), stride=(nv * VEC, VEC, 1)),
+        row_stride = nv * VEC + SX_PAD
+        sX = smem.allocate_tensor(bf16, cute.make_layout((C, nv, VEC), stride=(row_stride, VEC, 1)),
                                   byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout(M), byte_alignment=16)
 
-        # 1. moe_up's steps 1-2: the weight row into registers, the chain's wait, shared partials
+        # 1. moe_up's steps 1-2: the weights into registers (the warp's column row, or with the
+        #    tensor-core dots the mma's B fragments of the CTA's 8 columns over the warp's K
+        #    range), the chain's wait, the shared partials
         wv = cute.make_rmem_tensor(cute.make_layout((self.nv_lane, VEC), stride=(VEC, 1)), bf16)
+        wq = cute.make_rmem_tensor(cute.make_layout((self.nq, 4), stride=(4, 1)), Int32)
         shp = cute.make_rmem_tensor(cute.make_layout(M), Float32)
-        self.row_and_shared(mS, mF, mW, wv, shp, col, lane, rank)
+        shb = cute.make_rmem_tensor(cute.make_layout(M), bf16)
+        if cutlass.const_expr(self.mma):
+            self.fragments_and_shared(mS, mF, mW32, wq, shb, col, warp, lane, rank)
+        else:
+            self.row_and_shared(mS, mF, mW, wv, shp, col, lane, rank)
 
         # 2. phase 1: one r vector per thread, its Σ r², the warp's partial
         g = bidx * self.threads + tidx
@@ -166,10 +214,19 @@ class MoeUpGrid(k_up.MoeUp):
             row = g // nv
             c = g - row * nv
             acc8.fill(0.0)
-            for s in cutlass.range_constexpr(world):
-                cute.autovec_copy(mR[s, row, c, None], buf)
-                for e in cutlass.range_constexpr(VEC):
-                    acc8[e] = acc8[e] + buf[e].to(Float32)
+            if cutlass.const_expr(SLOT_LOADS_FIRST):
+                # every slot's vector in flight before the first add (same adds, same order)
+                raw = cute.make_rmem_tensor(cute.make_layout((world, VEC), stride=(VEC, 1)), bf16)
+                for s in cutlass.range_constexpr(world):
+                    cute.autovec_copy(mR[s, row, c, None], raw[s, None])
+                for s in cutlass.range_constexpr(world):
+                    for e in cutlass.range_constexpr(VEC):
+                        acc8[e] = acc8[e] + raw[s, e].to(Float32)
+            else:
+                for s in cutlass.range_constexpr(world):
+                    cute.autovec_copy(mR[s, row, c, None], buf)
+                    for e in cutlass.range_constexpr(VEC):
+                        acc8[e] = acc8[e] + buf[e].to(Float32)
             for e in cutlass.range_constexpr(VEC):
                 rb[e] = acc8[e].to(bf16)
                 v = rb[e].to(Float32)
@@ -212,8 +269,81 @@ class MoeUpGrid(k_up.MoeUp):
                         xb[e] = (rv[j, i, e].to(Float32) * rstd * nbuf[i, e].to(Float32)).to(bf16)
                     cute.autovec_copy(xb, sX[j, c, None])
         cute.arch.sync_threads()
-        acc = cute.make_rmem_tensor(cute.make_layout(C), Float32)
-        self.dots_and_store(mO, wv, sX, shp, acc, xb, 0, M, col, lane)
+        if cutlass.const_expr(self.mma):
+            sX32 = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=Int32),
+                                    cute.make_layout((C, nv, 4), stride=(row_stride // 2, 4, 1)))
+            self.dots_mma_and_store(mO, wq, sX32, shb, bidx, tidx, warp, lane)
+        else:
+            acc = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+            self.dots_and_store(mO, wv, sX, shp, acc, xb, 0, M, col, lane)
+
+    @cute.jit
+    def fragments_and_shared(self, mS: cute.Tensor, mF: cute.Tensor, mW32: cute.Tensor,
+                             wq: cute.Tensor, shb: cute.Tensor, col: Int32, warp: Int32,
+                             lane: Int32, rank: Int32):
+        """Step 1 with the tensor-core dots: lane (g, t) = (lane / 4, lane mod 4) loads the
+        128-bit vectors warp·vw + 4·i + t, i < nq, of column bidx·8 + g (the B fragments of
+        2·nq mma steps; the 4 lanes of a quad read 64 contiguous bytes per load), all before
+        the chain's wait; after it lane s < world keeps slot s's shared partial of column
+        `col` for every row as bf16 (converted only in the epilogue, so no instruction waits
+        for these loads before the slot sums are issued)."""
+        M, n, world = self.cfg.rows, self.cfg.n, self.cfg.world
+        g = lane // 4
+        t = lane - g * 4
+        wcol = (col - warp) + g                 # the CTA's first column + g
+        for i in cutlass.range_constexpr(self.nq):
+            cute.autovec_copy(mW32[wcol, warp * self.vw + 4 * i + t, None], wq[i, None])
+        chain.enter()
+        shb.fill(0.0)
+        for mm in cutlass.range_constexpr(M):
+            if lane < world:
+                if lane == rank:
+                    shb[mm] = mF[mm, rank * n + col]
+                else:
+                    shb[mm] = mS[lane, mm, col]
+
+    @cute.jit
+    def dots_mma_and_store(self, mO: cute.Tensor, wq: cute.Tensor, sX32: cute.Tensor,
+                           shb: cute.Tensor, bidx: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        """Step 5 with the tensor-core dots: per warp 2·nq mma.m16n8k16 with A = xn (token g
+        in row g, rows 8-15 zero), B = the CTA's 8 columns over the warp's K range, two
+        accumulators (even / odd steps) added once; the warps' [8 tokens × 8 columns] partials
+        meet in shared memory with each warp's shared-partial butterfly (its column), and
+        thread m·8 + c < 8·M writes out[m, 8·bidx + c] = bf16(bf16(Σ_w partials in warp
+        order) + bf16(shared))."""
+        M = self.cfg.rows
+        W = self.warps
+        g = lane // 4
+        t = lane - g * 4
+        smem = cutlass.memory.SmemAllocator()
+        sY = smem.allocate_tensor(Float32, cute.make_layout((W, 8, 8), stride=(64, 8, 1)), byte_alignment=16)
+        sSh = smem.allocate_tensor(Float32, cute.make_layout((M, W), stride=(W, 1)), byte_alignment=16)
+        xrow = cutlass.min(g, Int32(M - 1))     # tokens g ≥ M: a valid row, their sums unused
+        acc0 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        acc1 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        acc0.fill(0.0)
+        acc1.fill(0.0)
+        xq = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        zero = Int32(0)
+        for i in cutlass.range_constexpr(self.nq):
+            cute.autovec_copy(sX32[xrow, warp * self.vw + 4 * i + t, None], xq)
+            mma_bf16(acc0, xq[0], zero, xq[1], zero, wq[i, 0], wq[i, 1])
+            mma_bf16(acc1, xq[2], zero, xq[3], zero, wq[i, 2], wq[i, 3])
+        sY[warp, g, 2 * t] = acc0[0] + acc1[0]
+        sY[warp, g, 2 * t + 1] = acc0[1] + acc1[1]
+        for j in cutlass.range_constexpr(M):
+            sh = cute.arch.warp_reduction_sum(shb[j].to(Float32))
+            if lane == 0:
+                sSh[j, warp] = sh
+        cute.arch.sync_threads()
+        if tidx < M * 8:
+            m = tidx // 8
+            c = tidx - m * 8
+            y = Float32(0.0)
+            for w in cutlass.range_constexpr(W):
+                y += sY[w, m, c]
+            shared = sSh[m, c].to(mO.element_type).to(Float32)
+            mO[m, bidx * W + c] = (y.to(mO.element_type).to(Float32) + shared).to(mO.element_type)
 
 
 def compile_for(cfg: k_up.MoeUpConfig) -> object:
@@ -223,7 +353,7 @@ def compile_for(cfg: k_up.MoeUpConfig) -> object:
         return cute.compile(MoeUpGrid(cfg), bf, bf, bf, bf, bf, bf, bf, dummy_ptr(torch.float32),
                             dummy_ptr(torch.int32), Int32(0), Float32(1e-5), current_stream(),
                             options=compile_options())
-    return compiled(("moe_up_grid", cfg), build)
+    return compiled(("moe_up_grid", cfg, DOTS_MMA, SLOT_LOADS_FIRST), build)
 
 
 def moe_up_grid(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,

@@ -11,7 +11,8 @@ Oracles:
   (mapa.shared::cluster + st.shared::cluster) each followed by a barrier.cluster
   arrive/wait, plus the relaxed arrive at the start whose wait comes before the first push;
   4 CTA barriers (bar.sync) as the one-CTA kernel; every global load issued before the first
-  barrier; no full-warp shuffle inside a lane-divergent branch. ptxas (when installed):
+  barrier, and (LOADS_FIRST) before the first bf16 → fp32 conversion, which the first build's
+  order fails; no full-warp shuffle inside a lane-divergent branch. ptxas (when installed):
   no spills, registers ≤ 255.
 - sizes: pick_ctas gives C = 7 at D = 7168 (128 threads, whole warps), can_implement follows.
 - harness: check() on the CPU with both kernels replaced by a torch emulation of their
@@ -38,7 +39,8 @@ import kimi_decode.kernels.attn_res as k_ar  # noqa: E402
 import kimi_decode.kernels.attn_res_mc as k_mc  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
 from kimi_decode.kernels.attn_res_mc import AttnResMC, AttnResMCConfig, can_implement, pick_ctas  # noqa: E402
-from tests.kimi_decode.test_kernels_compile import common_checks, ptx_of, shuffles_in_branches  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import (common_checks, load_convert_order, ptx_of,  # noqa: E402
+                                                     shuffles_in_branches)
 
 bf, f32 = torch.bfloat16, torch.float32
 P = _common.dummy_ptr
@@ -98,6 +100,23 @@ def test_attn_res_mc_compiles(tmp_path: Path, nb: int, has_delta: bool, write: b
         assert "0 bytes spill stores, 0 bytes spill loads" in info
         regs = int(re.search(r"Used (\d+) registers", info).group(1))
         assert regs <= 255
+
+
+@pytest.mark.parametrize("nb,has_delta,write,world,reset,gather", MODES)
+def test_every_source_load_before_the_first_conversion(tmp_path: Path, nb: int, has_delta: bool,
+                                                       write: bool, world: int, reset: bool,
+                                                       gather: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOADS_FIRST: no global load of pass 1 follows a bf16 → fp32 conversion (so none waits
+    behind an earlier load's round trip); the first build's order (LOADS_FIRST off) has loads
+    after conversions wherever a mode loads more than the prefix."""
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    order = load_convert_order(_ptx(tmp_path / "new", nb, has_delta, write, world, reset, gather))
+    assert "CL" not in order, order
+    monkeypatch.setattr(k_mc, "LOADS_FIRST", False)
+    old = load_convert_order(_ptx(tmp_path / "old", nb, has_delta, write, world, reset, gather))
+    assert old.count("L") == order.count("L")
+    assert "CL" in old, old
 
 
 def test_cluster_size_and_limits() -> None:

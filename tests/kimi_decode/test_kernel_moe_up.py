@@ -67,6 +67,24 @@ def test_compiles_to_sm90a(tmp_path: Path, warps: int, m: int) -> None:
     assert sum(x.startswith("st.global") for x in lines) == m
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_slot_loads_issued_together(tmp_path: Path, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLOT_LOADS_FIRST: each r vector's WORLD slot loads are one run of loads (after the
+    shared partials' conversions), where the first build's load-add order has runs of one."""
+    from tests.kimi_decode.test_kernels_compile import load_convert_order
+    cfg = k_up.MoeUpConfig(m, L, N, WORLD, k_up.WARPS)
+
+    def longest_run_after_first_convert(sub: str) -> int:
+        (tmp_path / sub).mkdir()
+        order = load_convert_order(ptx_of(tmp_path / sub, k_up.MoeUp(cfg), P(bf), P(bf), P(bf), P(bf), P(bf),
+                                          P(bf), Int32(0), Float32(1e-5)))
+        tail = order[order.index("C"):].replace("B", "C")
+        return max(len(r) for r in tail.split("C"))
+    assert longest_run_after_first_convert("new") >= WORLD
+    monkeypatch.setattr(k_up, "SLOT_LOADS_FIRST", False)
+    assert longest_run_after_first_convert("old") <= 2
+
+
 def test_can_implement() -> None:
     assert k_up.can_implement(1, L, N, WORLD, (bf,) * 5)
     assert k_up.can_implement(8, L, N, WORLD, (bf,) * 5)

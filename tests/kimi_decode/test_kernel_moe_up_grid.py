@@ -30,7 +30,7 @@ import kimi_decode.kernels.moe_up_grid as g  # noqa: E402
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common, checks  # noqa: E402
 from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
-from tests.kimi_decode.test_kernels_compile import common_checks, ptx_of  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import common_checks, load_convert_order, ptx_of  # noqa: E402
 
 bf = torch.bfloat16
 P = _common.dummy_ptr
@@ -53,6 +53,31 @@ def test_compiles_with_one_grid_barrier(tmp_path: Path, m: int) -> None:
     if ptxas_path() is not None:
         regs, spills = ptxas_usage(tmp_path, ptx)
         assert regs <= 255 and spills == 0, (regs, spills)
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_dots_on_the_tensor_cores_and_slot_loads_first(tmp_path: Path, m: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """DOTS_MMA: 2 mma per lane vector (14 at L = 3584: 28 mma.sync, 14 shared-memory vector
+    loads of xn per warp) and no fp32 FMA dot products; SLOT_LOADS_FIRST: phase 1's world slot
+    loads issued with the others before any conversion. The first build's structure fails
+    both."""
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old").mkdir()
+    ptx = grid_ptx(tmp_path / "new", m)
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 28
+    assert ptx.count("ld.shared.v4") == 14
+    # before the grid barrier's first bar.sync: every load (weights, shared partials, the
+    # world slots), then phase 1's adds; no load waits behind a conversion
+    order = load_convert_order(ptx)
+    head = order[:order.index("B")]
+    assert "CL" not in head and head.count("L") >= K3.tp, head
+    monkeypatch.setattr(g, "DOTS_MMA", False)
+    monkeypatch.setattr(g, "SLOT_LOADS_FIRST", False)
+    old = grid_ptx(tmp_path / "old", m)
+    assert "mma.sync" not in old
+    old_order = load_convert_order(old)
+    assert "CL" in old_order[:old_order.index("B")]
 
 
 def test_can_implement() -> None:

@@ -56,6 +56,22 @@ def chained_ptx_at_wait(build: Callable[[], str]) -> tuple[list[str], int]:
     return lines, next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
 
 
+def load_convert_order(ptx: str) -> str:
+    """The kernel's global loads (L), bf16 → fp32 conversions (C) and CTA barriers (B) in PTX
+    order: what the loads-first tests read (a load issued after a conversion of an earlier
+    load's value waits for that load in ptxas's in-order schedule)."""
+    out = []
+    for line in ptx.splitlines():
+        s = line.strip()
+        if s.startswith("ld.global"):
+            out.append("L")
+        elif s.startswith("cvt.f32.bf16"):
+            out.append("C")
+        elif s.startswith("bar.sync"):
+            out.append("B")
+    return "".join(out)
+
+
 def common_checks(ptx: str) -> None:
     assert ".target sm_90a" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
