@@ -99,9 +99,25 @@ DOTS_MMA = True
 # Phase 1's world slot vectors all loaded before the first add (the first build loaded one,
 # added it, loaded the next: ptxas kept that order, one dependent round trip per slot or two)
 SLOT_LOADS_FIRST = True
+# Phase 1's warps spread over every CTA (phase1_item): virtual warp w·ctas + b is warp w of
+# CTA b, so at M = 8 (112 busy warps, 56 CTAs) warps 0-1 of every CTA hold the r vectors instead
+# of all 8 warps of CTAs 0-13; each virtual warp's 32 vectors, sums and partial index are
+# unchanged (bit-equal). Why: ncu had ~28 % of the kernel's samples at the grid barrier, 42
+# CTAs waiting for the 14 that did phase 1's loads alone. False: thread g = block·threads + t.
+PHASE1_SPREAD = False
 MMA_WARPS = 8         # the mma's n: one CTA's columns
 SX_PAD = 32           # bf16 elements of padding after each xn row in shared memory (64 B:
                       # the two token rows of a quarter-warp's 128-bit loads hit other banks)
+
+
+def phase1_item(bidx, warp, lane, ctas: int, warps: int, spread: bool):
+    """The phase-1 item (r vector, row-major over [M, L/8]) of lane `lane` of warp `warp` in
+    CTA `bidx`; busy where < M·L/8. Plain arithmetic, so the kernel (Int32) and the tests (int)
+    call the same function. spread: virtual warp warp·ctas + bidx (every CTA's low warps busy);
+    else bidx·warps + warp (the low CTAs' every warp busy). Either way a virtual warp's 32 lanes
+    hold 32 consecutive vectors, so its Σ r² partial goes to wss[item // 32] as before."""
+    vwarp = warp * ctas + bidx if spread else bidx * warps + warp
+    return vwarp * 32 + lane
 
 
 @dataclass
@@ -208,7 +224,7 @@ class MoeUpGrid(k_up.MoeUp):
             self.row_and_shared(mS, mF, mW, wv, shp, col, lane, rank)
 
         # 2. phase 1: one r vector per thread, its Σ r², the warp's partial
-        g = bidx * self.threads + tidx
+        g = phase1_item(bidx, warp, lane, self.ctas, self.warps, PHASE1_SPREAD)
         buf = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
         rb = cute.make_rmem_tensor(cute.make_layout(VEC), bf16)
         acc8 = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
@@ -356,7 +372,7 @@ def compile_for(cfg: k_up.MoeUpConfig) -> object:
         return cute.compile(MoeUpGrid(cfg), bf, bf, bf, bf, bf, bf, bf, dummy_ptr(torch.float32),
                             dummy_ptr(torch.int32), Int32(0), Float32(1e-5), current_stream(),
                             options=compile_options())
-    return compiled(("moe_up_grid", cfg, DOTS_MMA, SLOT_LOADS_FIRST), build)
+    return compiled(("moe_up_grid", cfg, DOTS_MMA, SLOT_LOADS_FIRST, PHASE1_SPREAD), build)
 
 
 def moe_up_grid(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,

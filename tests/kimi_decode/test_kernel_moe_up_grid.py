@@ -80,6 +80,46 @@ def test_dots_on_the_tensor_cores_and_slot_loads_first(tmp_path: Path, m: int,
     assert "CL" in old_order[:old_order.index("B")]
 
 
+@pytest.mark.parametrize("spread", [False, True])
+@pytest.mark.parametrize("m", [2, 5, 8])
+def test_phase1_items_cover_every_vector_once(m: int, spread: bool) -> None:
+    """phase1_item over the whole K3 grid (56 CTAs × 8 warps × 32 lanes): every r vector of
+    [M, L/8] exactly once; a warp's 32 lanes are 32 consecutive vectors of one row (its Σ r²
+    partial is wss[item // 32]); with spread, the busy warps are spread so that no CTA holds
+    more than ceil(busy warps / CTAs) of them (at M = 8: 2 per CTA instead of 8 in 14 CTAs)."""
+    nv = K3.latent_dim // 8
+    ctas, warps = N // k_up.WARPS, k_up.WARPS
+    items = m * nv
+    seen: list[int] = []
+    busy_per_cta = [0] * ctas
+    for b in range(ctas):
+        for w in range(warps):
+            lanes = [g.phase1_item(b, w, ln, ctas, warps, spread) for ln in range(32)]
+            assert lanes == list(range(lanes[0], lanes[0] + 32)) and lanes[0] % 32 == 0
+            if lanes[0] < items:
+                assert lanes[0] // nv == lanes[-1] // nv          # one row
+                busy_per_cta[b] += 1
+                seen += lanes
+    assert sorted(seen) == list(range(items))
+    busy = items // 32
+    if spread:
+        assert max(busy_per_cta) == -(-busy // ctas)
+    else:
+        assert max(busy_per_cta) == min(warps, busy)
+
+
+def test_phase1_spread_compiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(g, "PHASE1_SPREAD", True)
+    ptx = grid_ptx(tmp_path, 8)
+    common_checks(ptx)
+    assert ptx.count("atom.") == 2
+    order = load_convert_order(ptx)
+    assert "CL" not in order[:order.index("B")]
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert regs <= 255 and spills == 0, (regs, spills)
+
+
 def test_can_implement() -> None:
     dts = (bf,) * 5
     for m in range(2, 9):
