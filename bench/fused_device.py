@@ -76,16 +76,19 @@ def save(out: Path, key: str, value: Any) -> None:
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
 
 
-def isolated_checks(out: Path, names: tuple[str, ...] | None = None) -> frozenset[str]:
+def isolated_checks(out: Path, names: tuple[str, ...] | None = None,
+                    patches: list[str] | None = None) -> frozenset[str]:
     """Correctness of each kernel in its own process, all at once: a kernel that faults
     (an illegal address poisons the CUDA context) cannot take this process down with it,
-    and the four compiles overlap."""
+    and the four compiles overlap. `patches` (the run's --patch settings) go to every child:
+    an A/B setting of a kernel is checked as it will run, not at the module's default."""
     import os
     import subprocess
     import sys
     from kimi_decode.kernels import KERNELS
     procs = {k: subprocess.Popen([sys.executable, "-m", "bench.fused_device", "--out", str(out),
-                                  "--isolated", k], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  "--isolated", k, *(["--patch", *patches] if patches else [])],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  env=dict(os.environ)) for k in (names or KERNELS)}
     ok, notes = set(), {}
     for k, p in procs.items():
@@ -457,14 +460,14 @@ def main() -> None:
                     help="opt-in kernels (fused.OPT_IN) the bench and captures run too when they pass "
                          "(an A/B of a kernel kept out of the headline set)")
     args = ap.parse_args()
-    if args.isolated:
-        run_isolated(args.isolated)
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
     try:
         patches = [apply_patch(p) for p in args.patch]
     except (ValueError, ImportError) as e:
         raise SystemExit(f"fused_device: {e}") from None
+    if args.isolated:
+        run_isolated(args.isolated)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
     if patches:
         log("patches:", patches)
         save(args.out, "patches", patches)
@@ -496,7 +499,7 @@ def main() -> None:
     elif args.check:
         # only these are checked now; the others count as passed when listed in --kernels-ok
         names = tuple(args.check)
-        iso = isolated_checks(args.out, names)
+        iso = isolated_checks(args.out, names, args.patch)
         if args.no_timing:   # device time is short: the isolated verdicts, no timed re-run
             krows = [r for k in names for r in (ISO_ROWS.get(k) or [{"kernel": k, "ok": False,
                                                                      "error": "no rows (see results.json: isolated)"}])]
@@ -505,7 +508,7 @@ def main() -> None:
             passed, krows = kernel_checks(args.out, iso, frozenset(names))
         passed |= frozenset(args.kernels_ok or ())
     else:
-        passed, krows = kernel_checks(args.out, isolated_checks(args.out))
+        passed, krows = kernel_checks(args.out, isolated_checks(args.out, patches=args.patch))
     log("kernels passing:", sorted(passed))
     import kimi_decode.fused as fused_mod
     fused_mod.VERIFIED = passed          # this run's verdict: the step checks use these kernels

@@ -164,3 +164,29 @@ def test_unknown_opt_in_is_refused(tmp_path, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         fd.main()
     assert e.value.code == 2 and "invalid choice: 'gemv'" in capsys.readouterr().err
+
+
+def test_patches_reach_the_isolated_checks(tmp_path, monkeypatch) -> None:
+    """--patch with --check: each kernel's isolated child gets the same --patch arguments, so an
+    A/B setting (moe_up_grid:PHASE1_SPREAD=True) is checked as the bench will run it; without
+    them the child checked the module default and the verdict said nothing about the setting."""
+    calls: list[list[str]] = []
+
+    class FakeProc:
+        returncode = 0
+
+        def __init__(self, argv, **kw) -> None:
+            calls.append(list(argv))
+
+        def communicate(self, timeout=None):
+            return (b"ISOLATED-OK\n", b"")
+
+    monkeypatch.setattr("subprocess.Popen", FakeProc)
+    spec = "kimi_decode.kernels.moe_up_grid:PHASE1_SPREAD=True"
+    ok = fd.isolated_checks(tmp_path, ("moe_up_grid", "router"), [spec])
+    assert ok == {"moe_up_grid", "router"} and len(calls) == 2
+    for argv in calls:
+        assert argv[argv.index("--patch") + 1:] == [spec]
+    calls.clear()
+    fd.isolated_checks(tmp_path, ("router",))
+    assert "--patch" not in calls[0]
