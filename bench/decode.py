@@ -10,6 +10,7 @@ measured in the same run (bytes read + written).
 
     python -m bench.decode --variant stock --batch 1 8 64 --json out.json   # on the GPU
     python -m bench.decode --render out.json                                 # update decode.md
+    python -m bench.decode --render out.json --md bench/decode_h100.md       # another card's run
 
 decode.md keeps every variant's numbers in a JSON block at its end; rendering merges the new
 results in (replacing the same variant and shape) and prints the variants side by side.
@@ -245,10 +246,14 @@ def main(argv: list[str] | None = None, copy_bw: float | None = None) -> None:
     ap.add_argument("--triton-off", nargs="*", default=[], help="op groups kept torch (stock_ops.TRITON_OPS)")
     ap.add_argument("--json", type=Path, help="write results here (GPU run)")
     ap.add_argument("--render", type=Path, help="merge this results JSON into decode.md")
+    ap.add_argument("--md", type=Path, default=MD_PATH,
+                    help="the table to merge into (default bench/decode.md, the H200 headline the "
+                         "bundled traces match; a run on another card gets its own file so the two "
+                         "never mix in one side-by-side row)")
     args = ap.parse_args(argv)
     if args.render:
-        body = render(merge(json.loads(args.render.read_text())))
-        MD_PATH.write_text(body)
+        body = render(merge(json.loads(args.render.read_text()), args.md))
+        args.md.write_text(body)
         print(body.split("<!-- decode-bench-data")[0])
         return
     from kimi_decode.config import k3_tp16, parse_layers
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None, copy_bw: float | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps(out))
     else:
-        MD_PATH.write_text(render(merge(out)))
+        args.md.write_text(render(merge(out, args.md)))
 
 if __name__ == "__main__":
     main()

@@ -40,3 +40,22 @@ def test_goals_lines_follow_the_numbers() -> None:
     line = next(x for x in render(data).splitlines() if x.startswith("- B = 1, k = 0, kda"))
     assert "stock/fused 2.10 (goal ≥ 2.0: met)" in line
     assert "fused/floor 1.74 (goal ≤ 1.5: not met)" in line and "13 kernels per layer (goal ≤ 13: met)" in line
+
+
+def test_render_into_another_file_leaves_decode_md_alone(tmp_path) -> None:
+    """`--md`: another card's run is merged into its own table, never into bench/decode.md."""
+    import json
+
+    from bench import decode
+
+    before = decode.MD_PATH.read_text()
+    data = {"results": [_result("stock", [210.0], 23), _result("fused", [100.0], 13)],
+            "meta": {"stock": _meta("abc"), "fused": _meta("abc")}}
+    src, md = tmp_path / "run.json", tmp_path / "decode_other.md"
+    src.write_text(json.dumps(data))
+    decode.main(["--render", str(src), "--md", str(md)])
+    decode.main(["--render", str(src), "--md", str(md)])     # a second merge replaces, not appends
+    assert decode.MD_PATH.read_text() == before
+    text = md.read_text()
+    assert text.count("| 1 | 0 | kda | 210.0 |") == 1
+    assert json.loads(decode.DATA_RE.search(text).group(1))["results"] == data["results"]
