@@ -143,6 +143,20 @@ FC1_UNROLL = 14  # slices of the L loop in flight per lane (L / 256 = 14 at K3: 
 # session 12) column order took 1.3-2.6 µs off every M = 8 layer (B = 1, k = 7 KDA 206.8 ->
 # 204.7, MLA 222.6 -> 220.9; B = 8 201.7 -> 200.4, 225.8 -> 223.2).
 FC1_COLUMN_MAJOR = True
+# FC1's slices in groups of FC1_LOADS_GROUP per lane, every load of a group (gate, up and z
+# slices) issued before its first conversion; 0: the per-slice loop above (FC1_UNROLL). Why:
+# ncu at 150e59b (H100, B = 1, k = 0, the first layer's FC1, cold, SourceCounters): 20.9 us for
+# 44 MB (2.2 TB/s against the card's 3.0 TB/s copy), 88 % of the warps' stall cycles on L1TEX
+# scoreboards, and in the SASS ptxas kept the unrolled loop's order: 3-5 LDG.128 in flight, then
+# the first bf16 -> fp32 shift waits for them (each of ~10 such rounds holds 3.5-6.4 % of the
+# samples), so at 36 registers a warp spends FC1 in ~10 dependent round trips. Grouped, each
+# lane has a group's 3·G loads in flight at once (same products in the same order: bit-equal).
+# Off until measured on the device (bench/fused_runs.md, session 19).
+FC1_LOADS_GROUP = 0
+FC1_GROUP_MAX_ROWS = MAX_ROWS   # M up to which FC1 runs grouped (above: the loop)
+# With a group: ptxas held to 3 CTAs of 8 warps per SM (<= 85 registers; 3 x 5 slices x 12
+# registers of data fit), so M = 1's 384 CTAs stay one wave on 132 SMs
+FC1_GROUP_MIN_BLOCKS = 3
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
@@ -179,11 +193,14 @@ def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[
 def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor, m: Int32,
              beta: Float32, lin_beta: Float32, g: Int32, lane: Int32, Ip: cutlass.Constexpr[int],
              I: cutlass.Constexpr[int], K: cutlass.Constexpr[int], E: cutlass.Constexpr[int],
-             slices: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
+             slices: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
+             group: cutlass.Constexpr[int] = 0):
     """FC1's warp g: a[p, c] for pair p = g // I, column c = g % I (gate row c and up row
     Ip + c of the pair's expert, `slices` 128-bit slices per lane, a 32-lane butterfly each,
     bf16 h, then the gate/up activation). Shared by ExpertsFC1.kernel and
-    moe_experts_one.ExpertsOne.fc1_item."""
+    moe_experts_one.ExpertsOne.fc1_item. `group` > 0 (FC1_LOADS_GROUP): the slices in groups
+    of that many, each group's loads all issued before its first conversion; the products
+    are summed in the same order either way (bit-equal)."""
     p = g // I                           # pair
     c = g - p * I                        # output column (gate row c, up row Ip + c)
     # Every lane reaches the shuffles below: out-of-range warps (none: the grid is exact)
@@ -199,16 +216,35 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
     wg = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
     wu = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
     zv = cute.make_rmem_tensor(cute.make_layout(VEC), mZ.element_type)
-    if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
-        for i in cutlass.range(slices, unroll=unroll):
-            q = lane + i * 32
-            cute.autovec_copy(mW[e, c, q, None], wg)
-            cute.autovec_copy(mW[e, Ip + c, q, None], wu)
-            cute.autovec_copy(mZ[row, q, None], zv)
-            for t in cutlass.range_constexpr(VEC):
-                zf = zv[t].to(Float32)
-                acc[0] = acc[0] + wg[t].to(Float32) * zf
-                acc[1] = acc[1] + wu[t].to(Float32) * zf
+    if cutlass.const_expr(group > 0):
+        if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
+            for gi in cutlass.range_constexpr((slices + group - 1) // group):
+                i0 = gi * group
+                n = min(group, slices - i0)
+                gw = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mW.element_type)
+                uw = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mW.element_type)
+                zs = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mZ.element_type)
+                for t in cutlass.range_constexpr(n):
+                    q = lane + (i0 + t) * 32
+                    cute.autovec_copy(mW[e, c, q, None], gw[t, None])
+                    cute.autovec_copy(mW[e, Ip + c, q, None], uw[t, None])
+                    cute.autovec_copy(mZ[row, q, None], zs[t, None])
+                for t in cutlass.range_constexpr(n):
+                    for v in cutlass.range_constexpr(VEC):
+                        zf = zs[t, v].to(Float32)
+                        acc[0] = acc[0] + gw[t, v].to(Float32) * zf
+                        acc[1] = acc[1] + uw[t, v].to(Float32) * zf
+    else:
+        if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
+            for i in cutlass.range(slices, unroll=unroll):
+                q = lane + i * 32
+                cute.autovec_copy(mW[e, c, q, None], wg)
+                cute.autovec_copy(mW[e, Ip + c, q, None], wu)
+                cute.autovec_copy(mZ[row, q, None], zv)
+                for t in cutlass.range_constexpr(VEC):
+                    zf = zv[t].to(Float32)
+                    acc[0] = acc[0] + wg[t].to(Float32) * zf
+                    acc[1] = acc[1] + wu[t].to(Float32) * zf
     hg = cute.arch.warp_reduction_sum(acc[0]).to(mA.element_type).to(Float32)   # bf16 h
     hu = cute.arch.warp_reduction_sum(acc[1]).to(mA.element_type).to(Float32)
     gate = beta * cute.math.tanh(hg / beta) * sigmoid(hg)
@@ -246,16 +282,19 @@ def fc1_warp_index(bidx, warp, pairs, inter: int, column_major: bool):
 class ExpertsFC1:
     """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
 
-    def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL, column_major: bool | None = None) -> None:
+    def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL, column_major: bool | None = None,
+                 group: int | None = None) -> None:
         """`unroll`: slices of the L loop per trip (FC1_UNROLL; experts_one builds its FC1
         items at its own depth and compares them with this kernel at that depth).
         `column_major`: the CTA order (FC1_COLUMN_MAJOR when None); it needs I % 8 == 0
-        (a CTA's 8 columns within one pair), which can_implement's I % VEC == 0 gives."""
+        (a CTA's 8 columns within one pair), which can_implement's I % VEC == 0 gives.
+        `group`: FC1_LOADS_GROUP when None (0: the loop)."""
         self.cfg = cfg
         self.slices = cfg.latent // (VEC * 32)
         self.unroll = unroll if self.slices % unroll == 0 else 1
         cm = FC1_COLUMN_MAJOR if column_major is None else column_major
         self.column_major = bool(cm) and cfg.inter % WARPS == 0
+        self.group = max(0, min(int(FC1_LOADS_GROUP if group is None else group), self.slices))
 
     @cute.jit
     def __call__(self, z: cute.Pointer, idx: cute.Pointer, w13: cute.Pointer, act: cute.Pointer,
@@ -266,9 +305,15 @@ class ExpertsFC1:
         mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
         mW = cute.make_tensor(w13, cute.make_layout((E, 2 * Ip, nv, VEC), stride=(2 * Ip * L, L, VEC, 1)))
         mA = cute.make_tensor(act, cute.make_layout((m * K, Ip), stride=(Ip, 1)))
-        self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
-            grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
-            use_pdl=chain.chain_on())
+        if cutlass.const_expr(self.group > 0):
+            # explicit carveout (-1: the driver's default): no device query at compile time
+            self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
+                grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
+                use_pdl=chain.chain_on(), min_blocks_per_mp=FC1_GROUP_MIN_BLOCKS, preferred_smem_carveout=-1)
+        else:
+            self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
+                grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
+                use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor,
@@ -287,7 +332,8 @@ class ExpertsFC1:
         else:
             cute.arch.griddepcontrol_launch_dependents()
         g = fc1_warp_index(bidx, warp, m * K, I, self.column_major)
-        fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll)
+        fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll,
+                 self.group)
 
 
 class ExpertsFC2:
@@ -608,28 +654,36 @@ def can_implement_v2(m: int, k: int, latent: int, inter_padded: int, dtypes: tup
             and (k // V2_GROUPS) * (i // (VEC * V2_GROUP_LANES)) <= 16)
 
 
-def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None) -> object:
-    """FC1 compiled for `cfg` in the given CTA order (FC1_COLUMN_MAJOR when None; cached per
-    order, so flipping the module constant in a process cannot reuse the other build)."""
+def fc1_group(m: int) -> int:
+    """FC1's load group at M rows (FC1_LOADS_GROUP up to FC1_GROUP_MAX_ROWS, else 0)."""
+    return FC1_LOADS_GROUP if m <= FC1_GROUP_MAX_ROWS else 0
+
+
+def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int | None = None) -> object:
+    """FC1 compiled for `cfg` in the given CTA order (FC1_COLUMN_MAJOR when None) and load
+    group (FC1_LOADS_GROUP when None); cached per order and group, so flipping a module
+    constant in a process cannot reuse the other build."""
     cm = FC1_COLUMN_MAJOR if column_major is None else column_major
+    grp = FC1_LOADS_GROUP if group is None else group
     cfg1 = dataclasses.replace(cfg, pdl=False, stage_async=False)   # FC1 does not depend on them
 
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(ExpertsFC1(cfg1, column_major=cm), bf, dummy_ptr(cfg.idx_dtype), bf, bf, Int32(1),
-                            Float32(4.0), Float32(25.0), current_stream(), options=compile_options())
-    return compiled(("experts_fc1", cfg1, bool(cm)), build)
+        return cute.compile(ExpertsFC1(cfg1, column_major=cm, group=grp), bf, dummy_ptr(cfg.idx_dtype), bf, bf,
+                            Int32(1), Float32(4.0), Float32(25.0), current_stream(), options=compile_options())
+    return compiled(("experts_fc1", cfg1, bool(cm), int(grp)), build)
 
 
-def compile_for(cfg: ExpertsConfig, v2: bool = False) -> tuple[object, object]:
-    """The two compiled kernels for `cfg` (cached); `v2`: FC2 is ExpertsFC2v2."""
+def compile_for(cfg: ExpertsConfig, v2: bool = False, m: int = 1) -> tuple[object, object]:
+    """The two compiled kernels for `cfg` (cached), FC1 with M = `m`'s load group
+    (fc1_group); `v2`: FC2 is ExpertsFC2v2."""
 
     def build2() -> object:
         bf = dummy_ptr(torch.bfloat16)
         return cute.compile((ExpertsFC2v2 if v2 else ExpertsFC2)(cfg), bf, dummy_ptr(cfg.idx_dtype),
                             dummy_ptr(torch.float32), bf, bf, Int32(1), current_stream(), options=compile_options())
     # FC1 does not depend on `pdl` (its launch_dependents hint is always there): one compile
-    return compile_fc1(cfg), compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
+    return compile_fc1(cfg, group=fc1_group(m)), compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
 
 
 def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -678,7 +732,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
                                                      can_implement_v2 if v2 else can_implement,
                                                      "experts kernel")
-    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2)
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2, m)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
     if rows and v2 and not stage_async and m >= 2:
@@ -822,15 +876,18 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 8), v2: bool = False)
     del w13, w2, cases
     if not v2:                           # the plain FC1 check also covers FC1's CTA order
         out += check_fc1_order(timing=timing, rows=tuple(m for m in rows if m > 1) or rows)
+        out += check_fc1_group(timing=timing, rows=rows)   # and its load groups
     return out
 
 
 def fc1_launch(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, beta: float,
-               lin_beta: float, inter: int, column_major: bool) -> None:
-    """FC1 alone into `act` [M·K, Ip] in the given CTA order (check_fc1_order's A/B)."""
+               lin_beta: float, inter: int, column_major: bool, group: int | None = None) -> None:
+    """FC1 alone into `act` [M·K, Ip] in the given CTA order and load group (fc1_group(M)
+    when None; check_fc1_order's and check_fc1_group's A/Bs)."""
     m, k = idx.shape
     E, two_ip, L = w13.shape
-    fc1 = compile_fc1(ExpertsConfig(L, two_ip // 2, inter, k, E, idx.dtype), column_major)
+    grp = fc1_group(m) if group is None else group
+    fc1 = compile_fc1(ExpertsConfig(L, two_ip // 2, inter, k, E, idx.dtype), column_major, grp)
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), current_stream())
 
 
@@ -875,6 +932,60 @@ def check_fc1_order(timing: bool = True, rows: tuple[int, ...] = (2, 8)) -> list
             r["distinct_tbs_column"] = distinct * 2 * I * L * 2 / (r["column_order_us"] * 1e-6) / 1e12
             r["pair_tbs_pair"] = m * K * 2 * I * L * 2 / (r["pair_order_us"] * 1e-6) / 1e12
         out.append(r)
+    del w13, w2
+    return out
+
+
+FC1_GROUPS_CHECKED = (3, 5, 7)   # check_fc1_group: the load groups compared with the loop
+
+
+def check_fc1_group(timing: bool = True, rows: tuple[int, ...] = (1, 8),
+                    groups: tuple[int, ...] = FC1_GROUPS_CHECKED) -> list[dict]:
+    """FC1 with its loads in groups (FC1_LOADS_GROUP; each of `groups`, and the module's own
+    value) against the loop (group 0), real weights at K3 TP16 shapes: `a` must be
+    bit-identical (the same products summed in the same order; only when the loads are issued
+    changes), nothing written past column I; each timed alone on cold weights (4 routings
+    cycled, as `check`): `loop_us`, `g{G}_us`, and the loop's and each group's TB/s over the
+    distinct experts' bytes."""
+    from kimi_decode.kernels.checks import DEVICE, _sync, time_us
+    dev = torch.device(DEVICE)
+    cfg0, w13, w2 = check_weights(dev)
+    beta, lin_beta = cfg0.situ_beta, cfg0.situ_linear_beta
+    I, K, L = cfg0.expert_local_inter, cfg0.top_k, cfg0.latent_dim
+    ip = w13.shape[1] // 2
+    every = sorted({g for g in (*groups, FC1_LOADS_GROUP) if g > 0})
+    out = []
+    for m in rows:
+        z, routings = check_inputs(cfg0, m, 3100 + m, dev)
+        idx = routings[0][0].int().contiguous()
+        acts = {}
+        for g in (0, *every):
+            acts[g] = torch.full((m * K, ip), float("nan"), dtype=torch.bfloat16, device=dev)
+            with torch.no_grad():
+                fc1_launch(z, idx, w13, acts[g], beta, lin_beta, I, FC1_COLUMN_MAJOR, g)
+        _sync()
+        for g in every:
+            equal = torch.equal(acts[g][:, :I], acts[0][:, :I])
+            pad_untouched = bool(torch.isnan(acts[g][:, I:]).all()) if I < ip else True
+            out.append({"kernel": "experts", "case": "fc1_group", "M": m, "group": g, "a_equal": equal,
+                        "pad_untouched": pad_untouched,
+                        "ok": equal and pad_untouched and bool(torch.isfinite(acts[g][:, :I]).all())})
+        if timing:
+            ids_all = [i.int().contiguous() for i, _ in routings]
+            dst = torch.empty(m * K, ip, dtype=torch.bfloat16, device=dev)
+            distinct = sum(int(i.unique().numel()) for i, _ in routings) / len(routings)
+            times = {}
+            for g in (0, *every):
+                n = itertools.count()
+                times[g] = time_us(lambda g=g, n=n: fc1_launch(z, ids_all[next(n) % len(ids_all)], w13, dst,
+                                                               beta, lin_beta, I, FC1_COLUMN_MAJOR, g))
+            r = out[-1]
+            r["loop_us"] = times[0]
+            for g in every:
+                r[f"g{g}_us"] = times[g]
+            best = min(times, key=times.get)
+            r["best_group"] = best
+            r["best_tbs"] = distinct * 2 * I * L * 2 / (times[best] * 1e-6) / 1e12
     del w13, w2
     return out
 

@@ -115,6 +115,48 @@ def test_fc1_compiles(tmp_path: Path) -> None:
     assert "griddepcontrol.launch_dependents" in ptx  # the PDL hint for FC2
 
 
+@pytest.mark.parametrize("group", [5, 7])
+def test_fc1_load_groups_issue_each_groups_loads_first(tmp_path: Path, group: int) -> None:
+    """FC1_LOADS_GROUP: the expert id's load, then per group of slices every gate, up and z
+    load (3 per slice) before the group's first bf16 -> fp32 conversion (24 per slice), the
+    groups in slice order, then the two conversions of the rounded h; the same 42 vector
+    loads and butterflies as the loop; 3 CTAs per SM asked of ptxas (<= 85 registers), and
+    ptxas (when installed) fits that with at most one spilled word. The SASS order is
+    ptxas's: at 150e59b it issued the first group's 15 loads back to back and the later
+    groups' as registers freed, where the loop's build kept 3-5 in flight."""
+    from tests.kimi_decode.test_kernels_compile import load_convert_order
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=group), P(bf), P(i64), P(bf), P(bf), Int32(1),
+                 Float32(4.0), Float32(25.0))
+    common_checks(ptx)
+    slices = K3.latent_dim // 256
+    sizes = [min(group, slices - i0) for i0 in range(0, slices, group)]
+    assert load_convert_order(ptx) == "L" + "".join("L" * 3 * n + "C" * 24 * n for n in sizes) + "CC"
+    assert ptx.count("ld.global.v4") == 3 * slices and ptx.count("shfl.sync.bfly") == 2 * 5
+    assert ".minnctapersm 3" in ptx
+    if ptxas_path() is None:
+        return
+    regs, spill_st, spill_ld = ptxas_usage(tmp_path)
+    assert regs <= 85 and spill_st <= 4 and spill_ld <= 4
+
+
+def test_fc1_group_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExpertsFC1 reads FC1_LOADS_GROUP when built (the bench's --patch A/B sets it), fc1_group
+    applies it up to FC1_GROUP_MAX_ROWS, and the compile cache keys on the group."""
+    import kimi_decode.kernels.moe_experts as mx
+    monkeypatch.setattr(mx, "FC1_LOADS_GROUP", 5)
+    assert ExpertsFC1(K3_CFG).group == 5 and ExpertsFC1(K3_CFG, group=0).group == 0
+    assert ExpertsFC1(K3_CFG, group=99).group == K3.latent_dim // 256      # at most every slice
+    monkeypatch.setattr(mx, "FC1_GROUP_MAX_ROWS", 4)
+    assert [mx.fc1_group(m) for m in (1, 4, 5, 8)] == [5, 5, 0, 0]
+    seen = []
+    monkeypatch.setattr(mx, "compiled", lambda key, build: seen.append(key))
+    mx.compile_fc1(K3_CFG, True, 0)
+    mx.compile_fc1(K3_CFG, True, 5)
+    mx.compile_fc1(K3_CFG, True)
+    mx.compile_for(K3_CFG, m=8)
+    assert seen[0] != seen[1] and seen[2] == seen[1] and seen[3] == seen[0]
+
+
 @pytest.mark.parametrize("column_major", [False, True])
 def test_fc1_orders_compile_the_same_loads(tmp_path: Path, column_major: bool) -> None:
     """Both CTA orders: the same loads, butterflies and store (only the warp's index math
@@ -324,8 +366,8 @@ def _emulate_a(z, idx, w13, beta, lin_beta, i):
     return ((beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (lin_beta * torch.tanh(u / lin_beta))).bfloat16()
 
 
-def _emulate_fc1(z, idx, w13, act, beta, lin_beta, inter, column_major):
-    """moe_experts.fc1_launch emulated (either order: the same `a`)."""
+def _emulate_fc1(z, idx, w13, act, beta, lin_beta, inter, column_major, group=None):
+    """moe_experts.fc1_launch emulated (any order, any load group: the same `a`)."""
     act[:, :inter] = _emulate_a(z, idx, w13, beta, lin_beta, inter)
 
 
@@ -365,23 +407,37 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
         return 1.0
     monkeypatch.setattr(checks, "time_us", fake_time_us)
     all_rows = moe_experts.check(timing=True, rows=(1, 2))
-    rows = [r for r in all_rows if r.get("case") != "fc1_order"]
+    rows = [r for r in all_rows if r.get("case") not in ("fc1_order", "fc1_group")]
     order = [r for r in all_rows if r.get("case") == "fc1_order"]
+    groups = [r for r in all_rows if r.get("case") == "fc1_group"]
     assert len(rows) == 6 and all(r["ok"] for r in all_rows), all_rows
     assert all(r["kernel_us"] == r["stock_us"] == r["kernel_same_us"] == 1.0 for r in rows)
-    assert len(calls) == 4 * 6 + 2                   # + FC1 alone in both orders at M = 2
+    n_groups = len(moe_experts.FC1_GROUPS_CHECKED)
+    # + FC1 alone in both orders at M = 2, + FC1 alone as the loop and in each group at M = 1, 2
+    assert len(calls) == 4 * 6 + 2 + 2 * (1 + n_groups)
+    assert [(r["M"], r["group"]) for r in groups] == [(m, g) for m in (1, 2) for g in moe_experts.FC1_GROUPS_CHECKED]
+    assert all(r["a_equal"] and r["pad_untouched"] for r in groups)
+    assert all(groups[-1][k] == 1.0 for k in ["loop_us", *(f"g{g}_us" for g in moe_experts.FC1_GROUPS_CHECKED)])
     assert [(r["M"], r["skip_pad"], r["pdl"]) for r in rows] == [
         (1, True, False), (1, False, False), (2, True, False), (2, False, False), (1, True, True), (2, True, True)]
     assert [r["M"] for r in order] == [2] and order[0]["a_equal"] and order[0]["pad_untouched"]
     assert order[0]["pair_order_us"] == order[0]["column_order_us"] == 1.0
 
-    def order_dependent(z, idx, w13, act, beta, lin_beta, inter, column_major):   # must fail
+    def order_dependent(z, idx, w13, act, beta, lin_beta, inter, column_major, group=None):   # must fail
         _emulate_fc1(z, idx, w13, act, beta, lin_beta, inter, column_major)
         if column_major:
             act[0, 0] = act[0, 0] * 2 + 1
     monkeypatch.setattr(moe_experts, "fc1_launch", order_dependent)
     bad = [r for r in moe_experts.check(timing=False, rows=(2,)) if r.get("case") == "fc1_order"]
     assert len(bad) == 1 and not bad[0]["ok"] and not bad[0]["a_equal"]
+
+    def group_dependent(z, idx, w13, act, beta, lin_beta, inter, column_major, group=None):   # must fail
+        _emulate_fc1(z, idx, w13, act, beta, lin_beta, inter, column_major)
+        if group == 5:
+            act[1, 2] = act[1, 2] * 2 + 1
+    monkeypatch.setattr(moe_experts, "fc1_launch", group_dependent)
+    bad = [r for r in moe_experts.check(timing=False, rows=(2,)) if r.get("case") == "fc1_group"]
+    assert [(r["group"], r["ok"]) for r in bad] == [(3, True), (5, False), (7, True)]
     monkeypatch.setattr(moe_experts, "fc1_launch", _emulate_fc1)
 
     def no_pdl(*a, pdl=False, **kw):                # a stack without PDL: only those rows skip
@@ -390,12 +446,13 @@ def test_check_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch)
         return _emulate(*a, **kw)
     monkeypatch.setattr(moe_experts, "experts", no_pdl)
     rows = moe_experts.check(timing=False, rows=(2,))
+    rows = [r for r in rows if r.get("case") != "fc1_group"]      # (FC1 alone: no PDL involved)
     assert all(r["ok"] for r in rows) and [("skipped" in r) for r in rows] == [False, False, True, False]
 
     def broken(z, idx, w, *a, **kw):
         return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]), *a, **kw)
     monkeypatch.setattr(moe_experts, "experts", broken)
-    assert not any(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)) if r.get("case") != "fc1_order")
+    assert not any(r["ok"] for r in moe_experts.check(timing=False, rows=(2,)) if r.get("case") not in ("fc1_order", "fc1_group"))
 
 
 def test_check_v2_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
