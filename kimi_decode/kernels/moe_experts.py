@@ -30,7 +30,10 @@ slices l, l+32, ... of both rows (coalesced 512-byte warp loads; the loop unroll
 K3, one trip: 36 registers and no spill, where 7 deep took 40 and spilled 12 B, ~7 us slower
 per M = 8 layer in the step, bench/fused_runs.md) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
 finish the dots, every lane computes SiTU, lane 0 writes a[p, c] to a [P, Ip] bf16 scratch
-(columns ≥ I are never written and never read).
+(columns ≥ I are never written and never read). At M = 1 (FC1_LOADS_GROUP, fc1_group) the
+14 slices run in groups of 7, each group's 21 loads issued before its first conversion, with
+ptxas allowed 80 registers (3 CTAs per SM): the loop's 36-register build kept only 3-5 loads
+in flight per round trip, which the M = 1 grid of half a wave could not hide.
 Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8 warps. For
 each row m, the warp first issues all K loads w2[e_j, l, 8·lane : 8·lane+8] (one 512-byte
 row per expert, coalesced; lanes with 8·lane ≥ I skip theirs: 16 loads in flight per lane),
@@ -151,9 +154,13 @@ FC1_COLUMN_MAJOR = True
 # the first bf16 -> fp32 shift waits for them (each of ~10 such rounds holds 3.5-6.4 % of the
 # samples), so at 36 registers a warp spends FC1 in ~10 dependent round trips. Grouped, each
 # lane has a group's 3·G loads in flight at once (same products in the same order: bit-equal).
-# Off until measured on the device (bench/fused_runs.md, session 19).
-FC1_LOADS_GROUP = 0
-FC1_GROUP_MAX_ROWS = MAX_ROWS   # M up to which FC1 runs grouped (above: the loop)
+# Measured (H100, 664c221, bench/fused_runs.md session 19; check_fc1_group, FC1 alone, cold):
+# M = 1 loop 21.2 us, groups 3 / 5 / 7 20.7 / 20.6 / 18.4; M = 8 loop 111.2, groups 114.8-115.0.
+# In the step (fused_ab, groups at every M <= 8): B = 1, k = 0 KDA 102.1-102.4 us against
+# 103.5-103.8 (MLA 116.3-116.5 against 118.0), but M = 8 layers 4-5 us slower. So: group 7 at
+# M = 1 only (the per-M table); M >= 2 keeps the loop (at 3,072+ CTAs its 6 CTAs per SM win).
+FC1_LOADS_GROUP = 7
+FC1_GROUP_MAX_ROWS = 1   # M up to which FC1 runs grouped (above: the loop)
 # With a group: ptxas held to 3 CTAs of 8 warps per SM (<= 85 registers; 3 x 5 slices x 12
 # registers of data fit), so M = 1's 384 CTAs stay one wave on 132 SMs
 FC1_GROUP_MIN_BLOCKS = 3

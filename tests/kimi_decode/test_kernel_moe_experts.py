@@ -146,6 +146,9 @@ def test_fc1_group_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(mx, "FC1_LOADS_GROUP", 5)
     assert ExpertsFC1(K3_CFG).group == 5 and ExpertsFC1(K3_CFG, group=0).group == 0
     assert ExpertsFC1(K3_CFG, group=99).group == K3.latent_dim // 256      # at most every slice
+    monkeypatch.undo()
+    assert [mx.fc1_group(m) for m in (1, 2, 8)] == [7, 0, 0]               # the measured default
+    monkeypatch.setattr(mx, "FC1_LOADS_GROUP", 5)
     monkeypatch.setattr(mx, "FC1_GROUP_MAX_ROWS", 4)
     assert [mx.fc1_group(m) for m in (1, 4, 5, 8)] == [5, 5, 0, 0]
     seen = []
@@ -159,9 +162,10 @@ def test_fc1_group_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize("column_major", [False, True])
 def test_fc1_orders_compile_the_same_loads(tmp_path: Path, column_major: bool) -> None:
-    """Both CTA orders: the same loads, butterflies and store (only the warp's index math
-    differs), no local memory, registers at the pair-major build's level."""
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major), P(bf), P(i64), P(bf), P(bf), Int32(8),
+    """Both CTA orders of the loop build (M >= 2: fc1_group 0): the same loads, butterflies
+    and store (only the warp's index math differs), no local memory, registers at the
+    pair-major build's level."""
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major, group=0), P(bf), P(i64), P(bf), P(bf), Int32(8),
                  Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert ptx.count("ld.global.v4") == 3 * 14 and ptx.count("shfl.sync.bfly") == 2 * 5
