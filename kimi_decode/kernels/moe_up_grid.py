@@ -104,6 +104,8 @@ SLOT_LOADS_FIRST = True
 # of all 8 warps of CTAs 0-13; each virtual warp's 32 vectors, sums and partial index are
 # unchanged (bit-equal). Why: ncu had ~28 % of the kernel's samples at the grid barrier, 42
 # CTAs waiting for the 14 that did phase 1's loads alone. False: thread g = block·threads + t.
+# Measured (H100, 150e59b, two fused_ab pairs, bench/fused_runs.md sessions 18-19): M = 8
+# layers within ±0.8 us of off; the barrier wait is not this imbalance. Kept off.
 PHASE1_SPREAD = False
 MMA_WARPS = 8         # the mma's n: one CTA's columns
 SX_PAD = 32           # bf16 elements of padding after each xn row in shared memory (64 B:
