@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None, copy_bw: float | None = None) -> None:
     ap.add_argument("--json", type=Path, help="write results here (GPU run)")
     ap.add_argument("--render", type=Path, help="merge this results JSON into decode.md")
     ap.add_argument("--md", type=Path, default=MD_PATH,
-                    help="the table to merge into (default bench/decode.md, the H200 headline the "
-                         "bundled traces match; a run on another card gets its own file so the two "
-                         "never mix in one side-by-side row)")
+                    help="the table to merge into (default bench/decode.md, the H200 run the "
+                         "bundled traces match; a run on another card, or a later run whose traces "
+                         "were not captured, gets its own file: decode_h100.md, decode_latest.md)")
     args = ap.parse_args(argv)
     if args.render:
         body = render(merge(json.loads(args.render.read_text()), args.md))
