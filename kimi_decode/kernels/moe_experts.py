@@ -31,9 +31,10 @@ K3, one trip: 36 registers and no spill, where 7 deep took 40 and spilled 12 B, 
 per M = 8 layer in the step, bench/fused_runs.md) and the same slices of z[m] (7 KB, L1/L2-resident); two butterflies
 finish the dots, every lane computes SiTU, lane 0 writes a[p, c] to a [P, Ip] bf16 scratch
 (columns ≥ I are never written and never read). At M = 1 (FC1_LOADS_GROUP, fc1_group) the
-14 slices run in groups of 7, each group's 21 loads issued before its first conversion, with
-ptxas allowed 80 registers (3 CTAs per SM): the loop's 36-register build kept only 3-5 loads
-in flight per round trip, which the M = 1 grid of half a wave could not hide.
+14 slices run in groups of 7, each group's 21 loads written before its first conversion, with
+ptxas allowed 80 registers (3 CTAs per SM; it issues ~15 of a group's loads back to back and
+the rest as registers free): the loop's 36-register build kept only 3-5 loads in flight per
+round trip, which the M = 1 grid of half a wave could not hide.
 Kernel 2 (ExpertsFC2): one warp per output column l of L; grid = L / 8 CTAs of 8 warps. For
 each row m, the warp first issues all K loads w2[e_j, l, 8·lane : 8·lane+8] (one 512-byte
 row per expert, coalesced; lanes with 8·lane ≥ I skip theirs: 16 loads in flight per lane),
@@ -161,8 +162,9 @@ FC1_COLUMN_MAJOR = True
 # M = 1 only (the per-M table); M >= 2 keeps the loop (at 3,072+ CTAs its 6 CTAs per SM win).
 FC1_LOADS_GROUP = 7
 FC1_GROUP_MAX_ROWS = 1   # M up to which FC1 runs grouped (above: the loop)
-# With a group: ptxas held to 3 CTAs of 8 warps per SM (<= 85 registers; 3 x 5 slices x 12
-# registers of data fit), so M = 1's 384 CTAs stay one wave on 132 SMs
+# With a group: ptxas held to 3 CTAs of 8 warps per SM (it takes 80 registers, a group of 7
+# slices would need 84 for its data alone, so ptxas issues ~15 loads at once and the rest as
+# registers free; 4 B of spill), so M = 1's 384 CTAs stay one wave on 132 SMs
 FC1_GROUP_MIN_BLOCKS = 3
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
@@ -681,9 +683,10 @@ def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int
     return compiled(("experts_fc1", cfg1, bool(cm), int(grp)), build)
 
 
-def compile_for(cfg: ExpertsConfig, v2: bool = False, m: int = 1) -> tuple[object, object]:
+def compile_for(cfg: ExpertsConfig, v2: bool, m: int) -> tuple[object, object]:
     """The two compiled kernels for `cfg` (cached), FC1 with M = `m`'s load group
-    (fc1_group); `v2`: FC2 is ExpertsFC2v2."""
+    (fc1_group: M is required, so no caller gets M = 1's build at another M); `v2`: FC2 is
+    ExpertsFC2v2."""
 
     def build2() -> object:
         bf = dummy_ptr(torch.bfloat16)
