@@ -107,6 +107,9 @@ class AttnResMCConfig(AttnResConfig):
     columns (vec_per_thread vectors of 8 per thread)."""
 
     ctas: int = 7
+    # PDL chain: release the successor at the kernel's start (kernels/chain.py, early
+    # release; the wrapper sets it from chain.early_release(M))
+    early: bool = False
 
     @property
     def threads(self) -> int:
@@ -309,6 +312,7 @@ class AttnResMC(AttnResRMSNorm):
         # every CTA of the cluster arrives once it runs; the matching wait (before the first
         # remote store) makes sure no CTA's shared memory is written before that CTA started
         cute.arch.cluster_arrive_relaxed()
+        chain.begin(self.cfg.early)        # early release: every successor reads only constants first
         buf = cute.make_rmem_tensor(cute.make_layout(VEC), self.src_t)
         acc = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         part = cute.make_rmem_tensor(cute.make_layout(2 * self.nsrc), Float32)
@@ -321,7 +325,7 @@ class AttnResMC(AttnResRMSNorm):
             cute.autovec_copy(mN[c, None], nv[i, None])
         # PDL chain: the weights above are constants; every source below was written by
         # earlier kernels of the step
-        chain.enter()
+        chain.enter_or_wait(self.cfg.early)
         # every source of this thread's vectors, fp32, kept in registers for pass 2 (no re-read:
         # each source byte is read from global memory once in the whole grid)
         vr = cute.make_rmem_tensor(cute.make_layout((self.nsrc, self.vpt, VEC),
@@ -443,7 +447,8 @@ def attn_res_mc(blocks: torch.Tensor, num_blocks: int, prefix: torch.Tensor | No
         blocks[:, write_slot].copy_(prefix)
         write_slot = None
     cfg = AttnResMCConfig(d, num_blocks, slots, has_delta, write_slot is not None, dt,
-                          vec_per_thread=1, world=world, reset=reset, gather=gather, ctas=ctas)
+                          vec_per_thread=1, world=world, reset=reset, gather=gather, ctas=ctas,
+                          early=chain.early_release(m))
     out = torch.empty(m, d, dtype=torch.bfloat16, device=blocks.device) if out is None else out
     new_prefix = torch.empty(m, d, dtype=dt, device=blocks.device) if has_delta else prefix
     fn = compile_for(cfg, norm_w.dtype)

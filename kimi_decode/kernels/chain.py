@@ -21,6 +21,14 @@ The protocol every chained kernel follows (enter() / release()):
    CTA of N has passed its wait, i.e. N-1 and everything before it are complete. That keeps
    at most one kernel ahead prefetching (not two weights racing for the L2), and makes the
    pre-wait reads of the experts' FC2 (the router's ids, written two kernels earlier) safe.
+Early release (EARLY_RELEASE_MAX_ROWS, off by default): a kernel whose successors, wherever
+the step launches it, read only constants before their wait (attn_res_mc: in_proj, the MoE
+front, qkv_a + g; the preloaded plain GEMV, o_proj: attn_res_mc) may release at its START
+(release() first, wait() where enter() was), so its successor becomes resident and streams its
+weights one kernel earlier, e.g. the MoE front's W_gate during o_proj and mlp_res instead of
+during mlp_res alone. Still safe: the successor's own wait returns only once this kernel has
+completed, which is after this kernel's wait. Not for a kernel whose successor reads a
+result of two kernels back before its wait (FC1: FC2 reads the router's ids there).
 A kernel launched with PDL must call the wait before reading anything an earlier kernel of
 the step wrote; a kernel not in the chain is launched as before and starts after its
 predecessor completes (it never triggers early, so its successor, chained or not, waits for
@@ -54,6 +62,10 @@ from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 DEFAULT_BUDGET = 0
 
 _state: dict[str, object] = {"on": False, "budget": DEFAULT_BUDGET}
+# Early release (module docstring) for launches of at most this many rows (M); 0: never.
+# Read by the wrappers when they build a config (attn_res_mc, gemv), so it is part of each
+# compile key through the config's `early` field; `bench/fused_device.py --patch` A/Bs it.
+EARLY_RELEASE_MAX_ROWS = 0
 
 
 def set_chain(on: bool, budget: int | None = None) -> None:
@@ -73,6 +85,12 @@ def chain_on() -> bool:
 def key() -> tuple[bool, int]:
     """What a compile cache key must hold of the mode: (on, budget), or (False, 0) when off."""
     return (True, int(_state["budget"])) if chain_on() else (False, 0)
+
+
+def early_release(rows: int) -> bool:
+    """Whether a kernel that may release early (module docstring) does so at M = rows: the
+    chain on and rows ≤ EARLY_RELEASE_MAX_ROWS."""
+    return chain_on() and 1 <= rows <= EARLY_RELEASE_MAX_ROWS
 
 
 def row_prefetch_bytes(row_bytes: int, rows: int) -> int:
@@ -108,6 +126,24 @@ def wait():
     other stream's kernels still need) calls release() there; nothing when the chain is off."""
     if cutlass.const_expr(chain_on()):
         cute.arch.griddepcontrol_wait()
+
+
+@cute.jit
+def enter_or_wait(early: cutlass.Constexpr[bool]):
+    """enter() where the kernel has not released yet; wait() alone where it released at its
+    start (`early`, see begin())."""
+    if cutlass.const_expr(early):
+        wait()
+    else:
+        enter()
+
+
+@cute.jit
+def begin(early: cutlass.Constexpr[bool]):
+    """At a kernel's start: release its successor now when `early` (module docstring: early
+    release); nothing otherwise."""
+    if cutlass.const_expr(early):
+        release()
 
 
 @cute.jit

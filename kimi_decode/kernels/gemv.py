@@ -129,7 +129,7 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import torch
@@ -195,6 +195,9 @@ class GemvConfig:
     # (e.g. the q part of qkv_a's output), normalised in the prologue with this eps
     eps: float = 0.0
     x_stride: int = 0
+    # PDL chain, the preloaded short-row kernel only (o_proj): release the successor at the
+    # kernel's start (kernels/chain.py, early release; gemv() sets it from chain.early_release)
+    early: bool = False
 
 
 def vec_for(k: int) -> int:
@@ -273,6 +276,10 @@ class Gemv:
         self.preload_chain = (chain.chain_on() and cfg.per_warp == 1 and cfg.cols == 0 and not cfg.situ
                               and self.slices <= FULL_MAX_SLICES)
         self.peel = min(CHAIN_PEEL, self.full) if chain.chain_on() and cfg.cols else 0
+        assert not cfg.early or self.preload_chain, cfg
+        # PDL chain, plain layout, one column per warp: slices whose weights the lane loads
+        # before the wait (column_peeled); gemv_multi sets it (MultiConfig.peel), 0 elsewhere
+        self.plain_peel = 0
 
     @cute.jit
     def __call__(self, x: cute.Pointer, w: cute.Pointer, out: cute.Pointer, stream: cuda.CUstream):
@@ -312,6 +319,9 @@ class Gemv:
         rows into L2, then the chain's wait (kernels/chain.py)."""
         if cutlass.const_expr(self.preload_chain):
             self.column_preloaded(mX, mW, mO, wid, lane)
+        elif cutlass.const_expr(chain.chain_on() and self.plain_peel > 0 and self.cfg.per_warp == 1):
+            self.chain_prefetch_rows(mW, wid, 1, lane == 0)
+            self.column_peeled(mX, mW, mO, wid, lane)
         else:
             if cutlass.const_expr(chain.chain_on()):
                 self.chain_prefetch_rows(mW, wid * self.cfg.per_warp, self.cfg.per_warp, lane == 0)
@@ -405,11 +415,12 @@ class Gemv:
         nothing), x after it; then column()'s FMA chain in its order (slice, row, element):
         bit-identical to column()."""
         S, vec = self.slices, self.cfg.vec
+        chain.begin(self.cfg.early)        # early release: its successor reads only constants first
         colc = cutlass.min(col, Int32(self.cfg.n - 1))
         wall = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mW.element_type)
         for i in cutlass.range_constexpr(S):
             self.load_w(mW[colc, lane + i * 32, None], wall[i, None])
-        chain.enter()
+        chain.enter_or_wait(self.cfg.early)
         if col < self.cfg.n:
             acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
             acc.fill(0.0)
@@ -420,6 +431,42 @@ class Gemv:
                     cute.autovec_copy(mX[r, c, None], xv)
                     for j in cutlass.range_constexpr(vec):
                         acc[r] = acc[r] + wall[i, j].to(Float32) * xv[j].to(Float32)
+            for r in cutlass.range_constexpr(self.cfg.rows):
+                tot = cute.arch.warp_reduction_sum(acc[r])
+                if lane == 0:
+                    mO[r, col] = tot.to(mO.element_type)
+
+    @cute.jit
+    def column_peeled(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32):
+        """column() for the PDL chain with the first `plain_peel` slices of the warp's weight
+        row loaded into registers before the chain's wait (gemv_multi's projection CTAs: those
+        resident while the previous kernel runs stream their first round then; a warp past N
+        loads row N-1, in bounds, and stores nothing), x after it; then column()'s FMA chain
+        in its order (slice, row, element): bit-identical to column()."""
+        P, vec = self.plain_peel, self.cfg.vec
+        colc = cutlass.min(col, Int32(self.cfg.n - 1))
+        pre = cute.make_rmem_tensor(cute.make_layout((P, vec), stride=(vec, 1)), mW.element_type)
+        for i in cutlass.range_constexpr(P):
+            self.load_w(mW[colc, lane + i * 32, None], pre[i, None])
+        chain.enter()
+        if col < self.cfg.n:
+            acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
+            acc.fill(0.0)
+            wv = cute.make_rmem_tensor(cute.make_layout(vec), mW.element_type)
+            xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
+            for i in cutlass.range_constexpr(P):
+                c = lane + i * 32
+                for r in cutlass.range_constexpr(self.cfg.rows):
+                    cute.autovec_copy(mX[r, c, None], xv)
+                    for j in cutlass.range_constexpr(vec):
+                        acc[r] = acc[r] + pre[i, j].to(Float32) * xv[j].to(Float32)
+            for i in cutlass.range(P, self.slices, unroll=self.cfg.unroll):
+                c = lane + i * 32
+                self.load_w(mW[col, c, None], wv)
+                for r in cutlass.range_constexpr(self.cfg.rows):
+                    cute.autovec_copy(mX[r, c, None], xv)
+                    for j in cutlass.range_constexpr(vec):
+                        acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
             for r in cutlass.range_constexpr(self.cfg.rows):
                 tot = cute.arch.warp_reduction_sum(acc[r])
                 if lane == 0:
@@ -766,6 +813,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         if tune is None and _tuned_on:
             tune = TUNED.get((n, k))
         cfg = GemvConfig(n, k, m, **{"unroll": unroll, **tune_fields(tune, k)})
+        if (chain.early_release(m) and cfg.cols == 0 and cfg.per_warp == 1
+                and cfg.k // (cfg.vec * 32) <= FULL_MAX_SLICES):
+            cfg = replace(cfg, early=True)   # the preloaded short row (o_proj): chain.py, early release
     else:
         cfg = GemvConfig(n, k, m, vec=vec, unroll=unroll)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())

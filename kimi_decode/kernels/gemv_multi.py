@@ -46,7 +46,7 @@ import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import torch
@@ -63,6 +63,17 @@ from kimi_decode.kernels.gemv import GEMV_UNROLL, SPLITK_MIN_ROWS, VEC, WARPS, G
 
 MAX_SEGMENTS = 3
 MAX_ROWS = 8          # what the kernel compiles for; the per-M table (fused.MAX_ROWS) uses M = 1
+# PDL chain, weights before the wait (both off by default; read by _config, so part of the
+# compile key through MultiConfig; `bench/fused_device.py --patch` A/Bs them). Why: the CTAs
+# resident when the kernel is released (all 448 router CTAs and the first 80 projection CTAs
+# of the MoE front at 4 per SM; all 360 of the MLA front) wait with HBM idle while mlp_res /
+# the AttnRes run (~4 us at B = 1, bench/fused_runs.md session 20).
+# ROUTER_PRE_WAIT: the router CTAs issue their 7 W_gate loads per lane (12.8 MB in all) before
+# the wait (router_fast.gemv_cta's enter_after_loads), y after it.
+ROUTER_PRE_WAIT = False
+# PRE_WAIT_ROUNDS: the projection warps load their first ROUNDS x unroll weight slices before
+# the wait (gemv.column_peeled); 0: none.
+PRE_WAIT_ROUNDS = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,10 @@ class MultiConfig:
     per_warp: int = 1
     warps: int = WARPS
     hint: str = ""
+    # PDL chain: projection slices per lane loaded before the wait (gemv.column_peeled), and
+    # the router CTAs' weights before it (ROUTER_PRE_WAIT)
+    peel: int = 0
+    router_pre: bool = False
 
 
 def can_implement(m: int, k: int, ns: Sequence[int], dtypes: tuple[torch.dtype, ...],
@@ -105,6 +120,7 @@ class GemvMulti:
         pf = chain.row_prefetch_bytes(cfg.k * 2, sum(cfg.segs))   # PDL chain: one budget for all
         for g in self.gemvs:
             g.pf = pf
+            g.plain_peel = cfg.peel if chain.chain_on() and cfg.per_warp == 1 else 0
         assert cfg.router is None or cfg.warps == WARPS, cfg
         self.router = None
         self.rctas = 0
@@ -157,8 +173,12 @@ class GemvMulti:
         if cutlass.const_expr(self.router is not None):
             red, flag, cK, cI, selI, selS, sL, sB = self.router.smem_tensors()
             if bidx < self.rctas:                                   # CTA-uniform
-                chain.enter()      # PDL chain (the segments' CTAs enter in warp_columns)
-                self.router.gemv_cta(mX, mG, mL, red, bidx, tidx, warp, lane)
+                if cutlass.const_expr(self.cfg.router_pre and chain.chain_on()):
+                    # PDL chain: W_gate loads issued first, the wait after them (gemv_cta)
+                    self.router.gemv_cta(mX, mG, mL, red, bidx, tidx, warp, lane, True)
+                else:
+                    chain.enter()      # PDL chain (the segments' CTAs enter in warp_columns)
+                    self.router.gemv_cta(mX, mG, mL, red, bidx, tidx, warp, lane, False)
                 self.router.complete(mL, mB, mC, mI, mR, flag, cK, cI, selI, selS, sL, sB,
                                      Int32(self.rctas), Int32(self.cfg.rows), tidx, warp, lane)
             else:
@@ -230,7 +250,12 @@ def _config(k: int, m: int, segs: tuple[int, ...], rcfg: rf.RouterFastConfig | N
     f = kg.tune_fields(tune, k)
     if f.get("cols"):
         raise ValueError(f"gemv_multi runs the plain layout only, not the split-K config {tune}")
-    return MultiConfig(k, m, segs, rcfg, **{"unroll": unroll, **f})
+    cfg = MultiConfig(k, m, segs, rcfg, **{"unroll": unroll, **f})
+    if chain.chain_on():
+        slices = k // (VEC * 32)
+        cfg = replace(cfg, peel=min(PRE_WAIT_ROUNDS * cfg.unroll, slices) if cfg.per_warp == 1 else 0,
+                      router_pre=ROUTER_PRE_WAIT and rcfg is not None)
+    return cfg
 
 
 def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor], *, unroll: int = GEMV_UNROLL,

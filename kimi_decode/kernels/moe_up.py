@@ -82,6 +82,9 @@ class MoeUpConfig:
     n: int
     world: int
     warps: int = WARPS
+    # PDL chain: release the successor (the next layer's AttnRes) at the kernel's start
+    # (kernels/chain.py, early release; moe_up() sets it from chain.early_release(M))
+    early: bool = False
 
 
 def can_implement(m: int, latent: int, n: int, world: int, dtypes: tuple[torch.dtype, ...],
@@ -217,9 +220,10 @@ class MoeUp:
         then lane s < world holds slot s's shared partial for every row in shp (own slot:
         sh_full). Also moe_up_grid's first steps."""
         M, n, world = self.cfg.rows, self.cfg.n, self.cfg.world
+        chain.begin(self.cfg.early)        # early release: its successor reads only constants first
         for i in cutlass.range_constexpr(self.nv_lane):
             cute.autovec_copy(mW[col, lane + i * 32, None], wv[i, None])
-        chain.enter()
+        chain.enter_or_wait(self.cfg.early)
         shp.fill(0.0)
         for mm in cutlass.range_constexpr(M):
             if lane < world:
@@ -278,7 +282,7 @@ def moe_up(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor,
         out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
     elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
         raise ValueError("out must be [M, n] bf16")
-    compile_for(MoeUpConfig(m, L, n, world, warps))(ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm),
+    compile_for(MoeUpConfig(m, L, n, world, warps, early=chain.early_release(m)))(ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm),
                                              ptr(up_rows), ptr(out), Int32(rank), Float32(eps),
                                              current_stream())
     return out

@@ -68,6 +68,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from kimi_decode.kernels import chain
 from kimi_decode.kernels import router as _slow
 from kimi_decode.kernels._common import (arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr,
                                          sigmoid)
@@ -157,7 +158,7 @@ class RouterFast:
         warp = cute.arch.warp_idx()          # all lanes, top level (a full-warp shuffle)
         lane = cute.arch.lane_idx()
         red, flag, cK, cI, selI, selS, sL, sB = self.smem_tensors()
-        self.gemv_cta(mY, mW, mL, red, bidx, tidx, warp, lane)
+        self.gemv_cta(mY, mW, mL, red, bidx, tidx, warp, lane, False)
         self.complete(mL, mB, mC, mI, mO, flag, cK, cI, selI, selS, sL, sB, gdim, m, tidx, warp, lane)
 
     def smem_tensors(self) -> tuple:
@@ -180,8 +181,12 @@ class RouterFast:
 
     @cute.jit
     def gemv_cta(self, mY: cute.Tensor, mW: cute.Tensor, mL: cute.Tensor, red: cute.Tensor,
-                 bidx: Int32, tidx: Int32, warp: Int32, lane: Int32):
-        """This CTA's EPC logits for every row: warp = (expert el of the CTA, quarter q of D)."""
+                 bidx: Int32, tidx: Int32, warp: Int32, lane: Int32,
+                 enter_after_loads: cutlass.Constexpr[bool]):
+        """This CTA's EPC logits for every row: warp = (expert el of the CTA, quarter q of D).
+        enter_after_loads (gemv_multi's router CTAs in the PDL chain, ROUTER_PRE_WAIT there):
+        the chain's wait and release right after the weight loads are issued, so W_gate (a
+        constant) streams while the previous kernel runs; y is read only after the wait."""
         rows = self.cfg.rows
         el = warp // KSPLIT
         q = warp % KSPLIT
@@ -193,6 +198,8 @@ class RouterFast:
         base = q * (self.slices * 32) + lane
         for i in cutlass.range_constexpr(self.slices):         # all weight loads in flight first
             cute.autovec_copy(mW[e, base + i * 32, None], wv[i, None])
+        if cutlass.const_expr(enter_after_loads):
+            chain.enter()
         for i in cutlass.range_constexpr(self.slices):
             c = base + i * 32                                     # < D / VEC
             for r in cutlass.range_constexpr(rows):

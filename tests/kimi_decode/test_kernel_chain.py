@@ -202,3 +202,114 @@ def test_chained_gemv_registers(tmp_path: Path, name: str, most: int, chain_mode
                          capture_output=True, text=True, check=True)
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     assert regs <= most and "0 bytes spill stores" in res.stderr, res.stderr
+
+
+# --- weights before the wait in the fronts, early release (off by default; A/B settings) ---
+
+def _multi_cfg(router: bool, **kw) -> MultiConfig:
+    if router:
+        rcfg = rf.RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling)
+        return MultiConfig(K3.hidden, 1, (K3.latent_dim, 2 * K3.shared_local_inter), rcfg, hint="evict_first", **kw)
+    return MultiConfig(K3.hidden, 1, (K3.qkv_a_rows, K3.mla_local_heads * K3.v_head_dim), None, unroll=7, **kw)
+
+
+def _multi_ptx_cfg(d: Path, cfg: MultiConfig) -> str:
+    return ptx_of(d, GemvMulti(cfg), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), P(f32), P(f32),
+                  P(i32), P(i64), P(f32))
+
+
+def _loads_before_each_wait(lines: list[str]) -> list[int]:
+    """For every griddepcontrol.wait: the global loads in the straight-line block before it
+    (back to the previous label or branch)."""
+    out = []
+    for w in (i for i, s in enumerate(lines) if s.startswith(WAIT)):
+        j, n = w - 1, 0
+        while j >= 0 and not lines[j].startswith(("bra", "@", "$")):
+            n += lines[j].startswith("ld.global")
+            j -= 1
+        out.append(n)
+    return out
+
+
+@pytest.mark.parametrize("router,peel,router_pre,expect", [
+    (True, 0, False, [0, 0, 0]),       # the default: nothing before any wait
+    (True, 0, True, [7, 0, 0]),        # router CTAs: their 7 W_gate slices per lane
+    (True, 4, True, [7, 4, 4]),        # + each projection segment's first round (unroll 4)
+    (False, 7, False, [7, 7]),         # MLA front: qkv_a's and g_proj's first round (unroll 7)
+])
+def test_fronts_load_weights_before_the_wait(tmp_path: Path, router: bool, peel: int, router_pre: bool,
+                                             expect: list[int], chain_mode) -> None:
+    """ROUTER_PRE_WAIT / PRE_WAIT_ROUNDS: the router CTAs' weight loads, and the projection
+    warps' first `peel` slices, sit before griddepcontrol.wait in every branch of the grid,
+    y / x only after it; nothing is written before it and the release still follows it."""
+    chain_mode(True)
+    ptx = _multi_ptx_cfg(tmp_path, _multi_cfg(router, peel=peel, router_pre=router_pre))
+    lines = _lines(ptx)
+    assert _loads_before_each_wait(lines) == expect
+    waits = [i for i, s in enumerate(lines) if s.startswith(WAIT)]
+    releases = [i for i, s in enumerate(lines) if s.startswith(RELEASE)]
+    assert len(waits) == len(releases) and all(w < r for w, r in zip(waits, releases))
+    assert not any(s.startswith(("st.global", "atom.", "red.")) for s in lines[:waits[0]])
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_front_pre_wait_settings_reach_the_config(monkeypatch, chain_mode) -> None:
+    """_config turns the module settings into MultiConfig fields (so into the compile key):
+    rounds x unroll slices, the router flag only where there is a router; all off without
+    the chain."""
+    import kimi_decode.kernels.gemv_multi as gm
+    rcfg = rf.RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling)
+    segs = (K3.latent_dim, 2 * K3.shared_local_inter)
+    monkeypatch.setattr(gm, "ROUTER_PRE_WAIT", True)
+    monkeypatch.setattr(gm, "PRE_WAIT_ROUNDS", 2)
+    chain_mode(True)
+    on = gm._config(K3.hidden, 1, segs, rcfg, 4, {})
+    assert (on.peel, on.router_pre) == (8, True)
+    mla = gm._config(K3.hidden, 1, (K3.qkv_a_rows, 768), None, 4, {"unroll": 7})
+    assert (mla.peel, mla.router_pre) == (14, False)
+    chain_mode(False)
+    off = gm._config(K3.hidden, 1, segs, rcfg, 4, {})
+    assert (off.peel, off.router_pre) == (0, False)
+
+
+def test_early_release_rows(monkeypatch, chain_mode) -> None:
+    monkeypatch.setattr(chain, "EARLY_RELEASE_MAX_ROWS", 1)
+    chain_mode(True)
+    assert chain.early_release(1) and not chain.early_release(2)
+    chain_mode(False)
+    assert not chain.early_release(1)
+    monkeypatch.setattr(chain, "EARLY_RELEASE_MAX_ROWS", 0)
+    chain_mode(True)
+    assert not chain.early_release(1)
+
+
+EARLY_KERNELS: dict[str, Callable[[Path], str]] = {
+    "o_proj": lambda d: gemv_ptx(d, GemvConfig(K3.hidden, 768, 1, hint="no_allocate", early=True)),
+    "attn_res_mc": lambda d: ptx_of(d, AttnResMC(AttnResMCConfig(K3.hidden, 1, 8, True, True, vec_per_thread=1,
+                                                                 world=K3.tp, ctas=pick_ctas(K3.hidden),
+                                                                 early=True)),
+                                    P(bf), P(bf), P(bf), P(bf), P(bf), P(f32), P(f32), Int32(1), Int32(0),
+                                    Float32(1e-5)),
+    "moe_up": lambda d: ptx_of(d, k_up.MoeUp(k_up.MoeUpConfig(1, K3.latent_dim, K3.hidden // K3.tp, K3.tp, 8,
+                                                              early=True)),
+                               P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), Int32(0), Float32(1e-5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EARLY_KERNELS))
+def test_early_release_ptx(tmp_path: Path, name: str, chain_mode) -> None:
+    """Early release (chain.py): the release is the kernel's first chain instruction, before
+    any load; the wait still precedes every load of another kernel's output and every store;
+    the same weight loads before the wait as without early release."""
+    chain_mode(True)
+    lines = _lines(EARLY_KERNELS[name](tmp_path))
+    assert sum(s.startswith(RELEASE) for s in lines) == 1 and sum(s.startswith(WAIT) for s in lines) == 1
+    wait, release = _first(lines, WAIT), _first(lines, RELEASE)
+    assert release < wait
+    assert not any(s.startswith("ld.global") for s in lines[:release])
+    assert not any(s.startswith(("st.global", "atom.", "red.")) for s in lines[:wait])
+    pre = sum(s.startswith("ld.global") for s in lines[:wait])
+    (tmp_path / "plain").mkdir()
+    plain = _lines(KERNELS[name](tmp_path / "plain"))
+    assert pre == sum(s.startswith("ld.global") for s in plain[:_first(plain, WAIT)]) > 0
+
