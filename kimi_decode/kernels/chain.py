@@ -64,7 +64,8 @@ DEFAULT_BUDGET = 0
 _state: dict[str, object] = {"on": False, "budget": DEFAULT_BUDGET}
 # Early release (module docstring) for launches of at most this many rows (M); 0: never.
 # Measured at 1 (H100, d65a12f, bench/fused_runs.md session 20): B = 1 layers within 0.3 us of
-# 0 (102.3-102.5 / 116.3 vs 102.0-102.5 / 116.2-116.6); in the graph trace in_proj started
+# 0 (102.3-102.5 / 116.3 vs 102.0-102.5 / 116.2-116.6; 4-layer step graph 423.6 vs
+# 423.2 / 423.3, where moe_up's early release acts too); in the graph trace in_proj started
 # 3.4 us earlier but the layer's AttnRes ran 1.1 us longer under its weight loads. Kept off.
 # Read by the wrappers when they build a config (attn_res_mc, gemv), so it is part of each
 # compile key through the config's `early` field; `bench/fused_device.py --patch` A/Bs it.

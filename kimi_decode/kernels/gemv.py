@@ -195,8 +195,9 @@ class GemvConfig:
     # (e.g. the q part of qkv_a's output), normalised in the prologue with this eps
     eps: float = 0.0
     x_stride: int = 0
-    # PDL chain, the preloaded short-row kernel only (o_proj): release the successor at the
-    # kernel's start (kernels/chain.py, early release; gemv() sets it from chain.early_release)
+    # PDL chain: release the successor at the kernel's start (kernels/chain.py, early
+    # release; gemv() sets it from chain.early_release); acted on by the preloaded short
+    # row only (o_proj), ignored by the other layouts
     early: bool = False
 
 
@@ -276,9 +277,11 @@ class Gemv:
         self.preload_chain = (chain.chain_on() and cfg.per_warp == 1 and cfg.cols == 0 and not cfg.situ
                               and self.slices <= FULL_MAX_SLICES)
         self.peel = min(CHAIN_PEEL, self.full) if chain.chain_on() and cfg.cols else 0
-        assert not cfg.early or self.preload_chain, cfg
+        # early release (chain.py) applies to the preloaded short row only: gemv() passes
+        # chain.early_release(M) for every plain config, the other layouts ignore it
+        self.early = cfg.early and self.preload_chain
         # PDL chain, plain layout, one column per warp: slices whose weights the lane loads
-        # before the wait (column_peeled); gemv_multi sets it (MultiConfig.peel), 0 elsewhere
+        # before the wait (column_preloaded); gemv_multi sets it (MultiConfig.peel), 0 elsewhere
         self.plain_peel = 0
 
     @cute.jit
@@ -318,10 +321,10 @@ class Gemv:
         With the PDL chain, lane 0 first prefetches the first `pf` bytes of each of the warp's
         rows into L2, then the chain's wait (kernels/chain.py)."""
         if cutlass.const_expr(self.preload_chain):
-            self.column_preloaded(mX, mW, mO, wid, lane)
+            self.column_preloaded(mX, mW, mO, wid, lane, self.slices, self.early)
         elif cutlass.const_expr(chain.chain_on() and self.plain_peel > 0 and self.cfg.per_warp == 1):
             self.chain_prefetch_rows(mW, wid, 1, lane == 0)
-            self.column_peeled(mX, mW, mO, wid, lane)
+            self.column_preloaded(mX, mW, mO, wid, lane, self.plain_peel, False)
         else:
             if cutlass.const_expr(chain.chain_on()):
                 self.chain_prefetch_rows(mW, wid * self.cfg.per_warp, self.cfg.per_warp, lane == 0)
@@ -409,64 +412,41 @@ class Gemv:
                     mO[r, col] = tot.to(mO.element_type)
 
     @cute.jit
-    def column_preloaded(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32):
-        """column() for the PDL chain with a short row: the warp's whole weight row into
-        registers before the chain's wait (a warp past N loads row N-1, in bounds, and stores
-        nothing), x after it; then column()'s FMA chain in its order (slice, row, element):
-        bit-identical to column()."""
+    def column_preloaded(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32,
+                         pre: cutlass.Constexpr[int], early: cutlass.Constexpr[bool]):
+        """column() for the PDL chain with the first `pre` slices of the warp's weight row in
+        registers before the chain's wait: the whole row for a short one (o_proj, K = 768:
+        preload_chain), the first unrolled round(s) for gemv_multi's projection warps
+        (MultiConfig.peel: those resident while the previous kernel runs stream them then).
+        A warp past N loads row N-1 (in bounds) and stores nothing; x only after the wait;
+        then column()'s FMA chain in its order (slice, row, element): bit-identical to
+        column(). `early`: release the successor first (kernels/chain.py, early release)."""
         S, vec = self.slices, self.cfg.vec
-        chain.begin(self.cfg.early)        # early release: its successor reads only constants first
+        chain.begin(early)                 # early release: its successor reads only constants first
         colc = cutlass.min(col, Int32(self.cfg.n - 1))
-        wall = cute.make_rmem_tensor(cute.make_layout((S, vec), stride=(vec, 1)), mW.element_type)
-        for i in cutlass.range_constexpr(S):
+        wall = cute.make_rmem_tensor(cute.make_layout((pre, vec), stride=(vec, 1)), mW.element_type)
+        for i in cutlass.range_constexpr(pre):
             self.load_w(mW[colc, lane + i * 32, None], wall[i, None])
-        chain.enter_or_wait(self.cfg.early)
+        chain.enter_or_wait(early)
         if col < self.cfg.n:
             acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
             acc.fill(0.0)
             xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
-            for i in cutlass.range_constexpr(S):
+            for i in cutlass.range_constexpr(pre):
                 c = lane + i * 32
                 for r in cutlass.range_constexpr(self.cfg.rows):
                     cute.autovec_copy(mX[r, c, None], xv)
                     for j in cutlass.range_constexpr(vec):
                         acc[r] = acc[r] + wall[i, j].to(Float32) * xv[j].to(Float32)
-            for r in cutlass.range_constexpr(self.cfg.rows):
-                tot = cute.arch.warp_reduction_sum(acc[r])
-                if lane == 0:
-                    mO[r, col] = tot.to(mO.element_type)
-
-    @cute.jit
-    def column_peeled(self, mX: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, col: Int32, lane: Int32):
-        """column() for the PDL chain with the first `plain_peel` slices of the warp's weight
-        row loaded into registers before the chain's wait (gemv_multi's projection CTAs: those
-        resident while the previous kernel runs stream their first round then; a warp past N
-        loads row N-1, in bounds, and stores nothing), x after it; then column()'s FMA chain
-        in its order (slice, row, element): bit-identical to column()."""
-        P, vec = self.plain_peel, self.cfg.vec
-        colc = cutlass.min(col, Int32(self.cfg.n - 1))
-        pre = cute.make_rmem_tensor(cute.make_layout((P, vec), stride=(vec, 1)), mW.element_type)
-        for i in cutlass.range_constexpr(P):
-            self.load_w(mW[colc, lane + i * 32, None], pre[i, None])
-        chain.enter()
-        if col < self.cfg.n:
-            acc = cute.make_rmem_tensor(cute.make_layout(self.cfg.rows), Float32)
-            acc.fill(0.0)
-            wv = cute.make_rmem_tensor(cute.make_layout(vec), mW.element_type)
-            xv = cute.make_rmem_tensor(cute.make_layout(vec), mX.element_type)
-            for i in cutlass.range_constexpr(P):
-                c = lane + i * 32
-                for r in cutlass.range_constexpr(self.cfg.rows):
-                    cute.autovec_copy(mX[r, c, None], xv)
-                    for j in cutlass.range_constexpr(vec):
-                        acc[r] = acc[r] + pre[i, j].to(Float32) * xv[j].to(Float32)
-            for i in cutlass.range(P, self.slices, unroll=self.cfg.unroll):
-                c = lane + i * 32
-                self.load_w(mW[col, c, None], wv)
-                for r in cutlass.range_constexpr(self.cfg.rows):
-                    cute.autovec_copy(mX[r, c, None], xv)
-                    for j in cutlass.range_constexpr(vec):
-                        acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
+            if cutlass.const_expr(pre < S):      # the rest of the row: column()'s loop
+                wv = cute.make_rmem_tensor(cute.make_layout(vec), mW.element_type)
+                for i in cutlass.range(pre, S, unroll=self.cfg.unroll):
+                    c = lane + i * 32
+                    self.load_w(mW[col, c, None], wv)
+                    for r in cutlass.range_constexpr(self.cfg.rows):
+                        cute.autovec_copy(mX[r, c, None], xv)
+                        for j in cutlass.range_constexpr(vec):
+                            acc[r] = acc[r] + wv[j].to(Float32) * xv[j].to(Float32)
             for r in cutlass.range_constexpr(self.cfg.rows):
                 tot = cute.arch.warp_reduction_sum(acc[r])
                 if lane == 0:
@@ -813,9 +793,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         if tune is None and _tuned_on:
             tune = TUNED.get((n, k))
         cfg = GemvConfig(n, k, m, **{"unroll": unroll, **tune_fields(tune, k)})
-        if (chain.early_release(m) and cfg.cols == 0 and cfg.per_warp == 1
-                and cfg.k // (cfg.vec * 32) <= FULL_MAX_SLICES):
-            cfg = replace(cfg, early=True)   # the preloaded short row (o_proj): chain.py, early release
+        if chain.early_release(m):
+            cfg = replace(cfg, early=True)   # acted on by the preloaded short row (o_proj) only
     else:
         cfg = GemvConfig(n, k, m, vec=vec, unroll=unroll)
     compile_for(cfg)(ptr(x), ptr(w), ptr(out), current_stream())

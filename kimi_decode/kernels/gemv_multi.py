@@ -68,15 +68,16 @@ MAX_ROWS = 8          # what the kernel compiles for; the per-M table (fused.MAX
 # resident when the kernel is released (all 448 router CTAs and the first 80 projection CTAs
 # of the MoE front at 4 per SM; all 360 of the MLA front) wait with HBM idle while mlp_res /
 # the AttnRes run (~4 us at B = 1). Measured, kept off (H100, d65a12f, bench/fused_runs.md
-# session 20): ROUTER_PRE_WAIT +1.3..+1.5 us per KDA layer at B = 1 (+1.8 MLA), with
-# PRE_WAIT_ROUNDS = 1 as well +1.7..+2.0: in the graph traces mlp_res (attn_res_mc, whose few
+# session 20): at B = 1 ROUTER_PRE_WAIT took the layers to 103.4-103.7 / 118.0 us (KDA / MLA;
+# two default runs 102.0-102.5 / 116.2-116.6), with PRE_WAIT_ROUNDS = 1 as well to
+# 103.9-104.4 / 117.1: in the graph traces mlp_res (attn_res_mc, whose few
 # slot loads are latency-bound) ended 3.0 us later behind the W_gate stream while the front
 # ended only 1.8 us sooner after it.
 # ROUTER_PRE_WAIT: the router CTAs issue their 7 W_gate loads per lane (12.8 MB in all) before
 # the wait (router_fast.gemv_cta's enter_after_loads), y after it.
 ROUTER_PRE_WAIT = False
 # PRE_WAIT_ROUNDS: the projection warps load their first ROUNDS x unroll weight slices before
-# the wait (gemv.column_peeled); 0: none.
+# the wait (gemv.column_preloaded); 0: none.
 PRE_WAIT_ROUNDS = 0
 
 
@@ -95,7 +96,7 @@ class MultiConfig:
     per_warp: int = 1
     warps: int = WARPS
     hint: str = ""
-    # PDL chain: projection slices per lane loaded before the wait (gemv.column_peeled), and
+    # PDL chain: projection slices per lane loaded before the wait (gemv.column_preloaded), and
     # the router CTAs' weights before it (ROUTER_PRE_WAIT)
     peel: int = 0
     router_pre: bool = False

@@ -313,3 +313,11 @@ def test_early_release_ptx(tmp_path: Path, name: str, chain_mode) -> None:
     plain = _lines(KERNELS[name](tmp_path / "plain"))
     assert pre == sum(s.startswith("ld.global") for s in plain[:_first(plain, WAIT)]) > 0
 
+
+
+def test_early_flag_is_ignored_outside_the_preloaded_row(tmp_path: Path, chain_mode) -> None:
+    """gemv() passes early=True for every plain M = 1 config while the setting is on; only the
+    preloaded short row acts on it, so in_proj's split-K kernel still releases after its wait."""
+    chain_mode(True)
+    lines = _lines(gemv_ptx(tmp_path, GemvConfig(K3.in_proj_rows, K3.hidden, 1, cols=4, kwarps=4, early=True)))
+    assert _first(lines, WAIT) < _first(lines, RELEASE)
