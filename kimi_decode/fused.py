@@ -192,7 +192,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   and only uv_gate waits for it, while the pair puts its 11 MB on the path to q_b: MLA layers
 #   230.3 / 231.5 us (B = 1, k = 7 / B = 8; 229.4 / 230.0 at 16 warps) against 227.1 / 230.7
 #   without it, and 228.9 / 229.4 against 224.7 / 227.6 beside mla_norm_fold_mma
-#   (bench/fused_runs.md, session 11).
+#   (bench/fused_runs.md, session 11). Re-measured at 6ad2cfc on an H100 (session 21): a tie,
+#   MLA 272.4 / 278.5 us against 272.2-272.5 / 278.8-279.0 (B = 1, k = 7 / B = 8); still
+#   opt-in until an H200 run shows the same (the headline card, where it lost 1-4 us).
 OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
@@ -314,7 +316,9 @@ FRONT_SHARED = True
 #   (warm, CUDA-graph replays, 2026-12-03): B = 1, k = 0 8.0 us vs 11.2 for mla_attend and 13.5
 #   for stock's compiled op; B = 64 117.0 vs 146.1; B = 8 20.4 vs 20.1 (a tie, 1 launch for
 #   stock's 3); at R = 48 (B = 1, k = 7) 17.9 us vs 14.4, and the k = 7 MLA layer 231.0 us with
-#   it vs 225.0 without (bench A/B in one call), so not there (bench/fused_runs.md).
+#   it vs 225.0 without (bench A/B in one call), so not there (bench/fused_runs.md). Again at
+#   6ad2cfc on an H100 (session 21): the k = 7 MLA layer 280.1 us in 16 kernels against
+#   272.2-272.5 in 20 (step parity with it passes), so R = 48 stays on stock's chain.
 MLA_MMA_MAX_ROWS = 6
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
