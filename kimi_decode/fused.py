@@ -42,6 +42,11 @@ and the kernel is in `VERIFIED`):
   the side stream beside the routed experts, joined before the tail. With FRONT_SHARED off
   (an A/B setting: 2.8 us slower per KDA layer, session 15) the grid streams the router and
   latent_down only and the whole shared expert runs on the side stream after it.
+- MoE front at 2 ≤ M ≤ 8 (`front_mma`, kernels/front_mma.py, op `moe_front`; opt-in until its
+  device check and A/B): the same three projections as one grid of gemv_mma tiles, router_mma's
+  top-k run by the last router tile while the projection tiles still stream; with
+  FRONT_MMA_SHARED the shared expert's gate/up is one of them (its down GEMV then on the side
+  stream), else the shared expert runs whole on the side stream after the front.
 - Shared expert (M > 1) on the side stream after the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts) and the
   routed experts, which wait only for latent_down's event (_mark / _wait_mark; the tail joins
@@ -195,7 +200,10 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   (bench/fused_runs.md, session 11). Re-measured at 6ad2cfc on an H100 (session 21): a tie,
 #   MLA 272.4 / 278.5 us against 272.2-272.5 / 278.8-279.0 (B = 1, k = 7 / B = 8); still
 #   opt-in until an H200 run shows the same (the headline card, where it lost 1-4 us).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair"})
+# - front_mma (the MoE front at 2 ≤ M ≤ 8 in one grid, kernels/front_mma.py; one or two kernels
+#   fewer per layer): new, not yet in VERIFIED; opt-in so that a device run can check it
+#   (`bench/fused_device.py --check front_mma`) and A/B it (`--opt-in front_mma`).
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair", "front_mma"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
@@ -216,6 +224,11 @@ SHARED_AFTER_ROUTER_MMA = True
 # 15: B = 1, k = 0 KDA layers 87.4-87.9 us with it off against 84.6-85.0 (bench/fused_runs.md),
 # so True.
 FRONT_SHARED = True
+# The one-launch MoE front at 2 ≤ M ≤ 8 (front_mma, kernels/front_mma.py): the shared expert's
+# gate/up as one of its projections (its down GEMV then on the side stream beside the routed
+# experts) or, False, the front streams the router and latent_down only and the whole shared
+# expert runs on the side stream after it. Read per call, so `--patch` A/Bs it.
+FRONT_MMA_SHARED = True
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -322,7 +335,7 @@ FRONT_SHARED = True
 MLA_MMA_MAX_ROWS = 6
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
-            "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8}
+            "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
 
 
 def _mla_mma_scratch(cfg: KimiConfig, on: frozenset[str], dev: torch.device) -> object | None:
@@ -768,6 +781,7 @@ class LatentMoE(stock.LatentMoE):
     use_experts_async = False    # FC2 v2 stages its activations with cp.async (experts_v2_async)
     use_experts_rows = False     # at M ≥ 2 FC2 as a resident grid (kernels/moe_fc2_rows.py)
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
+    use_front_mma = False        # kernels/front_mma.py: the same at 2 ≤ M ≤ 8 on the tensor cores
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
                                  # kernel reads the all-gather slots; kernel "attn_res_ag")
     prefetch_target: torch.Tensor | None = None
@@ -874,16 +888,22 @@ class LatentMoE(stock.LatentMoE):
         cfg, comm = self.cfg, self.rt.comm
         n = cfg.row_shard
         front = self._front_applies(y)
-        if front:
+        front_mma = not front and self._front_mma_applies(y)
+        if front or front_mma:
             # router + latent down + shared gate/up: one grid streaming all three weights on the
-            # main stream (kernels/gemv_multi.py); the shared expert's down GEMV then runs on
-            # the side stream beside the routed experts, joined before the tail needs it
-            from kimi_decode.kernels.gemv_multi import route_and_project
+            # main stream (kernels/gemv_multi.py at M = 1, kernels/front_mma.py at 2 ≤ M ≤ 8);
+            # the shared expert's down GEMV then runs on the side stream beside the routed
+            # experts, joined before the tail needs it
+            if front:
+                from kimi_decode.kernels.gemv_multi import route_and_project
+            else:
+                from kimi_decode.kernels.front_mma import route_and_project
+            shared_in = FRONT_SHARED if front else FRONT_MMA_SHARED
             with op_range("moe_front"):
                 idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
-                                                 self.router_counter, self._front_weights())
+                                                 self.router_counter, self._front_weights(shared_in))
             z = outs[0]
-            if FRONT_SHARED:
+            if shared_in:
                 with _on_side(self.rt, outs[1]), op_range("shared_expert"):
                     sh = self._shared_down(outs[1])                                    # [M, D] partial
             else:   # after the front, beside the routed experts (FRONT_SHARED's note)
@@ -919,7 +939,7 @@ class LatentMoE(stock.LatentMoE):
         self.last_idx, self.last_w = idx, w
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing
-        if not front:
+        if not (front or front_mma):
             _wait_mark(z_ready, z)
         rank = comm.rank
         if self.use_up_kernel and self._up_applies(y):
@@ -958,10 +978,21 @@ class LatentMoE(stock.LatentMoE):
         with op_range("moe_gather"):
             return comm.all_gather_cols(part)
 
-    def _front_weights(self) -> list[torch.Tensor]:
+    def _front_weights(self, shared: bool | None = None) -> list[torch.Tensor]:
         """The projections the one-launch front streams beside the router: latent_down, and
-        the shared expert's gate/up where FRONT_SHARED."""
-        return [self.down, self.shared_gate_up] if FRONT_SHARED else [self.down]
+        the shared expert's gate/up where `shared` (default FRONT_SHARED, the M = 1 front's)."""
+        return [self.down, self.shared_gate_up] if (FRONT_SHARED if shared is None else shared) else [self.down]
+
+    def _front_mma_applies(self, y: torch.Tensor) -> bool:
+        """The MoE front in one launch at 2 ≤ M ≤ 8 (front_mma): kernel on, M within the per-M
+        table, shapes the kernel takes."""
+        if not (self.use_front_mma and 2 <= y.shape[0] <= MAX_ROWS["front_mma"] and y.is_contiguous()):
+            return False
+        from kimi_decode.kernels.front_mma import can_implement
+        ws = self._front_weights(FRONT_MMA_SHARED)
+        return can_implement(y.shape[0], y.shape[1], self.router.shape[0], self.cfg.top_k,
+                             tuple(w.shape[0] for w in ws),
+                             (y.dtype, self.router.dtype, *(w.dtype for w in ws))) and self.bias.dtype == torch.float32
 
     def _front_applies(self, y: torch.Tensor) -> bool:
         """The MoE front in one launch (gemv_multi with the router): kernel on, M within the
@@ -1198,6 +1229,7 @@ class FusedDecoder(StockDecoder):
                     from kimi_decode.kernels.moe_experts_one import make_counters
                     layer.mlp.register_buffer("experts_counters", make_counters(dev))
                 layer.mlp.use_front = "gemv_multi" in on
+                layer.mlp.use_front_mma = "front_mma" in on
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
                 layer.mlp.up_grid_scratch = None
                 if layer.mlp.use_up_kernel and "moe_up_grid" in on and cfg.rows > MAX_ROWS["moe_up"]:
@@ -1208,7 +1240,7 @@ class FusedDecoder(StockDecoder):
                 # the last layer's output is the step's: gathered by forward (kept in its step
                 # range), so only layers with a next layer hand their slots on
                 layer.mlp.gather_out = ag_slots and i + 1 < len(self.layers)
-                if ({"router", "router_fast", "gemv_multi", "router_mma"} & on) and not hasattr(layer.mlp, "router_counter"):
+                if ({"router", "router_fast", "gemv_multi", "router_mma", "front_mma"} & on) and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))
                 nxt = self.layers[i + 1].attn if i + 1 < len(self.layers) else None

@@ -52,7 +52,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            # qkv_norm folded into q_b's gemv_mma (RMSNorm prologue) and uk_insert
            "gemv_mma_pair", "mla_norm_fold_mma",
            # gemv_mma's (warps, unroll) per weight shape at 2 ≤ M ≤ 8 (gemv_mma.TUNED, check_sweep)
-           "gemv_mma_tuned")
+           "gemv_mma_tuned",
+           # fifteenth round (M = 2..8): the MoE front (router + top-k, latent_down, shared
+           # gate/up) in one gemv_mma grid, as gemv_multi is at M = 1
+           "front_mma")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -65,7 +68,8 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "router_mma": "router_mma", "gemv_mma_situ": "gemv_mma", "kda_multi": "kda_multi",
                  "experts_rows": "moe_fc2_rows", "router_topk": "router_topk",
                  "mla_attend_mma": "mla_attend_mma", "gemv_mma_pair": "gemv_mma_pair",
-                 "mla_norm_fold_mma": "mla_norm_fold", "gemv_mma_tuned": "gemv_mma"}
+                 "mla_norm_fold_mma": "mla_norm_fold", "gemv_mma_tuned": "gemv_mma",
+                 "front_mma": "front_mma"}
 
 
 def applicable(name: str, cfg: object) -> bool:

@@ -1,0 +1,245 @@
+"""front_mma (kernels/front_mma.py): the MoE front at 2 ≤ M ≤ 8 in one grid, on the CPU.
+
+Oracles:
+- PTX at K3 TP16's shapes (M = 2 and 8, with and without the shared gate/up, 8 and 16 warps):
+  exactly one gemv_mma tile body per tile kind (the mma count of gemv_mma's kernel at that warp
+  count, times the kinds), one grid-completion atomic, no local memory, ptxas within the
+  register cap that keeps every CTA resident and no spills;
+- the chained build: only weight loads before each tile kind's griddepcontrol.wait, and with
+  RELEASE_AT_END one launch_dependents per tile kind after its wait (none without);
+- the router's logits replayed in float64 (gemv_mma's fragment map) equal y @ Wᵀ, and the
+  grid's split into router / latent_down / shared tiles on shapes with partial last tiles;
+- route_and_project reads WARPS and RELEASE_AT_END when called, refuses what it cannot run;
+- fused.LatentMoE runs it (op moe_front, no router / latent_down ops) at 2 ≤ M ≤ 8 where it is
+  on, with the kernel replaced by its contract: the step equals stock, with and without the
+  shared gate/up in the grid; off, or at M = 1, it is not called;
+- check() on the CPU with the kernels replaced by their contracts passes, and fails with a
+  kernel that drops the correction bias or one whose latent output is 5 % off.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cute = pytest.importorskip("cutlass.cute")
+
+import kimi_decode.kernels.front_mma as fm  # noqa: E402
+import kimi_decode.kernels.gemv_mma as gm  # noqa: E402
+import kimi_decode.kernels.router_mma as rm  # noqa: E402
+from kimi_decode.config import k3_tp16  # noqa: E402
+from kimi_decode.kernels import _common  # noqa: E402
+from kimi_decode.kernels.router import reference  # noqa: E402
+from tests.kimi_decode.ptxas_tool import ptxas_path, ptxas_usage  # noqa: E402
+from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait, common_checks, ptx_of  # noqa: E402
+
+bf = torch.bfloat16
+P = _common.dummy_ptr
+K3 = k3_tp16()
+N1, N2 = K3.latent_dim, 2 * K3.shared_local_inter
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def k3_cfg(m: int, shared: bool, warps: int = fm.WARPS, release: bool = fm.RELEASE_AT_END) -> fm.FrontMmaConfig:
+    return fm.FrontMmaConfig(K3.hidden, K3.num_experts, K3.top_k, m, K3.routed_scaling, N1, N2 if shared else 0,
+                             warps, release)
+
+
+def k3_ptx(tmp_path: Path, cfg: fm.FrontMmaConfig) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return ptx_of(tmp_path, fm.FrontMma(cfg), P(bf), P(bf), P(torch.float32), P(torch.float32), P(torch.int32),
+                  P(torch.int64), P(torch.float32), P(bf), P(bf), P(bf), P(bf))
+
+
+def gemv_mma_count(tmp_path: Path, warps: int) -> int:
+    """mma instructions in gemv_mma's own kernel at K3's K and this warp count (one tile body)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ptx = ptx_of(tmp_path, gm.GemvMma(gm.GemvMmaConfig(N1, K3.hidden, 8, warps)), P(bf), P(bf), P(bf))
+    return ptx.count(MMA)
+
+
+@pytest.mark.parametrize("m,shared,warps", [(8, True, 8), (2, False, 8), (8, True, 16)])
+def test_compiles_as_one_tile_body_per_kind(tmp_path: Path, m: int, shared: bool, warps: int) -> None:
+    cfg = k3_cfg(m, shared, warps)
+    kern = fm.FrontMma(cfg)
+    assert (kern.t_r, kern.t_d, kern.ctas) == (56, 224, 56 + 224 + (48 if shared else 0))
+    ptx = k3_ptx(tmp_path / "f", cfg)
+    common_checks(ptx)
+    kinds = 3 if shared else 2
+    assert ptx.count(MMA) == kinds * gemv_mma_count(tmp_path / "g", warps) > 0
+    assert ptx.count("atom.") == 1 and "atom.global.acq_rel.add" in ptx      # the router tiles' arrival
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path / "f", ptx)
+        cap = 65536 // (fm.MIN_CTAS[warps] * warps * 32)
+        assert regs <= min(cap, 255) and spills == 0, (regs, spills, cap)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_chained_build_loads_weights_before_each_wait(tmp_path: Path, release: bool) -> None:
+    """PDL chain on: each tile kind (router, latent_down, shared gate/up) has its own wait with
+    only its first round of weight loads before it; with RELEASE_AT_END each releases the next
+    kernel once after its wait (after its mma loop), without it none does."""
+    lines, _ = chained_ptx_at_wait(lambda: k3_ptx(tmp_path, k3_cfg(8, True, release=release)))
+    waits = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait")]
+    rels = [i for i, s in enumerate(lines) if s.startswith("griddepcontrol.launch_dependents")]
+    assert len(waits) == 3
+    u = min(gm.UNROLL, K3.hidden // gm.CHUNK // fm.WARPS)
+    before = [s for s in lines[:waits[0]] if s.startswith(("ld.global", "atom", "ld.shared"))]
+    assert len(before) == 2 * u and all(s.startswith("ld.global") for s in before)
+    if release:
+        assert len(rels) == 3 and all(w < r for w, r in zip(waits, rels))
+        mmas = [i for i, s in enumerate(lines) if s.startswith(MMA)]
+        assert all(any(w < i < r for i in mmas) for w, r in zip(waits, rels))   # each after its loop's mma
+    else:
+        assert rels == []
+
+
+@pytest.mark.parametrize("warps", [8, 16])
+def test_router_logits_are_the_product(warps: int) -> None:
+    gen = torch.Generator().manual_seed(warps)
+    y = torch.randn(5, 1024, generator=gen, dtype=torch.float64)
+    w = torch.randn(48, 1024, generator=gen, dtype=torch.float64)
+    ref = y @ w.t()
+    assert torch.allclose(fm.emulate_logits(y, w, warps), ref, rtol=0, atol=1e-12 * ref.abs().max().item() * 1024)
+
+
+def test_grid_split_with_partial_tiles() -> None:
+    cfg = fm.FrontMmaConfig(512, 64, 4, 3, 1.0, 40, 24, 8)
+    kern = fm.FrontMma(cfg)
+    assert (kern.t_r, kern.t_d, kern.ctas) == (4, 3, 4 + 3 + 2)
+    assert fm.FrontMma(fm.FrontMmaConfig(512, 64, 4, 3, 1.0, 40, 0, 8)).ctas == 7
+
+
+def test_limits_and_wrapper_errors() -> None:
+    d, e, k = K3.hidden, K3.num_experts, K3.top_k
+    for m in range(2, 9):
+        assert fm.can_implement(m, d, e, k, (N1, N2), (bf,) * 4)
+    assert fm.can_implement(8, d, e, k, (N1,), (bf,) * 3)
+    assert fm.can_implement(8, d, e, k, (N1, N2), (bf,), warps=16)
+    assert not fm.can_implement(1, d, e, k, (N1, N2), (bf,))          # M = 1: gemv_multi's front
+    assert not fm.can_implement(9, d, e, k, (N1, N2), (bf,))          # past the mma's n
+    assert not fm.can_implement(8, d, e, k, (), (bf,))
+    assert not fm.can_implement(8, d, e, k, (N1, N2, 64), (bf,))      # at most two projections
+    assert not fm.can_implement(8, d, 900, k, (N1,), (bf,))           # E % 32 (router_fast's top-k)
+    assert not fm.can_implement(8, d, e, k, (N1,), (torch.float16,))
+    assert not fm.can_implement(8, d, e, k, (N1,), (bf,), warps=4)
+    y, wg = torch.zeros(8, d, dtype=bf), torch.zeros(e, d, dtype=bf)
+    c = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="front_mma cannot run M=1"):
+        fm.route_and_project(torch.zeros(1, d, dtype=bf), wg, torch.zeros(e), k, 1.0, c, [torch.zeros(N1, d, dtype=bf)])
+    with pytest.raises(ValueError, match="front_mma cannot run"):
+        fm.route_and_project(y, wg, torch.zeros(e, dtype=torch.float64), k, 1.0, c, [torch.zeros(N1, d, dtype=bf)])
+    with pytest.raises(ValueError, match="front_mma cannot run"):
+        fm.route_and_project(y, wg, torch.zeros(e), k, 1.0, c, [torch.zeros(N1, d + 32, dtype=bf)])
+
+
+def test_route_and_project_reads_its_settings_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WARPS and RELEASE_AT_END as they are at the call (a `bench/fused_device.py --patch`
+    reaches the step), `warps=` over WARPS; outputs shaped [M, N] per projection."""
+    built: list[fm.FrontMmaConfig] = []
+    monkeypatch.setattr(fm, "compile_for", lambda cfg: built.append(cfg) or (lambda *a: None))
+    monkeypatch.setattr(fm, "ptr", lambda t: None)
+    d, e = K3.hidden, K3.num_experts
+    args = (torch.zeros(8, d, dtype=bf), torch.zeros(e, d, dtype=bf), torch.zeros(e), K3.top_k, 1.0,
+            torch.zeros(1, dtype=torch.int32))
+    ids, w, outs = fm.route_and_project(*args, [torch.zeros(N1, d, dtype=bf), torch.zeros(N2, d, dtype=bf)])
+    assert ids.shape == (8, K3.top_k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+    assert [tuple(o.shape) for o in outs] == [(8, N1), (8, N2)]
+    monkeypatch.setattr(fm, "WARPS", 16)
+    monkeypatch.setattr(fm, "RELEASE_AT_END", False)
+    fm.route_and_project(*args, [torch.zeros(N1, d, dtype=bf)])
+    fm.route_and_project(*args, [torch.zeros(N1, d, dtype=bf)], warps=8)
+    assert [(c.warps, c.release_end, c.n2) for c in built] == [(8, True, N2), (16, False, 0), (8, False, 0)]
+
+
+def test_registered_for_the_device_check() -> None:
+    from kimi_decode import fused
+    from kimi_decode.kernels import CHECK_MODULES, KERNELS, checks
+    assert "front_mma" in KERNELS and CHECK_MODULES["front_mma"] == "front_mma"
+    assert "front_mma" in checks.CHECKS
+    assert "front_mma" in fused.OPT_IN and fused.MAX_ROWS["front_mma"] == 8
+
+
+def _contract(y, w_gate, bias, top_k, scaling, counter, ws, *, warps=None, drop_bias=False):
+    """route_and_project's contract: the float64 routing statement and bf16 of the products."""
+    ids, w, _ = reference(y, w_gate, torch.zeros_like(bias) if drop_bias else bias, top_k, scaling)
+    return ids, w.float(), [(y.double() @ p.double().t()).to(y.dtype) for p in ws]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_step_runs_the_front_at_m8(monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """LatentMoE at M = 8 with front_mma on: one moe_front op per MoE layer (no router or
+    latent_down op), the kernel handed [latent_down, shared gate/up] (FRONT_MMA_SHARED) or
+    [latent_down] and the shared expert op after it; the step equals stock. Off: not called."""
+    from kimi_decode import fused
+    from kimi_decode.config import tiny
+    from kimi_decode.runner import build
+    from tests.kimi_decode.test_fused import record_ops, run_close
+    order = record_ops(monkeypatch)
+    calls: list[tuple[int, ...]] = []
+
+    def front(y, w_gate, bias, top_k, scaling, counter, ws, **kw):
+        calls.append((y.shape[0], *(p.data_ptr() for p in ws)))
+        return _contract(y, w_gate, bias, top_k, scaling, counter, ws)
+    monkeypatch.setattr(fm, "route_and_project", front)
+    monkeypatch.setattr(fm, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(fused, "FRONT_MMA_SHARED", shared)
+    cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)                       # M = 8
+    stock, _ = build("stock", cfg, "cpu")
+    model = fused.FusedDecoder.from_stock(stock)
+    for layer in model.layers:
+        layer.mlp.use_front_mma = True
+        layer.mlp.router_counter = torch.zeros(1, dtype=torch.int32)
+    run_close(stock, model, seed=9, steps=2)
+    moe = [layer.mlp for layer in model.layers]
+    want = [(8, l.down.data_ptr()) + ((l.shared_gate_up.data_ptr(),) if shared else ()) for l in moe] * 2
+    assert calls == want
+    ops = [o for o in order if o in ("moe_front", "router", "latent_down", "shared_expert")]
+    assert ops == ["moe_front", "shared_expert"] * (2 * len(moe))
+    calls.clear()
+    for layer in model.layers:
+        layer.mlp.use_front_mma = False
+    run_close(stock, model, seed=9, steps=1)
+    assert calls == []
+
+
+def test_not_at_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """M = 1 keeps gemv_multi's front (or the separate kernels): _front_mma_applies is False."""
+    from types import SimpleNamespace
+
+    from kimi_decode import fused
+    monkeypatch.setattr(fm, "can_implement", lambda *a, **k: True)
+    moe = SimpleNamespace(use_front_mma=True, router=torch.zeros(64, 512, dtype=bf), bias=torch.zeros(64),
+                          cfg=SimpleNamespace(top_k=4), down=torch.zeros(32, 512, dtype=bf),
+                          shared_gate_up=torch.zeros(16, 512, dtype=bf))
+    moe._front_weights = lambda shared=None: fused.LatentMoE._front_weights(moe, shared)
+    assert fused.LatentMoE._front_mma_applies(moe, torch.zeros(8, 512, dtype=bf))
+    assert not fused.LatentMoE._front_mma_applies(moe, torch.zeros(1, 512, dtype=bf))
+    assert not fused.LatentMoE._front_mma_applies(moe, torch.zeros(9, 512, dtype=bf))
+    moe.use_front_mma = False
+    assert not fused.LatentMoE._front_mma_applies(moe, torch.zeros(8, 512, dtype=bf))
+
+
+def test_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(checks, "_sync", lambda: None)
+    monkeypatch.setattr(fm, "route_and_project", _contract)
+    monkeypatch.setattr(rm, "route", lambda y, w, b, k, s, c: _contract(y, w, b, k, s, c, [])[:2])
+    monkeypatch.setattr(gm, "gemv_mma", lambda x, w, out=None, out_dtype=bf: (x.double() @ w.double().t()).to(out_dtype))
+    rows = fm.check(timing=False, rows=(2, 8))
+    assert [(r["M"], r["shared"]) for r in rows] == [(2, True), (2, False), (8, True), (8, False)]
+    assert all(r["ok"] for r in rows), rows
+    assert all(r["rows_same_experts_f64"] == 1.0 and r["down_equal_gemv_mma"] for r in rows)
+
+    monkeypatch.setattr(fm, "route_and_project", lambda *a, **k: _contract(*a, **k, drop_bias=True))
+    assert not any(r["ok"] for r in fm.check(timing=False, rows=(8,)))
+
+    def off(*a, **k):
+        ids, w, outs = _contract(*a, **k)
+        return ids, w, [(outs[0].float() * 1.05).bfloat16(), *outs[1:]]
+    monkeypatch.setattr(fm, "route_and_project", off)
+    assert not any(r["ok"] for r in fm.check(timing=False, rows=(8,)))
