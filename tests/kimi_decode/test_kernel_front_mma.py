@@ -45,7 +45,7 @@ MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 def k3_cfg(m: int, shared: bool, warps: int = fm.WARPS, release: bool = fm.RELEASE_AT_END) -> fm.FrontMmaConfig:
     return fm.FrontMmaConfig(K3.hidden, K3.num_experts, K3.top_k, m, K3.routed_scaling, N1, N2 if shared else 0,
-                             warps, release)
+                             warps, release, fm.MIN_CTAS[warps])
 
 
 def k3_ptx(tmp_path: Path, cfg: fm.FrontMmaConfig) -> str:
@@ -145,6 +145,7 @@ def test_route_and_project_reads_its_settings_when_called(monkeypatch: pytest.Mo
     d, e = K3.hidden, K3.num_experts
     args = (torch.zeros(8, d, dtype=bf), torch.zeros(e, d, dtype=bf), torch.zeros(e), K3.top_k, 1.0,
             torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(fm, "WARPS", 8)
     ids, w, outs = fm.route_and_project(*args, [torch.zeros(N1, d, dtype=bf), torch.zeros(N2, d, dtype=bf)])
     assert ids.shape == (8, K3.top_k) and ids.dtype == torch.int64 and w.dtype == torch.float32
     assert [tuple(o.shape) for o in outs] == [(8, N1), (8, N2)]
@@ -152,7 +153,8 @@ def test_route_and_project_reads_its_settings_when_called(monkeypatch: pytest.Mo
     monkeypatch.setattr(fm, "RELEASE_AT_END", False)
     fm.route_and_project(*args, [torch.zeros(N1, d, dtype=bf)])
     fm.route_and_project(*args, [torch.zeros(N1, d, dtype=bf)], warps=8)
-    assert [(c.warps, c.release_end, c.n2) for c in built] == [(8, True, N2), (16, False, 0), (8, False, 0)]
+    assert [(c.warps, c.release_end, c.n2, c.min_ctas) for c in built] == [
+        (8, True, N2, fm.MIN_CTAS[8]), (16, False, 0, fm.MIN_CTAS[16]), (8, False, 0, fm.MIN_CTAS[8])]
 
 
 def test_registered_for_the_device_check() -> None:
@@ -234,6 +236,7 @@ def test_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None
     assert [(r["M"], r["shared"]) for r in rows] == [(2, True), (2, False), (8, True), (8, False)]
     assert all(r["ok"] for r in rows), rows
     assert all(r["rows_same_experts_f64"] == 1.0 and r["down_equal_gemv_mma"] for r in rows)
+    assert [r["shared_equal_gemv_mma"] for r in rows] == [True, False, True, False]
 
     monkeypatch.setattr(fm, "route_and_project", lambda *a, **k: _contract(*a, **k, drop_bias=True))
     assert not any(r["ok"] for r in fm.check(timing=False, rows=(8,)))
