@@ -42,11 +42,13 @@ and the kernel is in `VERIFIED`):
   the side stream beside the routed experts, joined before the tail. With FRONT_SHARED off
   (an A/B setting: 2.8 us slower per KDA layer, session 15) the grid streams the router and
   latent_down only and the whole shared expert runs on the side stream after it.
-- MoE front at 2 ≤ M ≤ 8 (`front_mma`, kernels/front_mma.py, op `moe_front`; opt-in until its
-  device check and A/B): the same three projections as one grid of gemv_mma tiles, router_mma's
-  top-k run by the last router tile while the projection tiles still stream; with
-  FRONT_MMA_SHARED the shared expert's gate/up is one of them (its down GEMV then on the side
-  stream), else the shared expert runs whole on the side stream after the front.
+- MoE front at 2 ≤ M ≤ 8 (`front_mma`, kernels/front_mma.py, op `moe_front`): the same three
+  projections as one grid of gemv_mma tiles (16 warps per CTA), router_mma's top-k run by the
+  last router tile while the projection tiles still stream; with FRONT_MMA_SHARED the shared
+  expert's gate/up is one of them (its down GEMV then on the side stream), else the shared
+  expert runs whole on the side stream after it. Two kernels fewer per MoE layer at M = 8; in
+  the step a tie with router_mma + latent_down + the shared gate/up on an H100 (session 22,
+  bench/fused_runs.md); not yet measured on the H200. Where it cannot run, router_mma (below).
 - Shared expert (M > 1) on the side stream after the latent down-projection, overlapping the
   router on the main stream (stock joins the side stream before the router starts) and the
   routed experts, which wait only for latent_down's event (_mark / _wait_mark; the tail joins
@@ -177,7 +179,11 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "gemv_mma_pair", "mla_norm_fold_mma",
                                     # gemv_mma's sweep (every configuration checked) at 0bb4935,
                                     # 21:45 UTC; step parity with its table at 21:49 UTC
-                                    "gemv_mma_tuned"})
+                                    "gemv_mma_tuned",
+                                    # fifteenth round: front_mma checked at fc0e2b9 (8 warps) and
+                                    # 9067543 (04:10-04:12 UTC) (16 warps) on an H100, step parity in
+                                    # both calls (bench/fused_correctness.md, fused_runs.md s. 22)
+                                    "front_mma"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -200,10 +206,7 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   (bench/fused_runs.md, session 11). Re-measured at 6ad2cfc on an H100 (session 21): a tie,
 #   MLA 272.4 / 278.5 us against 272.2-272.5 / 278.8-279.0 (B = 1, k = 7 / B = 8); still
 #   opt-in until an H200 run shows the same (the headline card, where it lost 1-4 us).
-# - front_mma (the MoE front at 2 ≤ M ≤ 8 in one grid, kernels/front_mma.py; one or two kernels
-#   fewer per layer): new, not yet in VERIFIED; opt-in so that a device run can check it
-#   (`bench/fused_device.py --check front_mma`) and A/B it (`--opt-in front_mma`).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair", "front_mma"})
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the

@@ -162,7 +162,8 @@ def test_registered_for_the_device_check() -> None:
     from kimi_decode.kernels import CHECK_MODULES, KERNELS, checks
     assert "front_mma" in KERNELS and CHECK_MODULES["front_mma"] == "front_mma"
     assert "front_mma" in checks.CHECKS
-    assert "front_mma" in fused.OPT_IN and fused.MAX_ROWS["front_mma"] == 8
+    # checked on the device (H100, session 22) and a tie in the step with two kernels fewer: default
+    assert "front_mma" in fused.DEFAULT_KERNELS and fused.MAX_ROWS["front_mma"] == 8
 
 
 def _contract(y, w_gate, bias, top_k, scaling, counter, ws, *, warps=None, drop_bias=False):
