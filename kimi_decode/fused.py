@@ -61,9 +61,10 @@ and the kernel is in `VERIFIED`):
 - Router at 2 ≤ M ≤ 8: `router_mma` (kernels/router_mma.py), one launch: gemv_mma's 56-CTA
   fp32 logits grid (one K slice, 16 warps) with the sigmoid + correction-bias top-k in its last
   CTA, which releases FC1 on arrival; the shared expert is issued after it
-  (SHARED_AFTER_ROUTER_MMA). Since session 15 the default: the 4-layer step graph 823-829 µs
+  (SHARED_AFTER_ROUTER_MMA). The default from session 15 (the 4-layer step graph 823-829 µs
   against 838-842 at B = 1, k = 7 and one kernel fewer per layer, per layer within the
-  run-to-run spread (bench/fused_runs.md sessions 14-15). Where it cannot run, gemv_mma's
+  run-to-run spread, bench/fused_runs.md sessions 14-15) until front_mma (above) took its tiles
+  into the one-grid front in session 22; it runs where front_mma cannot. Where it cannot either, gemv_mma's
   logits then `router_topk` (kernels/router_topk.py: router_fast's selection, one warp-CTA per
   row) instead of stock's Triton routing kernel.
 - Routed experts (`experts`, kernels/moe_experts.py): FC1 + SiTU GLU, then FC2 + the
