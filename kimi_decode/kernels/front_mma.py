@@ -30,6 +30,12 @@ the same expert sets) and the shared gate/up bit-equal to gemv_mma (warps_for pi
 of K); at 8 warps latent_down is bit-equal and the router's sums differ from router_mma's in
 fp32 order, so an expert set can differ from its only on a near-tie.
 
+Measured (an H100, bench/fused_runs.md session 22; the H200 not yet): cold at M = 8, 30.0 µs at
+16 warps with the shared gate/up against 33.2 for the three kernels on two streams as the step
+issued them (36.7 at 8 warps); in the step a tie (B = 1, k = 7: 260.0-264.2 / 279.7 µs per
+KDA / MLA layer against 259.9-264.3 / 279.8; B = 8: 256.2-260.3 / 287.4 against 256.1-261.0 /
+286.5) with two kernels fewer per MoE layer, so the default at 2 ≤ M ≤ 8 (fused.MAX_ROWS).
+
 Check on the GPU (against router_mma, gemv_mma, the stock ops and float64; cold-weight timing of
 the three kernels as the step issued them, on two streams, and of this one):
     python -m kimi_decode.kernels.front_mma
@@ -61,7 +67,8 @@ from kimi_decode.kernels._common import arrive_count, compile_options, compiled,
 # route_and_project() when called, so `bench/fused_device.py --patch` can A/B it in the step.
 WARPS = 16
 # True: every CTA releases the next kernel (PDL) once its own mma loop is done; False: none
-# does (FC1 launches once the grid has completed). Read when called, as WARPS.
+# does (FC1 launches once the grid has completed): ~1 µs per layer slower at 8 warps (session
+# 22). Read when called, as WARPS.
 RELEASE_AT_END = True
 # CTAs per SM the registers must allow (ptxas's cap), per warp count. At 8 warps, uncapped, the
 # top-k branch takes 127 registers (2 CTAs per SM: 264 slots for the 328 CTAs, a second wave);
