@@ -164,14 +164,7 @@ class FrontMma:
         warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
         lane = cute.arch.lane_idx()
         red = self.down.smem_red()                      # (warps, 32, 4): the same for every tile kind
-        smem = cutlass.memory.SmemAllocator()
-        flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        cK = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
-        cI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
-        selI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
-        selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
-        sL = smem.allocate_tensor(Float32, cute.make_layout((m, E), stride=(E, 1)), 16)
-        sB = smem.allocate_tensor(Float32, cute.make_layout(E), 16)
+        flag, cK, cI, selI, selS, sL, sB = self.rt.smem_tail()     # router_mma's top-k buffers
         if bidx < self.t_r:                             # CTA-uniform: a router tile
             self.rt.mma.tile_partials(mX, mWr, red, bidx, tidx, warp, lane, release=False)
             if cutlass.const_expr(self.cfg.release_end):

@@ -161,18 +161,7 @@ class RouterMma:
         warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
         lane = cute.arch.lane_idx()
         red = self.mma.smem_red()
-        smem = cutlass.memory.SmemAllocator()
-        flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
-        cK = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
-        cI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
-        selI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
-        selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
-        # the last CTA's summed logits and the bias, which its top-k reads (from shared memory:
-        # read from global the top-k took 8 us of the kernel's 18 at M = 8, bench/fused_runs.md);
-        # with the buffers above ~50 KB at M = 8 (the DSL opts every kernel into the device's
-        # dynamic shared-memory maximum)
-        sL = smem.allocate_tensor(Float32, cute.make_layout((m, E), stride=(E, 1)), 16)
-        sB = smem.allocate_tensor(Float32, cute.make_layout(E), 16)
+        flag, cK, cI, selI, selS, sL, sB = self.smem_tail()
         # this CTA's K slice
         self.mma.tile_partials(mX[None, split, None, None], mW[None, split, None, None], red, tile, tidx,
                                warp, lane, release=False)
@@ -200,6 +189,24 @@ class RouterMma:
                         self.sel.topk_row(sL, sB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
+
+    def smem_tail(self) -> tuple:
+        """The grid completion's flag and the last CTA's top-k buffers in shared memory
+        (allocated inside a kernel, after smem_red; front_mma's kernel uses them too): flag, the
+        candidate keys and ids and the selection (router_fast's), then the summed logits sL
+        [M, E] and the bias sB, which the top-k reads from shared memory (read from global it took
+        8 us of the kernel's 18 at M = 8, bench/fused_runs.md); ~50 KB at M = 8 (the DSL opts
+        every kernel into the device's dynamic shared-memory maximum)."""
+        m, E = self.cfg.rows, self.cfg.experts
+        smem = cutlass.memory.SmemAllocator()
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), 16)
+        cK = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
+        cI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, rf.CAP), stride=(rf.CAP, 1)), 16)
+        selI = smem.allocate_tensor(Int32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
+        selS = smem.allocate_tensor(Float32, cute.make_layout((rf.WARPS, 32), stride=(32, 1)), 16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((m, E), stride=(E, 1)), 16)
+        sB = smem.allocate_tensor(Float32, cute.make_layout(E), 16)
+        return flag, cK, cI, selI, selS, sL, sB
 
     @cute.jit
     def sum_slices(self, mP: cute.Tensor, mB: cute.Tensor, sL: cute.Tensor, sB: cute.Tensor, tidx: Int32):
