@@ -181,9 +181,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # gemv_mma's sweep (every configuration checked) at 0bb4935,
                                     # 21:45 UTC; step parity with its table at 21:49 UTC
                                     "gemv_mma_tuned",
-                                    # fifteenth round: front_mma checked at fc0e2b9 (8 warps) and
-                                    # 9067543 (04:10-04:12 UTC) (16 warps) on an H100, step parity in
-                                    # both calls (bench/fused_correctness.md, fused_runs.md s. 22)
+                                    # fifteenth round: front_mma checked on an H100 at fc0e2b9 (8
+                                    # warps) and 9067543 (16 warps, 2026-12-06 04:10-04:12 UTC), step
+                                    # parity in both calls (bench/fused_correctness.md, fused_runs.md)
                                     "front_mma"})
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a

@@ -239,12 +239,6 @@ def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor,
     return ids, weights, outs
 
 
-def emulate_logits(y: torch.Tensor, w_gate: torch.Tensor, warps: int = WARPS) -> torch.Tensor:
-    """The kernel's router logits in float64 through gemv_mma's fragment replay at `warps`
-    warps (CPU tests: equal to y @ Wᵀ)."""
-    return gm.emulate(y, w_gate, warps)
-
-
 def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
     """On K3 TP16's router, latent_down [3584, 7168] and shared gate/up [768, 7168], per M and
     with / without the shared gate/up: ids and weights against router_mma (the step's router
