@@ -1206,7 +1206,8 @@ class FusedDecoder(StockDecoder):
                     from kimi_decode.kernels._common import sm_count
                     layer.attn.attend_uv = k_mma.can_implement_uv(
                         cfg.batch, cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim,
-                        cfg.v_head_dim, layer.attn.mma_scratch.splits, (cfg.torch_dtype,), sm_count(dev))
+                        cfg.v_head_dim, layer.attn.mma_scratch.splits, (cfg.torch_dtype,), sm_count(dev),
+                        layer.attn.mma_scratch.groups)
             if isinstance(layer.attn, MLAAttention):
                 layer.attn.use_multi = "gemv_multi" in on
                 layer.attn.use_pair = "gemv_mma_pair" in on

@@ -22,8 +22,11 @@ here the unnormalised p̃ is rounded (the mma takes bf16), and the denominator s
 rounded values, so numerator and denominator agree; relative error per probability ~2⁻⁹ as
 stock's. Scores are rounded at stock's point, so masks and maxima agree.
 
-Layout. Grid (splits, B), 256 threads (8 warps), one CTA per SM (every CTA must be resident:
-grid merge below). The valid tiles of TILE = 32 positions (up to min(C, max_t last[t] + 1),
+Layout. Grid (splits, B·G), 256 threads (8 warps), one CTA per SM (every CTA must be resident:
+grid merge below). G = row_groups(R) row groups (1 at R ≤ 16; 3 of 16 rows at R = 48): CTA
+(s, b·G + i) takes rows i·R/G .. (i + 1)·R/G − 1 of sequence b, and each (sequence, group) pair
+is below what a sequence is without groups (its own splits, partials, barrier and merge; its
+rows' mask taken at their global row, token (i·R/G + r) / H). The valid tiles of TILE = 32 positions (up to min(C, max_t last[t] + 1),
 read on the device) are shared out evenly, split s taking tiles ⌊s·n/S⌋ .. ⌊(s+1)·n/S⌋ − 1;
 nothing past them is read (a tail tile's rows clamp to the last valid row and are masked).
 Rows are padded to RP = 16·MT (MT = ⌈R / 16⌉ m-tiles; padded rows are zero and never written).
@@ -116,6 +119,7 @@ SROW = TILE + 8    # fp32 per score row in shared memory
 PROW = TILE + 8    # bf16 per p̃ row in shared memory (20 words: conflict-free A loads)
 VPAD = 8           # words of padding per sV pair row (the 4 t-lanes of a load phase hit 4 bank groups)
 MAX_ROWS = 48      # R = T·H (3 m-tiles; P·V accumulators 3·8·4 = 96 registers)
+GROUP_ROWS = 16    # rows per CTA at most when the rows are split into groups (row_groups); 0: never
 MAX_NL = 20        # merge: partials one thread loads at once (6 registers each)
 NEG = -1.0e30      # "minus infinity" that keeps exp(NEG - NEG) finite
 VALID = -1.0e29    # a score (or partial maximum) above this is real
@@ -137,6 +141,7 @@ class MMAConfig(AttendShape):
     nl: int = 16
     uv_rows: int = 0          # uv mode (mla_attend_mma_uv): M = B·T rows of o; 0 = o_lat only
     v_dim: int = 128          # uv mode: W_UV's columns per head
+    groups: int = 1           # row groups G (row_groups): CTA (s, b·G + i) takes rows i·R/G .. + R/G
 
 
 def can_implement(heads: int, tokens: int, kv_rank: int, rope: int, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -147,8 +152,27 @@ def can_implement(heads: int, tokens: int, kv_rank: int, rope: int, dtypes: tupl
             and all(dt == torch.bfloat16 for dt in dtypes))
 
 
+def row_groups(rows: int) -> int:
+    """G, the row groups a sequence's R = T·H query rows are split into, each its own set of
+    splits (its own CTAs, partials and merge): the fewest groups of at most GROUP_ROWS rows
+    that divide R evenly (1 where R ≤ GROUP_ROWS or GROUP_ROWS is 0).
+
+    Why: every CTA of a split computes the scores and P·V of all its rows, so at R = 48 (three
+    m-tiles) one 32-position tile is ~816 mma and ~3 µs at one CTA per SM, and each CTA writes
+    96 KB of fp32 partials (13 MB each way through the L2 at 132 splits; session 10 in
+    bench/fused_runs.md). In groups of 16 rows each CTA does a third of the work per tile over
+    three times the tiles (the cache it re-reads is one L2-resident 4.8 MB), its partial is a
+    third, and its q staging is a third; the splits per group are a third (B·G·splits ≤ SMs)."""
+    if GROUP_ROWS <= 0 or rows <= GROUP_ROWS:
+        return 1
+    g = (rows + GROUP_ROWS - 1) // GROUP_ROWS
+    while rows % g:
+        g += 1
+    return g
+
+
 def plan(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SMS,
-         tiles_per_split: int | None = None) -> tuple[int, int, int, int]:
+         tiles_per_split: int | None = None, groups: int = 1) -> tuple[int, int, int, int]:
     """(splits, tiles_per_split, kq, nl): one CTA per SM in all (B·splits ≤ sms: the grid
     merge needs every CTA resident), at most one split per cache tile; or, to tune, the
     splits that give `tiles_per_split` tiles of the capacity C each. The kernel shares the
@@ -156,8 +180,12 @@ def plan(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SM
     tiles_per_split here is the capacity's figure, the most a split can get. Then the merge's
     quad blocks per row KQ (doubled while the R·KQ items of a sequence are fewer than its
     splits, or a thread would load more than MAX_NL partials; blocks of at least 32 quads)
-    and its loads per thread NL = ⌈splits / SG⌉, SG = THREADS / (c / 4 / KQ) split groups."""
+    and its loads per thread NL = ⌈splits / SG⌉, SG = THREADS / (c / 4 / KQ) split groups.
+    With `groups` G (row_groups), each of the B·G (sequence, row group) pairs has its own
+    splits: the figures are per pair, for its R / G rows."""
     n_tiles = (cache_len + TILE - 1) // TILE
+    rows = rows // groups
+    batch = batch * groups
     if tiles_per_split is None:
         splits = max(1, min(n_tiles, sms // batch))
     else:
@@ -173,16 +201,21 @@ def plan(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SM
 
 
 def fits(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SMS,
-         tiles_per_split: int | None = None) -> bool:
-    """Whether plan() gives a launch the kernel can run: every CTA resident (B·splits ≤
-    SMs), one split per thread in the merge's weights (splits ≤ THREADS), NL ≤ MAX_NL."""
-    splits, _, _, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split)
-    return batch * splits <= sms and splits <= THREADS and nl <= MAX_NL
+         tiles_per_split: int | None = None, groups: int | None = None) -> bool:
+    """Whether plan() gives a launch the kernel can run: every CTA resident (B·G·splits ≤
+    SMs), one split per thread in the merge's weights (splits ≤ THREADS), NL ≤ MAX_NL; G
+    row_groups(rows) unless given (it must divide R)."""
+    g = row_groups(rows) if groups is None else groups
+    if g < 1 or rows % g:
+        return False
+    splits, _, _, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split, g)
+    return batch * g * splits <= sms and splits <= THREADS and nl <= MAX_NL
 
 
 @dataclass
 class MMAScratch:
-    """Persistent partials and barrier words for one (B, R, C, c); the caller keeps it."""
+    """Persistent partials and barrier words for one (B, R, C, c); the caller keeps it. With
+    row groups (G > 1) every (sequence, row group) pair is a sequence of R / G rows here."""
 
     batch: int
     rows: int
@@ -192,24 +225,36 @@ class MMAScratch:
     tiles_per_split: int
     kq: int
     nl: int
-    part_o: torch.Tensor      # [B·S, R, c] fp32 (unnormalised o of each split)
-    part_ml: torch.Tensor     # [B·S, 2, R] fp32 (m, l)
-    counters: torch.Tensor    # [2·B + 2] int32: arrival counter per sequence, then its epoch
+    part_o: torch.Tensor      # [B·G·S, R/G, c] fp32 (unnormalised o of each split)
+    part_ml: torch.Tensor     # [B·G·S, 2, R/G] fp32 (m, l)
+    counters: torch.Tensor    # [2·B·G + 2] int32: arrival counter per (sequence, group), then its epoch
                               # (_common.grid_arrive_and_wait: the counters are zero between
                               # calls, the epochs only grow); the last two: the uv mode's
                               # ready and pass counters (zero between calls)
+    groups: int = 1           # G (row_groups)
+
+    @property
+    def units(self) -> int:
+        """B·G: the (sequence, row group) pairs, each with its own splits and barrier."""
+        return self.batch * self.groups
 
 
 def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int, device: torch.device | str,
-                 sms: int | None = None, tiles_per_split: int | None = None) -> MMAScratch:
+                 sms: int | None = None, tiles_per_split: int | None = None,
+                 groups: int | None = None) -> MMAScratch:
+    """Buffers for plan()'s launch; `groups` None: row_groups(rows) (the default build)."""
     if sms is None:
         sms = sm_count(device)
-    splits, tps, kq, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split)
+    g = row_groups(rows) if groups is None else groups
+    if g < 1 or rows % g:
+        raise ValueError(f"mla_attend_mma: {g} row groups do not divide {rows} rows")
+    splits, tps, kq, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split, g)
     f32 = dict(dtype=torch.float32, device=device)
+    rg = rows // g
     return MMAScratch(batch, rows, cache_len, kv_rank, splits, tps, kq, nl,
-                      part_o=torch.empty(batch * splits, rows, kv_rank, **f32),
-                      part_ml=torch.empty(batch * splits, 2, rows, **f32),
-                      counters=torch.zeros(2 * batch + 2, dtype=torch.int32, device=device))
+                      part_o=torch.empty(batch * g * splits, rg, kv_rank, **f32),
+                      part_ml=torch.empty(batch * g * splits, 2, rg, **f32),
+                      counters=torch.zeros(2 * batch * g + 2, dtype=torch.int32, device=device), groups=g)
 
 
 @cute.jit
@@ -242,8 +287,10 @@ class MLAAttendMMA(UVTiles):
 
     def __init__(self, cfg: MMAConfig) -> None:
         assert can_implement(cfg.heads, cfg.tokens, cfg.kv_rank, cfg.rope, (torch.bfloat16,)), cfg
+        assert cfg.groups >= 1 and cfg.rows % cfg.groups == 0, cfg
         self.cfg = cfg
-        self.H, self.T, self.R = cfg.heads, cfg.tokens, cfg.rows
+        self.G = cfg.groups                        # row groups: R below is one group's rows
+        self.H, self.T, self.RF, self.R = cfg.heads, cfg.tokens, cfg.rows, cfg.rows // cfg.groups
         self.C, self.D = cfg.kv_rank, cfg.dim
         self.MT = (self.R + 15) // 16
         self.RP = 16 * self.MT
@@ -271,21 +318,22 @@ class MLAAttendMMA(UVTiles):
                  g: cute.Pointer, o_uv: cute.Pointer, batch: Int32, cache_len: Int32, splits: Int32,
                  stream: cuda.CUstream):
         """uv mode: w_uv [H, c, vd], g [M, H·vd], o_uv [M, H·vd] (bf16); otherwise unused."""
-        R, D, C = self.R, self.D, self.C
-        mQ = cute.make_tensor(q, cute.make_layout((batch, R, D // 8, 8), stride=(R * D, D, 8, 1)))
+        R, RF, D, C, G = self.R, self.RF, self.D, self.C, self.G
+        mQ = cute.make_tensor(q, cute.make_layout((batch, RF, D // 8, 8), stride=(RF * D, D, 8, 1)))
         mK = cute.make_tensor(cute.recast_ptr(cache, dtype=Int32),
                               cute.make_layout((batch * cache_len, D // 8, 4), stride=(D // 2, 4, 1)))
         mL = cute.make_tensor(last, cute.make_layout(self.T))
-        mO = cute.make_tensor(out, cute.make_layout((batch, R, C // 4, 4), stride=(R * C, C, 4, 1)))
-        mPo = cute.make_tensor(part_o, cute.make_layout((batch * splits, R, C // 4, 4), stride=(R * C, C, 4, 1)))
-        mPml = cute.make_tensor(part_ml, cute.make_layout((batch * splits, 2, R), stride=(2 * R, R, 1)))
-        mCnt = cute.make_tensor(counters, cute.make_layout(2 * batch + 2))
+        mO = cute.make_tensor(out, cute.make_layout((batch, RF, C // 4, 4), stride=(RF * C, C, 4, 1)))
+        mPo = cute.make_tensor(part_o, cute.make_layout((batch * G * splits, R, C // 4, 4),
+                                                        stride=(R * C, C, 4, 1)))
+        mPml = cute.make_tensor(part_ml, cute.make_layout((batch * G * splits, 2, R), stride=(2 * R, R, 1)))
+        mCnt = cute.make_tensor(counters, cute.make_layout(2 * batch * G + 2))
         if cutlass.const_expr(self.cfg.uv):
             mX, mW, mG, mU = self.uv_views(out, w_uv, g, o_uv)
         else:
             mX, mW, mG, mU = mO, mO, mO, mO
         self.kernel(mQ, mK, mL, mO, mPo, mPml, mCnt, mX, mW, mG, mU, batch, cache_len, splits).launch(
-            grid=[splits, batch, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
+            grid=[splits, batch * G, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mL: cute.Tensor, mO: cute.Tensor, mPo: cute.Tensor,
@@ -293,7 +341,10 @@ class MLAAttendMMA(UVTiles):
                mU: cute.Tensor, batch: Int32, cache_len: Int32, splits: Int32):
         R, C, RP, MT, KC, JW, DS = self.R, self.C, self.RP, self.MT, self.KC, self.JW, self.DS
         tid, _, _ = cute.arch.thread_idx()
-        s, b, _ = cute.arch.block_idx()
+        s, v, _ = cute.arch.block_idx()      # v = b·G + i: sequence b, row group i (rows roff ..)
+        b = v // self.G
+        roff = (v - b * self.G) * R
+        nv = batch * self.G                   # (sequence, row group) pairs: barriers, uv counters
         warp = cute.arch.warp_idx()          # full-warp shuffle: here, before every branch
         lane = cute.arch.lane_idx()
         g = lane // 4
@@ -357,7 +408,7 @@ class MLAAttendMMA(UVTiles):
         if cutlass.const_expr(self.NBUF == 2):
             if ntile > 1:
                 self.load_k(mK, kB, row0, t0 + TILE, end, nq, kh, g, t)
-        self.stage_q(mQ, sQ, b, tid)
+        self.stage_q(mQ, sQ, b, roff, tid)
 
         mreg = cute.make_rmem_tensor(cute.make_layout(1), Float32)   # softmax state of row tid / TPR
         lreg = cute.make_rmem_tensor(cute.make_layout(1), Float32)
@@ -370,17 +421,17 @@ class MLAAttendMMA(UVTiles):
         if cutlass.const_expr(self.NBUF == 1):
             for it in range(ntile):
                 self.tile(mK, kA, sQw, sV, sS, sP, sPw, sA, acc, mreg, lreg, lastv, row0, t0, end, ntile, it,
-                          tid, warp, g, t, nq, kh)
+                          roff, tid, warp, g, t, nq, kh)
         else:                                  # two tiles in flight: buffers alternate
             for it2 in range(0, ntile, 2):
                 self.tile(mK, kA, sQw, sV, sS, sP, sPw, sA, acc, mreg, lreg, lastv, row0, t0, end, ntile, it2,
-                          tid, warp, g, t, nq, kh)
+                          roff, tid, warp, g, t, nq, kh)
                 if it2 + 1 < ntile:
                     self.tile(mK, kB, sQw, sV, sS, sP, sPw, sA, acc, mreg, lreg, lastv, row0, t0, end, ntile,
-                              it2 + 1, tid, warp, g, t, nq, kh)
+                              it2 + 1, roff, tid, warp, g, t, nq, kh)
 
         # This split's partial (written even when it saw no valid position: m = NEG, l = 0, o = 0).
-        srow = b * splits + s
+        srow = v * splits + s
         o4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         for mt in cutlass.range_constexpr(MT):
             for half in cutlass.range_constexpr(2):
@@ -400,7 +451,7 @@ class MLAAttendMMA(UVTiles):
                     mPml[srow, 1, r] = lreg[0]
         # uv mode: worker CTA `lin` < NW owns W_UV tile (head wh, column tile wct); its weight
         # loads and gate value are issued now, in flight during the barrier and the merge.
-        lin = b * splits + s
+        lin = v * splits + s
         wh = Int32(0)
         wct = Int32(0)
         gate = Float32(0.0)
@@ -412,21 +463,22 @@ class MLAAttendMMA(UVTiles):
         # fence.acq_rel.gpu and arrival (grid_arrive_and_wait), CUTLASS's semaphore pattern; no
         # per-thread fence (ncu: a membar stall of every thread behind its 96 KB of stores).
         cute.arch.sync_threads()
-        if tid == 0:                           # every split of sequence b has written its partial
-            grid_arrive_and_wait(mCnt, b, batch + b, splits)
+        if tid == 0:                           # every split of pair v has written its partial
+            grid_arrive_and_wait(mCnt, v, nv + v, splits)
         cute.arch.sync_threads()
         cute.arch.fence_acq_rel_gpu()
-        self.merge(mPo, mPml, mO, sRed, sW, sBlk, b, s, splits, tid, warp, lane)
+        self.merge(mPo, mPml, mO, sRed, sW, sBlk, v, b, roff, s, splits, tid, warp, lane)
         if cutlass.const_expr(self.cfg.uv):     # mla_attend.py's uv mode: publish, then the tiles
-            self.publish(mCnt, 2 * batch, tid)
+            self.publish(mCnt, 2 * nv, tid)
             if lin < self.NW:                   # CTA-uniform
-                self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, 2 * batch, batch * splits, wh, wct, gate, tid,
+                self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, 2 * nv, nv * splits, wh, wct, gate, tid,
                              warp, lane)
 
     @cute.jit
-    def stage_q(self, mQ: cute.Tensor, sQ: cute.Tensor, b: Int32, tid: Int32):
-        """q[b] -> shared memory (rows R .. RP - 1 zero): every load of a thread issued before
-        its stores (one round trip, not one per vector)."""
+    def stage_q(self, mQ: cute.Tensor, sQ: cute.Tensor, b: Int32, roff: Int32, tid: Int32):
+        """q[b] rows roff .. roff + R - 1 (this CTA's row group) -> shared memory (rows R .. RP - 1
+        zero): every load of a thread issued before its stores (one round trip, not one per
+        vector)."""
         NV = self.D // 8
         total = self.RP * NV
         n = (total + THREADS - 1) // THREADS
@@ -436,7 +488,7 @@ class MLAAttendMMA(UVTiles):
             i = tid + j * THREADS
             r = i // NV
             if r < self.R:
-                cute.autovec_copy(mQ[b, r, i - r * NV, None], qv[j, None])
+                cute.autovec_copy(mQ[b, roff + r, i - r * NV, None], qv[j, None])
         for j in cutlass.range_constexpr(n):
             i = tid + j * THREADS
             r = i // NV
@@ -447,7 +499,7 @@ class MLAAttendMMA(UVTiles):
     def tile(self, mK: cute.Tensor, kreg: cute.Tensor, sQw: cute.Tensor, sV: cute.Tensor, sS: cute.Tensor,
              sP: cute.Tensor, sPw: cute.Tensor, sA: cute.Tensor, acc: cute.Tensor, mreg: cute.Tensor,
              lreg: cute.Tensor, lastv: cute.Tensor, row0: Int32, t0: Int32, end: Int32, ntile: Int32, it: Int32,
-             tid: Int32, warp: Int32, g: Int32, t: Int32, nq: Int32, kh: Int32):
+             roff: Int32, tid: Int32, warp: Int32, g: Int32, t: Int32, nq: Int32, kh: Int32):
         """One tile (module docstring, steps 1-4); `kreg` holds its cache words and is reloaded
         with tile it + NBUF's once consumed."""
         MT, KC, JW, NCH, TPR, PPT = self.MT, self.KC, self.JW, self.NCH, self.TPR, self.PPT
@@ -480,7 +532,7 @@ class MLAAttendMMA(UVTiles):
         if tid < self.ACT:                     # warp-uniform (ACT is a multiple of 32)
             r = tid // TPR
             j0 = (tid - r * TPR) * PPT
-            tr = r // self.H
+            tr = (roff + r) // self.H          # the query token of this row (its mask)
             lr = lastv[0]
             for tt in cutlass.range_constexpr(1, self.T):
                 if tr == tt:
@@ -594,8 +646,10 @@ class MLAAttendMMA(UVTiles):
 
     @cute.jit
     def merge(self, mPo: cute.Tensor, mPml: cute.Tensor, mO: cute.Tensor, sRed: cute.Tensor, sW: cute.Tensor,
-              sBlk: cute.Tensor, b: Int32, s: Int32, splits: Int32, tid: Int32, warp: Int32, lane: Int32):
-        """Items s, s + splits, ... of sequence b (module docstring): item = (row r, quad block
+              sBlk: cute.Tensor, v: Int32, b: Int32, roff: Int32, s: Int32, splits: Int32, tid: Int32,
+              warp: Int32, lane: Int32):
+        """Items s, s + splits, ... of pair v = (sequence b, the row group from row roff) (module
+        docstring): item = (row r, quad block
         jq). Thread (quad qd = tid % QB, group sg = tid / QB) issues the loads of its partials'
         o quads (sg, sg + SG, ...: all NL at once); meanwhile thread i < splits loads split i's
         (m, l), the CTA reduces M = max m and L = Σ l·e^{m−M} and leaves w_i = e^{m_i−M} in
@@ -607,7 +661,7 @@ class MLAAttendMMA(UVTiles):
         vo = cute.make_rmem_tensor(cute.make_layout((NL, 4), stride=(4, 1)), Float32)
         o4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         ob = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
-        base = b * splits
+        base = v * splits
         for item in range(s, self.R * KQ, splits):
             r = item // KQ
             quad = (item - r * KQ) * QB + qd
@@ -661,7 +715,7 @@ class MLAAttendMMA(UVTiles):
                     inv = Float32(1.0) / tot
                 for e in cutlass.range_constexpr(4):
                     ob[e] = (o4[e] * inv).to(BFloat16)
-                cute.autovec_copy(ob, mO[b, r, quad, None])
+                cute.autovec_copy(ob, mO[b, roff + r, quad, None])
             cute.arch.sync_threads()           # sBlk, sW, sRed free for the next item
 
 
@@ -687,10 +741,10 @@ def mla_attend_mma(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor
     sc = scratch
     if (sc.batch, sc.rows, sc.cache_len, sc.kv_rank) != (B, R, C, kv_rank):
         raise ValueError("mla_attend_mma: scratch was made for other shapes")
-    if B * sc.splits > sm_count(q_full.device) or sc.splits > THREADS or sc.nl > MAX_NL:
-        raise ValueError(f"mla_attend_mma: B={B} x {sc.splits} splits cannot all be resident "
-                         f"(or {sc.nl} partials per merge thread > {MAX_NL})")
-    cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl)
+    if sc.units * sc.splits > sm_count(q_full.device) or sc.splits > THREADS or sc.nl > MAX_NL:
+        raise ValueError(f"mla_attend_mma: B={B} x {sc.groups} row groups x {sc.splits} splits cannot all be "
+                         f"resident (or {sc.nl} partials per merge thread > {MAX_NL})")
+    cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl, groups=sc.groups)
     out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     o = ptr(out)           # w_uv, g, o_uv: unused without the uv mode
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), o, ptr(sc.part_o), ptr(sc.part_ml),
@@ -699,10 +753,11 @@ def mla_attend_mma(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor
 
 
 def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
-                     splits: int, dtypes: tuple[torch.dtype, ...], sms: int = H200_SMS) -> bool:
-    """uv mode: this kernel's rules and mla_attend's uv rules (the same uv code runs)."""
+                     splits: int, dtypes: tuple[torch.dtype, ...], sms: int = H200_SMS, groups: int = 1) -> bool:
+    """uv mode: this kernel's rules and mla_attend's uv rules (the same uv code runs; its
+    workers are among the B·G·splits CTAs, so a sequence's CTAs count G·splits)."""
     return (can_implement(heads, tokens, kv_rank, rope, dtypes)
-            and uv_launch_ok(batch, heads, tokens, kv_rank, v_dim, splits, dtypes, sms))
+            and uv_launch_ok(batch, heads, tokens, kv_rank, v_dim, splits * groups, dtypes, sms))
 
 
 def mla_attend_mma_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
@@ -720,17 +775,25 @@ def mla_attend_mma_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Ten
     M = B * T
     sc = scratch
     if (not uv_shapes_ok(q_full, cache, last, heads, kv_rank, w_uv, g, sc)
-            or B * sc.splits > sm_count(q_full.device) or sc.splits > THREADS or sc.nl > MAX_NL
+            or sc.units * sc.splits > sm_count(q_full.device) or sc.splits > THREADS or sc.nl > MAX_NL
             or not can_implement_uv(B, heads, T, kv_rank, D - kv_rank, vd, sc.splits,
-                                    (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype), sm_count(q_full.device))):
+                                    (q_full.dtype, cache.dtype, w_uv.dtype, g.dtype), sm_count(q_full.device),
+                                    sc.groups)):
         raise ValueError(f"mla_attend_mma_uv cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")
-    cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl, uv_rows=M, v_dim=vd)
+    cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl, uv_rows=M, v_dim=vd,
+                    groups=sc.groups)
     o_lat = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     o = torch.empty(M, H * vd, dtype=torch.bfloat16, device=q_full.device)
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(o_lat), ptr(sc.part_o), ptr(sc.part_ml),
                      ptr(sc.counters), ptr(w_uv), ptr(g), ptr(o), Int32(B), Int32(C), Int32(sc.splits),
                      current_stream())
     return o, o_lat
+
+
+def arrivals_zero(scratch: MMAScratch) -> bool:
+    """The grid barrier's arrival counters (one per (sequence, row group) pair; not the epochs
+    after them) are zero, as every call must leave them."""
+    return int(scratch.counters[:scratch.units].abs().sum()) == 0
 
 
 def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8, 0), (8, 7), (1, 0), (64, 0)),
@@ -740,7 +803,9 @@ def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8,
     `cases`; `last` inside the cache and the positions past it NaN (a read of them would
     show). A second call must be bit-equal and leave every barrier counter zero. With timing:
     kernel vs stock (compiled and eager) and, at B = 1, k = 0, vs kernels/mla_attend.py; at
-    B = 1 other plans (tiles per split in `tps_sweep`, own rows) to tune plan()."""
+    B = 1 other plans (tiles per split in `tps_sweep`, own rows) to tune plan(). Where the
+    default build splits the rows into groups (row_groups > 1: R = 48), the ungrouped build
+    (G = 1) gets its own row, checked and timed the same way (the A/B of the grouping)."""
     from kimi_decode import stock_ops
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import mla_attend as k_old
@@ -767,8 +832,8 @@ def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8,
         ref = k_old.reference(q_full, clean, last, H, c, scale)
         e_ks, e_kc, e_k, e_s = rel(o_k, o_s), rel(o_k, o_c), rel(o_k, ref), rel(o_s, ref)
         ok = (e_ks <= 1e-2 and e_kc <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and torch.equal(o_k, o_k2)
-              and bool(torch.isfinite(o_k).all()) and int(scratch.counters[:bsz].abs().sum()) == 0)
-        r = {"kernel": "mla_attend_mma", "B": bsz, "k": k, "C": C, "splits": scratch.splits,
+              and bool(torch.isfinite(o_k).all()) and arrivals_zero(scratch))
+        r = {"kernel": "mla_attend_mma", "B": bsz, "k": k, "C": C, "groups": scratch.groups, "splits": scratch.splits,
              "tiles_per_split": scratch.tiles_per_split, "kq": scratch.kq, "nl": scratch.nl,
              "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
              "repeat_equal": torch.equal(o_k, o_k2), "ok": ok}
@@ -776,11 +841,25 @@ def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8,
             r["stock_us"] = time_us(lambda: compiled_attend(q_full, clean, last, H, c, scale))
             r["stock_eager_us"] = time_us(lambda: stock_ops.mla_attend(q_full, clean, last, H, c, scale))
             r["kernel_us"] = time_us(lambda: mla_attend_mma(q_full, cache, last, H, c, scale, scratch))
-            r["ok"] = r["ok"] and int(scratch.counters[:bsz].abs().sum()) == 0
+            r["ok"] = r["ok"] and arrivals_zero(scratch)
             if bsz == 1 and k == 0 and k_old.can_implement(H, T, c, rope, (torch.bfloat16,)):
                 sc_old = k_old.make_scratch(bsz, T * H, C, c, dev)
                 r["mla_attend_us"] = time_us(lambda: k_old.mla_attend(q_full, cache, last, H, c, scale, sc_old))
         out.append(r)
+        if scratch.groups > 1 and fits(bsz, T * H, C, c, sm_count(dev), groups=1):
+            sc1 = make_scratch(bsz, T * H, C, c, dev, groups=1)
+            with torch.no_grad():
+                o_1 = mla_attend_mma(q_full, cache, last, H, c, scale, sc1)
+            _sync()
+            e_1 = rel(o_1, ref)
+            r1 = {"kernel": "mla_attend_mma", "B": bsz, "k": k, "C": C, "groups": 1, "splits": sc1.splits,
+                  "tiles_per_split": sc1.tiles_per_split, "kq": sc1.kq, "nl": sc1.nl, "rel_vs_f64": e_1,
+                  "rel_vs_grouped": rel(o_1, o_k), "ok": e_1 <= 1.5 * e_s + 1e-3 and arrivals_zero(sc1)}
+            if timing:
+                r1["kernel_us"] = time_us(lambda: mla_attend_mma(q_full, cache, last, H, c, scale, sc1))
+                r1["ok"] = r1["ok"] and arrivals_zero(sc1)
+            out.append(r1)
+            del sc1
         if timing and bsz == 1:
             for n in tps_sweep:
                 if not fits(bsz, T * H, C, c, sm_count(dev), n):
@@ -790,9 +869,10 @@ def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8,
                     o_n = mla_attend_mma(q_full, cache, last, H, c, scale, sc2)
                 _sync()
                 e_n = rel(o_n, ref)
-                out.append({"kernel": "mla_attend_mma", "B": bsz, "k": k, "C": C, "splits": sc2.splits,
+                out.append({"kernel": "mla_attend_mma", "B": bsz, "k": k, "C": C, "groups": sc2.groups,
+                            "splits": sc2.splits,
                             "tiles_per_split": n, "kq": sc2.kq, "nl": sc2.nl, "rel_vs_f64": e_n,
-                            "ok": e_n <= 1.5 * e_s + 1e-3 and int(sc2.counters[:bsz].abs().sum()) == 0,
+                            "ok": e_n <= 1.5 * e_s + 1e-3 and arrivals_zero(sc2),
                             "kernel_us": time_us(lambda: mla_attend_mma(q_full, cache, last, H, c, scale, sc2))})
         del cache, clean, scratch
     return out
@@ -800,7 +880,7 @@ def check(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 7), (8,
 
 
 
-def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), (8, 0)),
+def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), (8, 0), (1, 7)),
              copies: int = 12) -> list[dict]:
     """mla_attend_mma_uv (uv mode) vs the two launches it replaces, mla_attend_mma then
     mla_glue.uv_gate: o and o_lat bit-equal by design; vs the stock ops (stock_ops.mla_attend +
@@ -827,7 +907,8 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
         sc = make_scratch(bsz, T * H, C, c, dev)
         sc2 = make_scratch(bsz, T * H, C, c, dev)
         if not (fits(bsz, T * H, C, c, sm_count(dev))
-                and can_implement_uv(bsz, H, T, c, rope, vd, sc.splits, (torch.bfloat16,), sm_count(dev))):
+                and can_implement_uv(bsz, H, T, c, rope, vd, sc.splits, (torch.bfloat16,), sm_count(dev),
+                                     sc.groups)):
             out.append({"kernel": "mla_attend_mma_uv", "B": bsz, "k": k, "ok": False,
                         "why": "can_implement_uv / fits refuses this shape"})
             continue
@@ -844,8 +925,9 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
         e_ks, e_kc, e_k, e_s = rel(o_k, o_s), rel(o_k, o_c), rel(o_k, ref), rel(o_s, ref)
 
         def zero(scr: MMAScratch) -> bool:    # arrival counters and the uv counters (not the epochs)
-            return int(scr.counters[:bsz].abs().sum()) == 0 and int(scr.counters[2 * bsz:].abs().sum()) == 0
-        r = {"kernel": "mla_attend_mma_uv", "B": bsz, "k": k, "C": C, "splits": sc.splits, "kq": sc.kq,
+            return arrivals_zero(scr) and int(scr.counters[2 * scr.units:].abs().sum()) == 0
+        r = {"kernel": "mla_attend_mma_uv", "B": bsz, "k": k, "C": C, "groups": sc.groups, "splits": sc.splits,
+             "kq": sc.kq,
              "nl": sc.nl, "workers": uv_workers(H, vd), "o_equal_two_launch": torch.equal(o_k, o_t),
              "o_lat_equal_mla_attend_mma": torch.equal(lat_k, lat_t), "rel_vs_stock": e_ks, "rel_vs_compiled": e_kc,
              "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s, "repeat_equal": torch.equal(o_k, o_k2),
@@ -854,18 +936,29 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
                                    r["o_lat_equal_mla_attend_mma"], r["repeat_equal"], r["counters_zero"])
         if timing:
             timed = k_old.cold_warm_timer(clean, w_uv, copies)
-            sc_old = k_old.make_scratch(bsz, T * H, C, c, dev)
             new = lambda ca, w: mla_attend_mma_uv(q_full, ca, last, H, c, scale, w, g, sc)  # noqa: E731
             two = lambda ca, w: mla_glue.uv_gate(mla_attend_mma(q_full, ca, last, H, c, scale, sc2), w, g)  # noqa: E731
-            old = lambda ca, w: k_old.mla_attend_uv(q_full, ca, last, H, c, scale, w, g, sc_old)  # noqa: E731
             stock = lambda ca, w: mla_glue.stock_uv(attend_c(q_full, ca, last, H, c, scale), w, g, gate_c)  # noqa: E731
             r["kernel_us"] = timed(new, True)
             r["two_launch_us"] = timed(two, True)
-            r["mla_attend_uv_us"] = timed(old, True)
             r["stock_us"] = timed(stock, True)
             r["kernel_warm_us"] = timed(new, False)
-            r["mla_attend_uv_warm_us"] = timed(old, False)
-            r["counters_zero_after_replays"] = zero(sc) and zero(sc2)
+            if T == 1:       # kernels/mla_attend.py's uv mode: what the B = 1, k = 0 step ran before
+                sc_old = k_old.make_scratch(bsz, T * H, C, c, dev)
+                old = lambda ca, w: k_old.mla_attend_uv(q_full, ca, last, H, c, scale, w, g, sc_old)  # noqa: E731
+                r["mla_attend_uv_us"] = timed(old, True)
+                r["mla_attend_uv_warm_us"] = timed(old, False)
+            sc1 = None
+            if sc.groups > 1 and fits(bsz, T * H, C, c, sm_count(dev), groups=1):   # the grouping's A/B
+                sc1 = make_scratch(bsz, T * H, C, c, dev, groups=1)
+                with torch.no_grad():
+                    o_1, _ = mla_attend_mma_uv(q_full, cache, last, H, c, scale, w_uv, g, sc1)
+                _sync()
+                r["ungrouped_rel_vs_f64"] = rel(o_1, ref)
+                one = lambda ca, w: mla_attend_mma_uv(q_full, ca, last, H, c, scale, w, g, sc1)  # noqa: E731
+                r["ungrouped_us"] = timed(one, True)
+                r["ungrouped_warm_us"] = timed(one, False)
+            r["counters_zero_after_replays"] = zero(sc) and zero(sc2) and (sc1 is None or zero(sc1))
             r["ok"] = r["ok"] and r["counters_zero_after_replays"]
             del timed
         out.append(r)

@@ -42,12 +42,14 @@ P = _common.dummy_ptr
 SCALE = (128 + 64) ** -0.5
 
 
-def config(batch: int, spec: int, uv: bool = False) -> km.MMAConfig:
+def config(batch: int, spec: int, uv: bool = False, groups: int | None = None) -> km.MMAConfig:
+    """The build the wrapper compiles at (batch, spec): row_groups' default groups unless given."""
     cfg = k3_tp16(batch=batch, spec_tokens=spec)
     T, H = cfg.tokens_per_seq, cfg.mla_local_heads
-    _, _, kq, nl = km.plan(batch, T * H, cfg.cache_len, cfg.kv_lora_rank)
+    G = km.row_groups(T * H) if groups is None else groups
+    _, _, kq, nl = km.plan(batch, T * H, cfg.cache_len, cfg.kv_lora_rank, groups=G)
     return km.MMAConfig(H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, SCALE, kq, nl,
-                        uv_rows=batch * T if uv else 0, v_dim=cfg.v_head_dim)
+                        uv_rows=batch * T if uv else 0, v_dim=cfg.v_head_dim, groups=G)
 
 
 def ptx_of(tmp_path: Path, cfg: km.MMAConfig) -> str:
@@ -67,9 +69,12 @@ def expected_mma(cfg: km.MMAConfig) -> int:
     return k.NBUF * (k.MT * k.KC * 2 + (km.TILE // 16) * k.JW * k.MT * 4)
 
 
-@pytest.mark.parametrize("batch,spec", [(1, 7), (8, 0)])
-def test_compiles(tmp_path: Path, batch: int, spec: int) -> None:
-    cfg = config(batch, spec)
+@pytest.mark.parametrize("batch,spec,groups", [(1, 7, None), (1, 7, 1), (8, 0, None)])
+def test_compiles(tmp_path: Path, batch: int, spec: int, groups: int | None) -> None:
+    """R = 48 both ways: in row groups of 16 (the default build: one m-tile per CTA, two tiles
+    of cache words in flight) and ungrouped (three m-tiles)."""
+    cfg = config(batch, spec, groups=groups)
+    assert cfg.groups == (3 if (spec, groups) == (7, None) else 1)
     ptx = ptx_of(tmp_path, cfg)
     assert ".target sm_90a" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -86,13 +91,13 @@ def test_compiles(tmp_path: Path, batch: int, spec: int) -> None:
         assert spills == 0 and regs <= 255, (regs, spills)   # 205 (R = 48), 198 (R = 6) at commit time
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_uv_mode_compiles(tmp_path: Path, batch: int) -> None:
+@pytest.mark.parametrize("batch,spec", [(1, 0), (8, 0), (1, 7)])
+def test_uv_mode_compiles(tmp_path: Path, batch: int, spec: int) -> None:
     """uv mode adds mla_attend's publish / uv_tile: one more acquire poll, two more acq_rel
     atomics (the publish and the workers' pass counter), the W_UV tile's loads and the bf16
-    gate multiply; the attention code (its mma) is unchanged."""
-    base = ptx_of(tmp_path / "base", config(batch, 0))
-    ptx = ptx_of(tmp_path / "uv", config(batch, 0, uv=True))
+    gate multiply; the attention code (its mma) is unchanged (at B = 1, k = 7 in row groups)."""
+    base = ptx_of(tmp_path / "base", config(batch, spec))
+    ptx = ptx_of(tmp_path / "uv", config(batch, spec, uv=True))
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ptx.count("ld.acquire.gpu") == 3
     assert ptx.count("atom.global.acq_rel.add") == 3
@@ -256,10 +261,30 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, c: int, scale: float,
-            splits: int, mask_shift: int = 0) -> torch.Tensor:
+            splits: int, mask_shift: int = 0, groups: int = 1, wrong_group_mask: bool = False) -> torch.Tensor:
     """The kernel's algorithm in float64 (its rounding points: scores and p̃ to bf16), per
     sequence: valid tiles split as on the device, online softmax over each split's tiles
-    (m, l, o), then the merge's weights e^{m − M} and o = Σ w·o / Σ w·l, rounded to bf16."""
+    (m, l, o), then the merge's weights e^{m − M} and o = Σ w·o / Σ w·l, rounded to bf16.
+    With `groups` G > 1, as the grouped build: each row group (rows i·R/G ..) is its own
+    sequence of R/G rows with `splits` splits, its mask taken at the group's global rows
+    (`wrong_group_mask`: at its local rows, the bug a missing row offset would be)."""
+    if groups > 1:
+        R = q.shape[1]
+        rg = R // groups
+        parts = []
+        for i in range(groups):
+            sub = slice(i * rg, (i + 1) * rg)
+            rows_last = last.repeat_interleave(heads)
+            parts.append(_emulate_rows(q[:, sub], cache, last, heads, c, scale, splits, mask_shift,
+                                       row_last=rows_last[:rg] if wrong_group_mask else rows_last[sub]))
+        return torch.cat(parts, 1)
+    return _emulate_rows(q, cache, last, heads, c, scale, splits, mask_shift)
+
+
+def _emulate_rows(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, c: int, scale: float,
+                  splits: int, mask_shift: int = 0, row_last: torch.Tensor | None = None) -> torch.Tensor:
+    """emulate() for one set of rows; `row_last` the last valid position of each row (default:
+    last[t] of row t·H + h)."""
     B, R, _ = q.shape
     T = last.shape[0]
     valid = min(int(last.max()) + 1, cache.shape[1])
@@ -275,7 +300,8 @@ def emulate(q: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int
                 pos = torch.arange(tile * km.TILE, min((tile + 1) * km.TILE, valid))
                 kv = cache[b, pos].double()
                 s = bf16(q[b].double() @ kv.T) * scale
-                ok = pos[None, :] <= (last.repeat_interleave(heads)[:, None] + mask_shift)
+                rl = last.repeat_interleave(heads) if row_last is None else row_last
+                ok = pos[None, :] <= (rl[:, None] + mask_shift)
                 s = torch.where(ok, s, torch.full_like(s, km.NEG))
                 m_new = torch.maximum(m, s.max(1).values)
                 alpha = torch.exp(m - m_new)
@@ -307,17 +333,46 @@ def test_emulated_algorithm_matches_reference(batch: int, tokens: int, splits: i
     assert float((wrong - ref).norm() / ref.norm()) > 1e-2
 
 
+def test_emulated_row_groups_match_reference() -> None:
+    """B = 1, k = 7 in 3 row groups of 16 (two tokens and a half each) with 44 splits each:
+    within bf16 rounding of the reference; the same with each group masked at its local rows
+    (the kernel without its row offset) is not."""
+    heads, tokens, c, rope, C = 6, 8, 32, 16, 300
+    gen = torch.Generator().manual_seed(48)
+    cache = torch.randn(1, C, c + rope, generator=gen).bfloat16()
+    q = (torch.randn(1, tokens * heads, c + rope, generator=gen) * 0.5).bfloat16()
+    last = 250 + torch.arange(tokens)
+    ref = reference(q, cache, last, heads, c, SCALE)
+    got = emulate(q, cache, last, heads, c, SCALE, 5, groups=km.row_groups(tokens * heads))
+    assert float((got - ref).norm() / ref.norm()) < 4e-3
+    wrong = emulate(q, cache, last, heads, c, SCALE, 5, groups=3, wrong_group_mask=True)
+    assert float((wrong - ref).norm() / ref.norm()) > 1e-2
+
+
+@pytest.mark.parametrize("rows,groups", [(6, 1), (12, 1), (16, 1), (18, 2), (24, 2), (30, 2), (36, 3),
+                                         (42, 3), (48, 3)])
+def test_row_groups_are_the_fewest_that_divide(rows: int, groups: int, monkeypatch) -> None:
+    """The fewest groups of ≤ GROUP_ROWS rows that divide R = T·H (H = 6, T = 1..8); none with
+    GROUP_ROWS = 0 (the ungrouped build, fused_ab's --patch for the A/B)."""
+    assert km.row_groups(rows) == groups
+    assert rows % groups == 0 and rows // groups <= km.GROUP_ROWS
+    monkeypatch.setattr(km, "GROUP_ROWS", 0)
+    assert km.row_groups(rows) == 1
+
+
 # ---- plan, limits, dispatch --------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch,spec", [(1, 0), (1, 7), (8, 0), (8, 7), (64, 0)])
 def test_plan_fits_the_h200(batch: int, spec: int) -> None:
     cfg = k3_tp16(batch=batch, spec_tokens=spec)
     R = cfg.tokens_per_seq * cfg.mla_local_heads
-    splits, tps, kq, nl = km.plan(batch, R, cfg.cache_len, cfg.kv_lora_rank)
+    G = km.row_groups(R)
+    splits, tps, kq, nl = km.plan(batch, R, cfg.cache_len, cfg.kv_lora_rank, groups=G)
     assert km.fits(batch, R, cfg.cache_len, cfg.kv_lora_rank)
-    assert batch * splits <= km.H200_SMS and splits <= km.THREADS and 1 <= nl <= km.MAX_NL
+    assert batch * G * splits <= km.H200_SMS and splits <= km.THREADS and 1 <= nl <= km.MAX_NL
+    assert (G, splits) == {(1, 7): (3, 44), (8, 7): (3, 5)}.get((batch, spec), (1, min(132 // batch, 130)))
     quads = cfg.kv_lora_rank // 4
-    assert quads // kq >= 32 and (R * kq >= splits or kq == quads // 32)
+    assert quads // kq >= 32 and (R // G * kq >= splits or kq == quads // 32)
     assert nl == math.ceil(splits / (km.THREADS * kq // quads))
     assert splits * tps >= (cfg.cache_len + km.TILE - 1) // km.TILE
 
@@ -394,9 +449,11 @@ def emulated_mma(monkeypatch):
 
 def test_check_harness_passes_emulation(emulated_mma) -> None:
     rows = km.check(timing=False, cases=((1, 7), (8, 0)))
-    assert [(r["B"], r["k"]) for r in rows] == [(1, 7), (8, 0)] and all(r["ok"] for r in rows), rows
+    assert [(r["B"], r["k"], r["groups"]) for r in rows] == [(1, 7, 3), (1, 7, 1), (8, 0, 1)]
+    assert all(r["ok"] for r in rows), rows
     rows = km.check_uv(timing=False)
-    assert [(r["B"], r["k"], r["workers"]) for r in rows] == [(1, 0, 48), (8, 0, 48)]
+    assert [(r["B"], r["k"], r["workers"], r["groups"]) for r in rows] == [(1, 0, 48, 1), (8, 0, 48, 1),
+                                                                           (1, 7, 48, 3)]
     assert all(r["ok"] and r["o_equal_two_launch"] for r in rows), rows
 
 
