@@ -77,7 +77,8 @@ def run(variants: list[tuple[str, list[str]]], out: Path, work: Path, default: f
     """Run the variants in order; write out/ab.json and out/ab.md (and, with captures, one
     out/NAME.traces.tar per variant); return the result."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    result = {"batches": batches, "specs": specs, "reps": reps, "captures": captures, "variants": rows}
     for name, args in variants:
         cmd = command(name, args, work, default, batches, specs, reps, captures)
         clock = time.strftime("%H:%M", time.gmtime())
@@ -98,9 +99,10 @@ def run(variants: list[tuple[str, list[str]]], out: Path, work: Path, default: f
             row.setdefault("traces", []).append(dst.name)
         rows.append(row)
         print(f"  {name}: rc={rc}, {row['wall_s']} s", flush=True)
-    result = {"batches": batches, "specs": specs, "reps": reps, "captures": captures, "variants": rows}
-    (out / "ab.json").write_text(json.dumps(result))
-    (out / "ab.md").write_text(render(result))
+        # rewritten after every variant: a device call cut off at its time limit keeps the rows so far
+        result = {"batches": batches, "specs": specs, "reps": reps, "captures": captures, "variants": rows}
+        (out / "ab.json").write_text(json.dumps(result))
+        (out / "ab.md").write_text(render(result))
     return result
 
 
