@@ -104,13 +104,14 @@ and the kernel is in `VERIFIED`):
   the combine has written o_lat), so the op `uv_gate` disappears.
   `mla_attend_mma` (kernels/mla_attend_mma.py) is the same attention with both products on the
   tensor cores and a one-round-trip merge; it replaces mla_attend at B = 1, k = 0 (with its own
-  uv mode) and stock's chain at B = 8 and 64 (R ≤ MLA_MMA_MAX_ROWS rows per sequence).
+  uv mode) and stock's chain at B = 8 and 64 (R ≤ MLA_MMA_MAX_ROWS rows per sequence) and at
+  B = 1, k = 7 (R = 48 ≤ MLA_MMA_MAX_ROWS_ONE_SEQ, in row groups, uv mode too).
   `mla_norm_fold` (M = 1): the q/kv RMSNorms (stock op `qkv_norm`) disappear: q_b's GEMV
   normalises the q part of qkv_a's output in its prologue (kernels/gemv.py gemv_rmsnorm) and
   uk_insert normalises the c_kv part while writing the cache (mla_glue.uk_insert_norm);
   `mla_norm_fold_mma` does the same at 2 ≤ M ≤ 8 with q_b on the tensor cores (gemv_mma's
-  RMSNorm prologue, kernels/gemv_mma.py gemv_mma_rmsnorm). `gemv_mma_pair` (opt-in: slower in
-  the step) runs qkv_a and g_proj as one gemv_mma grid at 2 ≤ M ≤ 8, as gemv_multi at M = 1.
+  RMSNorm prologue, kernels/gemv_mma.py gemv_mma_rmsnorm). `gemv_mma_pair` runs qkv_a and
+  g_proj as one gemv_mma grid at 2 ≤ M ≤ 8, as gemv_multi at M = 1.
 - `pdl_chain` (kernels/chain.py): the kernels above launched with programmatic dependent
   launch, each loading what no kernel of the step writes (a weight row, kda's state) before
   `griddepcontrol.wait` and releasing its successor right after the wait, so every kernel's
@@ -185,6 +186,15 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # warps) and 9067543 (16 warps, 2026-12-06 04:10-04:12 UTC), step
                                     # parity in both calls (bench/fused_correctness.md, fused_runs.md)
                                     "front_mma"})
+# gemv_mma_pair (qkv_a + g_proj in one gemv_mma grid at 2 ≤ M ≤ 8, one kernel fewer per MLA
+# layer) left OPT_IN in session 23 (2026-12-06): on the H200 in session 11 it lost 1-4 us per
+# MLA layer (g_proj on the side stream beside qkv_a had only uv_gate waiting for it; the pair
+# puts its 11 MB on the path to q_b), but since the PDL chain, front_mma and the attention at
+# R = 48 on the tensor cores it tied or won on the H100 in two A/Bs: MLA 272.4 / 278.5 us
+# against 272.2-272.5 / 278.8-279.0 at 6ad2cfc (session 21, B = 1, k = 7 / B = 8), 271.8 /
+# 278.8 against 272.8 / 280.4 at 3354121 beside mla_attend_mma at R = 48 (session 23). It
+# makes the M = 8 MLA layer 13 kernels. Not yet re-measured on the H200 (the headline card):
+# the next H200 call A/Bs it (`--patch 'kimi_decode.fused:MAX_ROWS["gemv_mma_pair"]=1'`).
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -198,16 +208,7 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   141.3 at M = 8) but slower in the chained step: FC2 took 90-95 us at B = 1, k = 7 (72 with
 #   the rolled staging) and the layers 271.3 / 280.9 us (KDA / MLA) against 247.2 / 256.7
 #   (bench/fused_runs.md); why is not known.
-# - gemv_mma_pair (qkv_a + g_proj in one gemv_mma grid at 2 ≤ M ≤ 8, one kernel fewer per MLA
-#   layer): 17.7 us cold at M = 8 in its check against 21.2 for the two gemv_mma launches in a
-#   row (14.1 at 16 warps per CTA), but in the step g_proj runs on the side stream beside qkv_a
-#   and only uv_gate waits for it, while the pair puts its 11 MB on the path to q_b: MLA layers
-#   230.3 / 231.5 us (B = 1, k = 7 / B = 8; 229.4 / 230.0 at 16 warps) against 227.1 / 230.7
-#   without it, and 228.9 / 229.4 against 224.7 / 227.6 beside mla_norm_fold_mma
-#   (bench/fused_runs.md, session 11). Re-measured at 6ad2cfc on an H100 (session 21): a tie,
-#   MLA 272.4 / 278.5 us against 272.2-272.5 / 278.8-279.0 (B = 1, k = 7 / B = 8); still
-#   opt-in until an H200 run shows the same (the headline card, where it lost 1-4 us).
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "gemv_mma_pair"})
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
@@ -266,7 +267,7 @@ FRONT_MMA_SHARED = True
 # - mla_norm_fold_mma: 2 ≤ M ≤ 8 (gemv_mma's prologue instead of the CUDA-core GEMV; its check
 #   at 939672d, cold weights: M = 8 7.8 us vs 9.2 for qkv_norm + gemv_mma + uk_insert, M = 2 6.7
 #   vs 8.1; MLA layers 224.7 / 227.6 us vs 227.1 / 230.7 at B = 1, k = 7 / B = 8).
-# - gemv_mma_pair: 2 ≤ M ≤ 8 where enabled (opt-in, OPT_IN's note).
+# - gemv_mma_pair: 2 ≤ M ≤ 8 (the note after VERIFIED).
 # - gemv_mma_tuned: gemv_mma's per-shape (warps, unroll) at 2 ≤ M ≤ 8 (gemv_mma.TUNED: 16 warps
 #   for in_proj and qkv_a; latent_down's sweep winner measured slower in the step, see there).
 # - experts_pdl: FC2 launched with programmatic dependent launch (its w2 loads start while FC1
@@ -335,8 +336,16 @@ FRONT_MMA_SHARED = True
 #   stock's 3); at R = 48 (B = 1, k = 7) 17.9 us vs 14.4, and the k = 7 MLA layer 231.0 us with
 #   it vs 225.0 without (bench A/B in one call), so not there (bench/fused_runs.md). Again at
 #   6ad2cfc on an H100 (session 21): the k = 7 MLA layer 280.1 us in 16 kernels against
-#   272.2-272.5 in 20 (step parity with it passes), so R = 48 stays on stock's chain.
+#   272.2-272.5 in 20 (step parity with it passes), so R = 48 stayed on stock's chain. Session
+#   23 (3354121, H100): in row groups of 16 rows (mla_attend_mma.row_groups: 3 groups of 44
+#   splits) R = 48 runs 14.8 us warm against 19.6 ungrouped and 15.3 for stock's chain, 20.4
+#   cold in its uv mode against 25.9 ungrouped and 24.8 for stock + uv_gate, and the k = 7 MLA
+#   layer took 272.8 us in 14 kernels against 273.8-274.0 in 18 (281.3 ungrouped); step parity
+#   passes. So R ≤ MLA_MMA_MAX_ROWS_ONE_SEQ at B = 1. At B = 8, k = 7 (R = 48, 8 sequences,
+#   not in the bench) the kernel took 41.4 us (ungrouped, 16 splits) against 35.4 for stock's
+#   chain, so with several sequences the rule stays R ≤ MLA_MMA_MAX_ROWS.
 MLA_MMA_MAX_ROWS = 6
+MLA_MMA_MAX_ROWS_ONE_SEQ = 48
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
@@ -344,9 +353,11 @@ MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_at
 
 def _mla_mma_scratch(cfg: KimiConfig, on: frozenset[str], dev: torch.device) -> object | None:
     """kernels/mla_attend_mma.py's buffers where it runs (the per-M table's rule above:
-    kernel on, R ≤ MLA_MMA_MAX_ROWS rows per sequence, a plan that fits), else None."""
+    kernel on, R ≤ MLA_MMA_MAX_ROWS rows per sequence, or ≤ MLA_MMA_MAX_ROWS_ONE_SEQ at B = 1,
+    a plan that fits), else None."""
     R, c = cfg.tokens_per_seq * cfg.mla_local_heads, cfg.kv_lora_rank
-    if "mla_attend_mma" not in on or R > MLA_MMA_MAX_ROWS:
+    limit = MLA_MMA_MAX_ROWS_ONE_SEQ if cfg.batch == 1 else MLA_MMA_MAX_ROWS
+    if "mla_attend_mma" not in on or R > limit:
         return None
     from kimi_decode.kernels import mla_attend_mma as k_mma
     from kimi_decode.kernels._common import sm_count

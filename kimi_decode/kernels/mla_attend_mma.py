@@ -23,7 +23,8 @@ rounded values, so numerator and denominator agree; relative error per probabili
 stock's. Scores are rounded at stock's point, so masks and maxima agree.
 
 Layout. Grid (splits, B·G), 256 threads (8 warps), one CTA per SM (every CTA must be resident:
-grid merge below). G = row_groups(R) row groups (1 at R ≤ 16; 3 of 16 rows at R = 48): CTA
+grid merge below). G = row_groups(R, B) row groups (1 at R ≤ 16; 3 of 16 rows at R = 48 where
+each group keeps ≥ GROUP_MIN_SPLITS splits: B = 1, k = 7, not B = 8): CTA
 (s, b·G + i) takes rows i·R/G .. (i + 1)·R/G − 1 of sequence b, and each (sequence, group) pair
 is below what a sequence is without groups (its own splits, partials, barrier and merge; its
 rows' mask taken at their global row, token (i·R/G + r) / H). The valid tiles of TILE = 32 positions (up to min(C, max_t last[t] + 1),
@@ -120,6 +121,7 @@ PROW = TILE + 8    # bf16 per p̃ row in shared memory (20 words: conflict-free 
 VPAD = 8           # words of padding per sV pair row (the 4 t-lanes of a load phase hit 4 bank groups)
 MAX_ROWS = 48      # R = T·H (3 m-tiles; P·V accumulators 3·8·4 = 96 registers)
 GROUP_ROWS = 16    # rows per CTA at most when the rows are split into groups (row_groups); 0: never
+GROUP_MIN_SPLITS = 16   # ... and only where every (sequence, group) pair keeps this many splits
 MAX_NL = 20        # merge: partials one thread loads at once (6 registers each)
 NEG = -1.0e30      # "minus infinity" that keeps exp(NEG - NEG) finite
 VALID = -1.0e29    # a score (or partial maximum) above this is real
@@ -152,23 +154,29 @@ def can_implement(heads: int, tokens: int, kv_rank: int, rope: int, dtypes: tupl
             and all(dt == torch.bfloat16 for dt in dtypes))
 
 
-def row_groups(rows: int) -> int:
+def row_groups(rows: int, batch: int = 1, sms: int = H200_SMS) -> int:
     """G, the row groups a sequence's R = T·H query rows are split into, each its own set of
     splits (its own CTAs, partials and merge): the fewest groups of at most GROUP_ROWS rows
-    that divide R evenly (1 where R ≤ GROUP_ROWS or GROUP_ROWS is 0).
+    that divide R evenly, where the B·G pairs still get GROUP_MIN_SPLITS splits each out of
+    the SMs; else 1 (also where R ≤ GROUP_ROWS or GROUP_ROWS is 0).
 
     Why: every CTA of a split computes the scores and P·V of all its rows, so at R = 48 (three
     m-tiles) one 32-position tile is ~816 mma and ~3 µs at one CTA per SM, and each CTA writes
     96 KB of fp32 partials (13 MB each way through the L2 at 132 splits; session 10 in
     bench/fused_runs.md). In groups of 16 rows each CTA does a third of the work per tile over
     three times the tiles (the cache it re-reads is one L2-resident 4.8 MB), its partial is a
-    third, and its q staging is a third; the splits per group are a third (B·G·splits ≤ SMs)."""
+    third, and its q staging is a third; the splits per group are a third (B·G·splits ≤ SMs).
+    Measured on an H100 (2026-12-06, bench/fused_runs.md session 23, CUDA-graph replays): B = 1,
+    k = 7 (44 splits per group) 14.8 µs against 19.6 ungrouped (132 splits) and 15.3 for
+    stock's compiled chain; B = 8, k = 7 (5 splits per group, 29 tiles each) 52.4 against 41.4
+    ungrouped (16 splits): too few splits leave the cache's latency unhidden, hence
+    GROUP_MIN_SPLITS (between 5 and 44 untested)."""
     if GROUP_ROWS <= 0 or rows <= GROUP_ROWS:
         return 1
     g = (rows + GROUP_ROWS - 1) // GROUP_ROWS
     while rows % g:
         g += 1
-    return g
+    return g if sms // (batch * g) >= GROUP_MIN_SPLITS else 1
 
 
 def plan(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SMS,
@@ -204,8 +212,8 @@ def fits(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SM
          tiles_per_split: int | None = None, groups: int | None = None) -> bool:
     """Whether plan() gives a launch the kernel can run: every CTA resident (B·G·splits ≤
     SMs), one split per thread in the merge's weights (splits ≤ THREADS), NL ≤ MAX_NL; G
-    row_groups(rows) unless given (it must divide R)."""
-    g = row_groups(rows) if groups is None else groups
+    row_groups' unless given (it must divide R)."""
+    g = row_groups(rows, batch, sms) if groups is None else groups
     if g < 1 or rows % g:
         return False
     splits, _, _, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split, g)
@@ -242,10 +250,10 @@ class MMAScratch:
 def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int, device: torch.device | str,
                  sms: int | None = None, tiles_per_split: int | None = None,
                  groups: int | None = None) -> MMAScratch:
-    """Buffers for plan()'s launch; `groups` None: row_groups(rows) (the default build)."""
+    """Buffers for plan()'s launch; `groups` None: row_groups (the default build)."""
     if sms is None:
         sms = sm_count(device)
-    g = row_groups(rows) if groups is None else groups
+    g = row_groups(rows, batch, sms) if groups is None else groups
     if g < 1 or rows % g:
         raise ValueError(f"mla_attend_mma: {g} row groups do not divide {rows} rows")
     splits, tps, kq, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split, g)

@@ -46,7 +46,7 @@ def config(batch: int, spec: int, uv: bool = False, groups: int | None = None) -
     """The build the wrapper compiles at (batch, spec): row_groups' default groups unless given."""
     cfg = k3_tp16(batch=batch, spec_tokens=spec)
     T, H = cfg.tokens_per_seq, cfg.mla_local_heads
-    G = km.row_groups(T * H) if groups is None else groups
+    G = km.row_groups(T * H, batch) if groups is None else groups
     _, _, kq, nl = km.plan(batch, T * H, cfg.cache_len, cfg.kv_lora_rank, groups=G)
     return km.MMAConfig(H, T, cfg.kv_lora_rank, cfg.qk_rope_dim, SCALE, kq, nl,
                         uv_rows=batch * T if uv else 0, v_dim=cfg.v_head_dim, groups=G)
@@ -360,17 +360,25 @@ def test_row_groups_are_the_fewest_that_divide(rows: int, groups: int, monkeypat
     assert km.row_groups(rows) == 1
 
 
+@pytest.mark.parametrize("batch,groups", [(1, 3), (2, 3), (3, 1), (8, 1)])
+def test_row_groups_keep_enough_splits(batch: int, groups: int) -> None:
+    """R = 48 on 132 SMs: 3 groups while 132 // (3B) ≥ GROUP_MIN_SPLITS (16: 44 at B = 1, 22 at
+    B = 2), else none (no groups of more than GROUP_ROWS rows): at B = 8 the groups would leave
+    5 splits of 29 tiles, measured slower than ungrouped."""
+    assert km.row_groups(48, batch, 132) == groups
+
+
 # ---- plan, limits, dispatch --------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch,spec", [(1, 0), (1, 7), (8, 0), (8, 7), (64, 0)])
 def test_plan_fits_the_h200(batch: int, spec: int) -> None:
     cfg = k3_tp16(batch=batch, spec_tokens=spec)
     R = cfg.tokens_per_seq * cfg.mla_local_heads
-    G = km.row_groups(R)
+    G = km.row_groups(R, batch)
     splits, tps, kq, nl = km.plan(batch, R, cfg.cache_len, cfg.kv_lora_rank, groups=G)
     assert km.fits(batch, R, cfg.cache_len, cfg.kv_lora_rank)
     assert batch * G * splits <= km.H200_SMS and splits <= km.THREADS and 1 <= nl <= km.MAX_NL
-    assert (G, splits) == {(1, 7): (3, 44), (8, 7): (3, 5)}.get((batch, spec), (1, min(132 // batch, 130)))
+    assert (G, splits) == {(1, 7): (3, 44), (8, 7): (1, 16)}.get((batch, spec), (1, min(132 // batch, 130)))
     quads = cfg.kv_lora_rank // 4
     assert quads // kq >= 32 and (R // G * kq >= splits or kq == quads // 32)
     assert nl == math.ceil(splits / (km.THREADS * kq // quads))
@@ -391,10 +399,12 @@ def test_limits_and_wrapper_refusals() -> None:
         km.mla_attend_mma(q, torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, dtype=torch.int64), 6, 512, SCALE)
 
 
-def test_fused_uses_it_at_six_rows_per_sequence() -> None:
+def test_fused_uses_it_at_six_rows_per_sequence_and_48_in_one() -> None:
+    """R ≤ 6 rows per sequence at every B; R = 48 (k = 7) only at B = 1 (in row groups; at
+    B = 8 the kernel was slower than stock's chain)."""
     from kimi_decode import fused
     on = frozenset({"mla_attend_mma"})
-    for batch, spec, used in ((1, 0, True), (8, 0, True), (64, 0, True), (1, 7, False)):
+    for batch, spec, used in ((1, 0, True), (8, 0, True), (64, 0, True), (1, 7, True), (8, 7, False)):
         sc = fused._mla_mma_scratch(k3_tp16(batch=batch, spec_tokens=spec), on, torch.device("cpu"))
         assert (sc is not None) == used, (batch, spec)
     assert fused._mla_mma_scratch(k3_tp16(), frozenset(), torch.device("cpu")) is None
