@@ -7,8 +7,8 @@ rows its FMA work and its one-CTA merges of 98 KB partials took 43-330 µs again
 stock's chain). In the ccfc99b traces stock's chain is 4 kernels and ~17 µs for 4.8 MB of
 cache at B = 1, k = 7 (R = T·H = 48 rows per sequence), 3 kernels and ~24 µs for 38 MB at
 B = 8. Here every product is an mma.sync.m16n8k16 (bf16 in, fp32 accumulation). Where it is
-faster (measured below): R ≤ 6 rows per sequence (B = 1, 8, 64 at k = 0); fused.py uses it
-there only.
+faster (measured below): R ≤ 6 rows per sequence (B = 1, 8, 64 at k = 0), and R = 48 at B = 1
+(k = 7) in row groups; fused.py uses it there only.
 
 Math (as mla_attend.py; per sequence b, query row r = t·H + h, cache row j of D = c + rope
 bf16 values, scale = (nope + rope)^-½):
@@ -79,10 +79,14 @@ Measured (H200, CUDA-graph replays, 2026-12-03, bench/fused_correctness.md; warm
 said): B = 1, k = 0 7.6-8.0 µs vs 11.2 for mla_attend and 13.3-13.5 for stock's compiled op;
 uv mode 12.1 µs cold vs 15.3 for mla_attend_uv (stock 19.7), at B = 8 28.0 vs 33.1 stock;
 B = 8 20.2-20.4 vs 20.1-20.4 (a tie); B = 64 116-117 vs 145-146. At R = 48 (B = 1, k = 7) it
-loses: 17.9 µs at 132 splits, 16.7 at 72, vs 14.4 for stock. ncu there (one CTA per SM, 8
-warps): 0.19 instructions issued per scheduler per cycle, stalls spread over barriers, the
-load queue and fixed-latency dependencies; the fp32 partials are 96 KB per CTA (13 MB each
-way through the L2 at 132 splits). So fused.py uses it at R ≤ 6 rows per sequence.
+lost ungrouped: 17.9 µs at 132 splits, 16.7 at 72, vs 14.4 for stock. ncu there (one CTA per
+SM, 8 warps): 0.19 instructions issued per scheduler per cycle, stalls spread over barriers,
+the load queue and fixed-latency dependencies; the fp32 partials are 96 KB per CTA (13 MB each
+way through the L2 at 132 splits). In row groups (row_groups; H100, 2026-12-06, session 23 of
+bench/fused_runs.md) it wins there: 14.8 µs vs 19.6 ungrouped and 15.3 for stock, 20.4 cold in
+uv mode vs 24.8 for stock + uv_gate, and the k = 7 MLA layer 1 µs faster in 4 kernels fewer. At
+B = 8, k = 7 it still loses (41.4 vs 35.4). So fused.py uses it at R ≤ 6 rows per sequence
+and at R = 48 with one sequence.
 
 Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd, and the float64
 reference; both modes; times all): python -m kimi_decode.kernels.mla_attend_mma
