@@ -27,9 +27,10 @@ grid merge below). G = row_groups(R, B) row groups (1 at R ≤ 16; 3 of 16 rows 
 each group keeps ≥ GROUP_MIN_SPLITS splits: B = 1, k = 7, not B = 8): CTA
 (s, b·G + i) takes rows i·R/G .. (i + 1)·R/G − 1 of sequence b, and each (sequence, group) pair
 is below what a sequence is without groups (its own splits, partials, barrier and merge; its
-rows' mask taken at their global row, token (i·R/G + r) / H). The valid tiles of TILE = 32 positions (up to min(C, max_t last[t] + 1),
-read on the device) are shared out evenly, split s taking tiles ⌊s·n/S⌋ .. ⌊(s+1)·n/S⌋ − 1;
-nothing past them is read (a tail tile's rows clamp to the last valid row and are masked).
+rows' mask taken at their global row, token (i·R/G + r) / H; R below: a group's rows). The
+valid tiles of TILE = 32 positions (up to min(C, max_t last[t] + 1), read on the device) are
+shared out evenly, split s taking tiles ⌊s·n/S⌋ .. ⌊(s+1)·n/S⌋ − 1; nothing past them is read
+(a tail tile's rows clamp to the last valid row and are masked).
 Rows are padded to RP = 16·MT (MT = ⌈R / 16⌉ m-tiles; padded rows are zero and never written).
 Per tile:
   1. scores: warp w = (n-tile nq = w % 4: positions 8nq .. 8nq + 7, k-half kh = w / 4: dims
