@@ -184,6 +184,13 @@ def row_groups(rows: int, batch: int = 1, sms: int = H200_SMS) -> int:
     return g if sms // (batch * g) >= GROUP_MIN_SPLITS else 1
 
 
+def _groups(rows: int, batch: int, sms: int, groups: int | None) -> int | None:
+    """`groups`, or row_groups' choice where None; None where it does not divide the rows
+    (fits() then refuses, make_scratch() raises)."""
+    g = row_groups(rows, batch, sms) if groups is None else groups
+    return g if g >= 1 and rows % g == 0 else None
+
+
 def plan(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SMS,
          tiles_per_split: int | None = None, groups: int = 1) -> tuple[int, int, int, int]:
     """(splits, tiles_per_split, kq, nl): one CTA per SM in all (B·splits ≤ sms: the grid
@@ -218,8 +225,8 @@ def fits(batch: int, rows: int, cache_len: int, kv_rank: int, sms: int = H200_SM
     """Whether plan() gives a launch the kernel can run: every CTA resident (B·G·splits ≤
     SMs), one split per thread in the merge's weights (splits ≤ THREADS), NL ≤ MAX_NL; G
     row_groups' unless given (it must divide R)."""
-    g = row_groups(rows, batch, sms) if groups is None else groups
-    if g < 1 or rows % g:
+    g = _groups(rows, batch, sms, groups)
+    if g is None:
         return False
     splits, _, _, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split, g)
     return batch * g * splits <= sms and splits <= THREADS and nl <= MAX_NL
@@ -258,9 +265,9 @@ def make_scratch(batch: int, rows: int, cache_len: int, kv_rank: int, device: to
     """Buffers for plan()'s launch; `groups` None: row_groups (the default build)."""
     if sms is None:
         sms = sm_count(device)
-    g = row_groups(rows, batch, sms) if groups is None else groups
-    if g < 1 or rows % g:
-        raise ValueError(f"mla_attend_mma: {g} row groups do not divide {rows} rows")
+    g = _groups(rows, batch, sms, groups)
+    if g is None:
+        raise ValueError(f"mla_attend_mma: {groups} row groups do not divide {rows} rows")
     splits, tps, kq, nl = plan(batch, rows, cache_len, kv_rank, sms, tiles_per_split, g)
     f32 = dict(dtype=torch.float32, device=device)
     rg = rows // g
@@ -662,8 +669,7 @@ class MLAAttendMMA(UVTiles):
               sBlk: cute.Tensor, v: Int32, b: Int32, roff: Int32, s: Int32, splits: Int32, tid: Int32,
               warp: Int32, lane: Int32):
         """Items s, s + splits, ... of pair v = (sequence b, the row group from row roff) (module
-        docstring): item = (row r, quad block
-        jq). Thread (quad qd = tid % QB, group sg = tid / QB) issues the loads of its partials'
+        docstring): item = (row r, quad block jq). Thread (quad qd = tid % QB, group sg = tid / QB) issues the loads of its partials'
         o quads (sg, sg + SG, ...: all NL at once); meanwhile thread i < splits loads split i's
         (m, l), the CTA reduces M = max m and L = Σ l·e^{m−M} and leaves w_i = e^{m_i−M} in
         sW; each thread weights its quads, the SG groups' sums meet in sRed (added in group

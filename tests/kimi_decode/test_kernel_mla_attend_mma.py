@@ -394,6 +394,10 @@ def test_limits_and_wrapper_refusals() -> None:
     assert not km.can_implement_uv(64, 6, 1, 512, 64, 128, 2, (bf,))   # M = 64: past uv_gate's rows
     assert km.fits(132, 6, 4160, 512)                                  # one split per sequence, 132 CTAs
     assert not km.fits(133, 6, 4160, 512)                              # more CTAs than SMs
+    assert km.fits(1, 48, 4608, 512, groups=3) and km.fits(1, 48, 4608, 512, groups=1)
+    assert not km.fits(1, 48, 4608, 512, groups=5) and not km.fits(1, 48, 4608, 512, groups=0)
+    with pytest.raises(ValueError, match="5 row groups do not divide 48 rows"):
+        km.make_scratch(1, 48, 4608, 512, "cpu", sms=132, groups=5)
     q = torch.zeros(1, 6, 576, dtype=bf)
     with pytest.raises(ValueError, match="mla_attend_mma cannot run"):
         km.mla_attend_mma(q, torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, dtype=torch.int64), 6, 512, SCALE)
