@@ -131,6 +131,16 @@ CLUSTER_SPLITS = 8
 # 200.4 µs with the limit at 3 (d9ea8dc, `bench/fused_device.py --patch
 # 'kimi_decode.kernels.kda_multi:CLUSTER_MAX_CTAS_PER_SM=3'`, bench/fused_runs.md session 12).
 CLUSTER_MAX_CTAS_PER_SM = 1
+# The recurrence with a column's key rows in ONE warp (step 5 without barriers): thread
+# (warp, lane) holds column c = warp·C/4 + lane mod C/4 and keys kr + r·128/C with
+# kr = lane div C/4 (warp_column), so k̂ᵀS and q̂ᵀS of a column are butterfly shuffles over lane
+# bits ≥ log2(C/4) alone, every lane ends with the column's sum, and no token waits on a
+# barrier. Why: kda_split's layout (c = tid mod C) spreads a column's keys over the 4 warps, so
+# each token paid two shared-memory rounds and two barriers (16 of the kernel's ~20 at T = 8);
+# at B = 1 the kernel ran 12.5 µs at T = 8 against kda_fast's 6.2 at T = 1 (H200,
+# bench/fused_correctness.md), ~0.8 µs per further token, almost all of it that synchronisation.
+# False: kda_split's layout and blocks (the build every figure before session 24 measured).
+WARP_COLUMNS = True
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -139,6 +149,17 @@ def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int
     kernel is T-generic; at B = 1, T = 1 fused.py runs kda_fast)."""
     return 1 <= tokens <= MAX_TOKENS and split_can_implement(heads, head_dim, conv_kernel, in_proj_rows,
                                                              dtypes, splits)
+
+
+def warp_column(tid, cols: int) -> tuple:
+    """(c, kr) of thread `tid` in the WARP_COLUMNS layout for a slice of `cols` columns: the
+    warp holds cols / WARPS columns and each column's 128 / cols key rows kr (keys kr + r·128/cols)
+    sit in lanes that differ only in bits ≥ log2(cols / WARPS). Plain // and %: the kernel calls
+    it on Int32, the tests on Python ints."""
+    cpw = cols // WARPS
+    warp = tid // 32
+    lane = tid - warp * 32
+    return warp * cpw + lane % cpw, lane // cpw
 
 
 def cluster_applies(splits: int, tokens: int, cols: int) -> bool:
@@ -165,6 +186,54 @@ class KDAMulti(KDASplit):
         if cluster and not applies:
             raise ValueError(f"kda_multi's cluster epilogue cannot run V_SPLIT = {self.VS}, T = {self.T}")
         self.cluster = applies if cluster is None else cluster
+        self.warp_columns = WARP_COLUMNS
+        self.lg_w = (self.C // WARPS).bit_length() - 1     # first xor offset of a column's lanes
+
+    @cute.jit
+    def indices(self) -> tuple:
+        """kda_split's coordinates, with (c, kr) from warp_column under WARP_COLUMNS."""
+        tid, _, _ = cute.arch.thread_idx()
+        sp, h, b = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = tid // 32
+        c = tid % self.C
+        kr = tid // self.C
+        if cutlass.const_expr(self.warp_columns):
+            c, kr = warp_column(tid, self.C)
+        c0 = sp * self.C
+        return tid, sp, h, b, lane, warp, c, kr, c0
+
+    @cute.jit
+    def column_sum(self, part: Float32) -> Float32:
+        """WARP_COLUMNS: the sum over the lanes that share this lane's column (butterfly over lane
+        bits ≥ log2(C/4)); every one of them gets it."""
+        for sh in cutlass.range_constexpr(self.lg_w, 5):
+            part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
+        return part
+
+    @cute.jit
+    def token_warp(self, S: cute.Tensor, s_eg: cute.Tensor, s_k: cute.Tensor, s_q: cute.Tensor,
+                   k_scale: Float32, q_scale: Float32, beta: Float32, v: Float32, ob: cute.Tensor,
+                   row: Int32, h: Int32, lane: Int32, c: Int32, kr: Int32, c0: Int32):
+        """One token of the delta rule in the WARP_COLUMNS layout, no barrier: decay and k̂ᵀS[:, c]
+        (4 partial sums over this thread's C keys, then the column's lanes), u = β(v − k̂ᵀS), the
+        update and q̂ᵀS[:, c] the same way; the column's kr = 0 lane writes raw o."""
+        acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        acc.fill(0.0)
+        for r in cutlass.range_constexpr(self.C):
+            key = kr + r * self.rows
+            S[r] = S[r] * s_eg[key]
+            acc[r % 4] += s_k[key] * S[r]
+        kS = self.column_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) * k_scale
+        u = beta * (v - kS)
+        acc.fill(0.0)
+        for r in cutlass.range_constexpr(self.C):
+            key = kr + r * self.rows
+            S[r] = S[r] + s_k[key] * k_scale * u
+            acc[r % 4] += s_q[key] * S[r]
+        o_c = self.column_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) * q_scale
+        if lane < self.C // WARPS:                          # kr = 0
+            ob[row, h * self.d + c0 + c] = o_c
 
     @cute.jit
     def __call__(self, z: cute.Pointer, f_b: cute.Pointer, conv_w: cute.Pointer,
@@ -308,6 +377,7 @@ class KDAMulti(KDASplit):
         # 1. State, conv history and weights, the f_b row, constants: what no kernel of this
         #    step writes (before the PDL chain's wait).
         S, gq, gk, gv = self.load_slice(mS, tid, h, b, c, kr, c0)
+        gv = 2 * P + h * d + c0 + tid         # the v channel of threads tid < C (column tid)
         hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
         if tid < C:
             self.load_conv_v(mCs, mCw, b, gv, hv, wv)
@@ -394,10 +464,14 @@ class KDAMulti(KDASplit):
         for t in range(T):
             row = b * T + t
             q_scale, k_scale = self.l2_scales(s_n[t, None, None])
-            kS = self.decay_and_kS(S, s_eg[t, None], s_k[t, None], s_part, k_scale, tid, lane, warp, c, kr)
-            u = s_beta[t] * (s_v[t, c] - kS)
-            self.update_and_o(S, s_k[t, None], s_q[t, None], s_part, k_scale, q_scale, u, ob, row, tid, h,
-                              lane, warp, c, kr, c0)
+            if cutlass.const_expr(self.warp_columns):
+                self.token_warp(S, s_eg[t, None], s_k[t, None], s_q[t, None], k_scale, q_scale, s_beta[t],
+                                s_v[t, c], ob, row, h, lane, c, kr, c0)
+            else:
+                kS = self.decay_and_kS(S, s_eg[t, None], s_k[t, None], s_part, k_scale, tid, lane, warp, c, kr)
+                u = s_beta[t] * (s_v[t, c] - kS)
+                self.update_and_o(S, s_k[t, None], s_q[t, None], s_part, k_scale, q_scale, u, ob, row, tid,
+                                  h, lane, warp, c, kr, c0)
         if cutlass.const_expr(self.cluster):
             cute.arch.cluster_wait()                    # every CTA of the cluster has started
             self.epilogue_cluster(mS, mCs, mOut, S, hv, hq, hk, s_ob, xred, zo, wn, tid, sp, h, b, c, kr,
@@ -427,9 +501,10 @@ class KDAMulti(KDASplit):
 
 def _build_name(gate_mma: bool, cluster: bool) -> str:
     """The compile-cache name of a build: the switches the kernel reads when traced (GATE_MMA,
-    and the epilogue: the cluster's or the counter's) are part of it, so flipping one in a
-    process never reuses a kernel traced with the other setting."""
-    return f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if cluster else ''}"
+    WARP_COLUMNS, and the epilogue: the cluster's or the counter's) are part of it, so flipping
+    one in a process never reuses a kernel traced with the other setting."""
+    return (f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if cluster else ''}"
+            f"{'' if WARP_COLUMNS else '_xwarp'}")
 
 
 def _cluster_for(cfg: KDASplitConfig, cluster: bool | None) -> bool:

@@ -41,11 +41,12 @@ def test_compiles(monkeypatch, tmp_path: Path, splits: int, gate_mma: bool) -> N
     if km.cluster_applies(splits, 8, kcfg.head_dim // splits):
         # the cluster epilogue (V_SPLIT = 8): Σo² partials pushed into every rank's shared
         # memory (mapa + st.shared::cluster), the start and the exchange barriers; no arrival
-        # counter, and 4 CTA barriers instead of 6
+        # counter, and 2 CTA barriers (the prelude's, the epilogue's) with the tensor-core
+        # gates: the token loop has none (WARP_COLUMNS)
         assert "atom.global" not in ptx
         assert ptx.count("mapa") == 1 and ptx.count("st.shared::cluster") == 1
         assert ptx.count("barrier.cluster.arrive") == 2 and ptx.count("barrier.cluster.wait") == 2
-        assert ptx.count("bar.sync") == (4 if gate_mma else 5)
+        assert ptx.count("bar.sync") == (2 if gate_mma else 3)
     else:
         assert ptx.count("atom.global") == 1 and "atom.global.acq_rel.add" in ptx
         assert "barrier.cluster" not in ptx
@@ -82,17 +83,72 @@ def test_compiles_at_one_token(monkeypatch, tmp_path: Path, gate_mma: bool, clus
         assert regs <= 255 and spills == 0, (regs, spills)
 
 
-@pytest.mark.parametrize("gate_mma,barriers", [(True, 6), (False, 7)])
-def test_fewer_barriers_than_kda_split(monkeypatch, tmp_path: Path, gate_mma: bool, barriers: int) -> None:
+@pytest.mark.parametrize("gate_mma,warp_columns,barriers", [(True, True, 4), (False, True, 5),
+                                                            (True, False, 6), (False, False, 7)])
+def test_fewer_barriers_than_kda_split(monkeypatch, tmp_path: Path, gate_mma: bool, warp_columns: bool,
+                                       barriers: int) -> None:
     """Static barriers: kda_split's T-token loop body holds 5 (plus the last CTA's row loop);
-    kda_multi's token loop holds 2 (kᵀS, q̂ᵀS) and the last CTA one for all T rows; the
-    tensor-core gates need no barrier of their own (f_a in registers), the FMA ones two."""
+    kda_multi's token loop holds none with WARP_COLUMNS (2 with kda_split's layout: kᵀS, q̂ᵀS),
+    the arrival 2 and the last CTA one for all T rows; the tensor-core gates need no barrier of
+    their own (f_a in registers), the FMA ones two."""
     monkeypatch.setattr(km, "GATE_MMA", gate_mma)
+    monkeypatch.setattr(km, "WARP_COLUMNS", warp_columns)
     kcfg = k3_kcfg(7)
     split = ptx_of(tmp_path / "s", kcfg, 16, KDASplit)
     multi = ptx_of(tmp_path / "m", kcfg, 16, km.KDAMulti)
     assert multi.count("bar.sync") == barriers and split.count("bar.sync") == 9, (multi.count("bar.sync"),
                                                                                    split.count("bar.sync"))
+
+
+@pytest.mark.parametrize("cols", [4, 8, 16, 32])
+def test_warp_columns_layout_sums_each_column_over_its_keys(cols: int) -> None:
+    """WARP_COLUMNS for every C the kernel takes (V_SPLIT 32..4): warp_column gives each
+    (key, column) of the slice to exactly one (thread, register), a column's threads sit in one
+    warp, and the kernel's butterfly (xor offsets 2^lg_w .. 16) leaves every one of them holding
+    the column's full sum over its 128 keys (an integer replay of the shuffles), with key rows
+    kr + r·128/C as load_slice reads them."""
+    kcfg = k3_kcfg(7)
+    mod = km.KDAMulti(km.KDASplitConfig(kcfg, kcfg.head_dim // cols), cluster=False)
+    assert mod.C == cols and mod.rows == 128 // cols
+    value = {(key, c): 1000 * c + key for key in range(128) for c in range(cols)}
+    seen: set[tuple[int, int]] = set()
+    part = [0] * 128
+    for tid in range(128):
+        c, kr = km.warp_column(tid, cols)
+        assert 0 <= c < cols and 0 <= kr < mod.rows
+        for r in range(cols):
+            key = kr + r * mod.rows
+            assert (key, c) not in seen
+            seen.add((key, c))
+            part[tid] += value[(key, c)]
+    assert len(seen) == 128 * cols
+    for w in range(4):                                 # the butterfly inside each warp
+        lanes = part[32 * w: 32 * w + 32]
+        for sh in range(mod.lg_w, 5):
+            lanes = [lanes[i] + lanes[i ^ (1 << sh)] for i in range(32)]
+        for lane in range(32):
+            c, _ = km.warp_column(32 * w + lane, cols)
+            assert lanes[lane] == sum(value[(key, c)] for key in range(128)), (cols, w, lane)
+    # the o writers (lane < C/4) have kr = 0, one per column
+    writers = [km.warp_column(t, cols) for t in range(128) if t % 32 < cols // km.WARPS]
+    assert sorted(c for c, _ in writers) == list(range(cols)) and all(kr == 0 for _, kr in writers)
+
+
+def test_warp_columns_build_has_no_barrier_in_the_token_loop(monkeypatch, tmp_path: Path) -> None:
+    """The B = 1, k = 7 build (V_SPLIT 8, cluster, tensor-core gates): the token loop's column
+    sums are butterfly shuffles over xor 4, 8, 16, and the only CTA barriers are the prelude's
+    and the epilogue's; ptxas fits it without spills. With WARP_COLUMNS off the same build has
+    kda_split's 2 barriers per token back."""
+    kcfg = k3_kcfg(7)
+    ptx = ptx_of(tmp_path / "w", kcfg, 8, km.KDAMulti)
+    assert ptx.count("bar.sync") == 2
+    bfly = [ln.split(",")[2].strip() for ln in ptx.splitlines() if "shfl.sync.bfly" in ln]
+    assert {"4", "8", "16"} <= set(bfly), sorted(set(bfly))
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path / "w", ptx)
+        assert regs <= 255 and spills == 0, (regs, spills)
+    monkeypatch.setattr(km, "WARP_COLUMNS", False)
+    assert ptx_of(tmp_path / "x", kcfg, 8, km.KDAMulti).count("bar.sync") == 4
 
 
 def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
@@ -216,6 +272,8 @@ def test_build_switches_are_part_of_the_compile_key(monkeypatch) -> None:
     name: flipping one in a process (the bench's A/B runs) never reuses the other build."""
     names = {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
     assert len(names) == 4
+    monkeypatch.setattr(km, "WARP_COLUMNS", False)
+    assert not names & {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
     # the epilogue a build takes when the caller leaves it open follows CLUSTER_NORM
     cfg8 = km.KDASplitConfig(k3_kcfg(7), 8)
     assert km._cluster_for(cfg8, None) and not km._cluster_for(cfg8, False)
