@@ -141,6 +141,11 @@ CLUSTER_MAX_CTAS_PER_SM = 1
 # bench/fused_correctness.md), ~0.8 µs per further token, almost all of it that synchronisation.
 # False: kda_split's layout and blocks (the build every figure before session 24 measured).
 WARP_COLUMNS = True
+# The cluster epilogue writes the CTA's state slice and v history back after the Σo² exchange
+# and the output (ncu at B = 1, k = 7, session 24: issued before it, the exchange's cluster
+# barrier, whose release is a GPU-scope MEMBAR in SASS, waited for those stores: 35 of the
+# kernel's 628 stall samples). False: before it, as every build until session 24.
+STATE_AFTER_EXCHANGE = True
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -211,26 +216,51 @@ class KDAMulti(KDASplit):
             part += cute.arch.shuffle_sync_bfly(part, offset=1 << sh)
         return part
 
+    def key_of(self, kr, r: int):
+        """The key row of register r of a thread whose first key row is kr: kr·C + r (the thread's
+        keys contiguous) with WARP_COLUMNS, else kda_split's kr + r·128/C."""
+        if self.warp_columns:
+            return kr * self.C + r
+        return super().key_of(kr, r)
+
+    @cute.jit
+    def load_slice(self, mS: cute.Tensor, tid: Int32, h: Int32, b: Int32, c: Int32, kr: Int32,
+                   c0: Int32) -> tuple:
+        """kda_split's load_slice with the keys of key_of, and gv the v channel of column tid
+        (threads tid < C convolve the slice's v channels whatever the layout's c)."""
+        d, P = self.d, self.P
+        S = cute.make_rmem_tensor(cute.make_layout(self.C), Float32)
+        for r in cutlass.range_constexpr(self.C):
+            S[r] = mS[b, h, self.key_of(kr, r), c0 + c]
+        return S, h * d + tid, P + h * d + tid, 2 * P + h * d + c0 + tid
+
     @cute.jit
     def token_warp(self, S: cute.Tensor, s_eg: cute.Tensor, s_k: cute.Tensor, s_q: cute.Tensor,
                    k_scale: Float32, q_scale: Float32, beta: Float32, v: Float32, ob: cute.Tensor,
                    row: Int32, h: Int32, lane: Int32, c: Int32, kr: Int32, c0: Int32):
-        """One token of the delta rule in the WARP_COLUMNS layout, no barrier: decay and k̂ᵀS[:, c]
-        (4 partial sums over this thread's C keys, then the column's lanes), u = β(v − k̂ᵀS), the
-        update and q̂ᵀS[:, c] the same way; the column's kr = 0 lane writes raw o."""
+        """One token of the delta rule in the WARP_COLUMNS layout, no barrier. s_eg, s_k, s_q are
+        this token's [rows, C] views (key = kr·C + r, key_of): the thread's C keys are contiguous,
+        so each comes in as C/4 128-bit shared loads. Decay and k̂ᵀS[:, c] (4 partial sums over
+        the C keys, then the column's lanes), u = β(v − k̂ᵀS), the update with k_scale·u taken
+        once, and q̂ᵀS[:, c] the same way; the column's kr = 0 lane writes raw o."""
+        C = self.C
+        eg = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        kk = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        qq = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        cute.autovec_copy(s_eg[kr, None], eg)
+        cute.autovec_copy(s_k[kr, None], kk)
+        cute.autovec_copy(s_q[kr, None], qq)
         acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         acc.fill(0.0)
-        for r in cutlass.range_constexpr(self.C):
-            key = kr + r * self.rows
-            S[r] = S[r] * s_eg[key]
-            acc[r % 4] += s_k[key] * S[r]
+        for r in cutlass.range_constexpr(C):
+            S[r] = S[r] * eg[r]
+            acc[r % 4] += kk[r] * S[r]
         kS = self.column_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) * k_scale
-        u = beta * (v - kS)
+        ku = k_scale * (beta * (v - kS))
         acc.fill(0.0)
-        for r in cutlass.range_constexpr(self.C):
-            key = kr + r * self.rows
-            S[r] = S[r] + s_k[key] * k_scale * u
-            acc[r % 4] += s_q[key] * S[r]
+        for r in cutlass.range_constexpr(C):
+            S[r] = S[r] + kk[r] * ku
+            acc[r % 4] += qq[r] * S[r]
         o_c = self.column_sum((acc[0] + acc[1]) + (acc[2] + acc[3])) * q_scale
         if lane < self.C // WARPS:                          # kr = 0
             ob[row, h * self.d + c0 + c] = o_c
@@ -312,19 +342,16 @@ class KDAMulti(KDASplit):
                          hv: cute.Tensor, hq: cute.Tensor, hk: cute.Tensor, s_ob: cute.Tensor,
                          xred: cute.Tensor, zo: Float32, wo: Float32, tid: Int32, sp: Int32, h: Int32,
                          b: Int32, c: Int32, kr: Int32, c0: Int32, gq: Int32, gk: Int32, gv: Int32):
-        """Step 6 with the cluster (the CTAs of (b, h) are its V_SPLIT ranks, rank = sp): own
-        state slice and v history back; thread t < T: this CTA's Σ_c o² of token t (its C
+        """Step 6 with the cluster (the CTAs of (b, h) are its V_SPLIT ranks, rank = sp): thread t < T: this CTA's Σ_c o² of token t (its C
         columns in order) stored into every rank's xred[t, sp] (st.shared::cluster); one cluster
         barrier (release / acquire); then thread (t, c) = (tid div C, tid mod C) adds xred[t, 0..]
         in rank order (every CTA the same sum) and writes out[b·T + t, h·d + c0 + c]. Rank 0
-        writes the advanced q, k conv history: past the barrier every rank has read it."""
+        writes the advanced q, k conv history: past the barrier every rank has read it. The own
+        state slice and v history go back after all that (STATE_AFTER_EXCHANGE), else first."""
         d, T, C, VS = self.d, self.T, self.C, self.VS
         kc = self.k
-        for r in cutlass.range_constexpr(C):
-            mS[b, h, kr + r * self.rows, c0 + c] = S[r]
-        if tid < C:
-            for j in cutlass.range_constexpr(CONV - 1):
-                mCs[b, gv, j] = hv[j].to(BFloat16)
+        if cutlass.const_expr(not STATE_AFTER_EXCHANGE):
+            self.store_own(mS, mCs, S, hv, tid, h, b, c, kr, c0, gv)
         cute.arch.sync_threads()                        # s_ob of the last token
         if tid < T * VS:
             t = tid // VS
@@ -346,6 +373,19 @@ class KDAMulti(KDASplit):
                 on += xred[t, r]
             rs = cute.math.rsqrt(on / d + Float32(kc.norm_eps))
             mOut[b * T + t, h * d + c0 + j] = (s_ob[t, j] * rs * wo * sigmoid(zo)).to(BFloat16)
+        if cutlass.const_expr(STATE_AFTER_EXCHANGE):     # no CTA reads them (the switch's note)
+            self.store_own(mS, mCs, S, hv, tid, h, b, c, kr, c0, gv)
+
+    @cute.jit
+    def store_own(self, mS: cute.Tensor, mCs: cute.Tensor, S: cute.Tensor, hv: cute.Tensor, tid: Int32,
+                  h: Int32, b: Int32, c: Int32, kr: Int32, c0: Int32, gv: Int32):
+        """The CTA's own state slice (keys of key_of) and, on threads tid < C, its v channels'
+        conv history back to global memory."""
+        for r in cutlass.range_constexpr(self.C):
+            mS[b, h, self.key_of(kr, r), c0 + c] = S[r]
+        if tid < self.C:
+            for j in cutlass.range_constexpr(CONV - 1):
+                mCs[b, gv, j] = hv[j].to(BFloat16)
 
     @cute.kernel
     def kernel_multi(self, mZ: cute.Tensor, mFb: cute.Tensor, mCw: cute.Tensor, mCs: cute.Tensor,
@@ -356,9 +396,10 @@ class KDAMulti(KDASplit):
         kc = self.k
         tid, sp, h, b, lane, warp, c, kr, c0 = self.indices()
         smem = cutlass.memory.SmemAllocator()
-        s_q = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
-        s_k = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))
-        s_eg = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)))    # exp(g) per key
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)), byte_alignment=16)
+        s_k = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)), byte_alignment=16)
+        s_eg = smem.allocate_tensor(Float32, cute.make_layout((T, d), stride=(d, 1)),    # exp(g) per key
+                                    byte_alignment=16)
         s_fa = smem.allocate_tensor(Float32, cute.make_layout((T, d // VEC, VEC), stride=(d, VEC, 1)),
                                     byte_alignment=16)
         s_v = smem.allocate_tensor(Float32, cute.make_layout((T, C), stride=(C, 1)))
@@ -377,7 +418,6 @@ class KDAMulti(KDASplit):
         # 1. State, conv history and weights, the f_b row, constants: what no kernel of this
         #    step writes (before the PDL chain's wait).
         S, gq, gk, gv = self.load_slice(mS, tid, h, b, c, kr, c0)
-        gv = 2 * P + h * d + c0 + tid         # the v channel of threads tid < C (column tid)
         hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
         if tid < C:
             self.load_conv_v(mCs, mCw, b, gv, hv, wv)
@@ -465,7 +505,11 @@ class KDAMulti(KDASplit):
             row = b * T + t
             q_scale, k_scale = self.l2_scales(s_n[t, None, None])
             if cutlass.const_expr(self.warp_columns):
-                self.token_warp(S, s_eg[t, None], s_k[t, None], s_q[t, None], k_scale, q_scale, s_beta[t],
+                # [T, rows, C] views: thread kr's C keys as one contiguous, 16-byte aligned run
+                rk = cute.make_layout((T, self.rows, C), stride=(d, C, 1))
+                self.token_warp(S, cute.make_tensor(s_eg.iterator, rk)[t, None, None],
+                                cute.make_tensor(s_k.iterator, rk)[t, None, None],
+                                cute.make_tensor(s_q.iterator, rk)[t, None, None], k_scale, q_scale, s_beta[t],
                                 s_v[t, c], ob, row, h, lane, c, kr, c0)
             else:
                 kS = self.decay_and_kS(S, s_eg[t, None], s_k[t, None], s_part, k_scale, tid, lane, warp, c, kr)
@@ -501,10 +545,10 @@ class KDAMulti(KDASplit):
 
 def _build_name(gate_mma: bool, cluster: bool) -> str:
     """The compile-cache name of a build: the switches the kernel reads when traced (GATE_MMA,
-    WARP_COLUMNS, and the epilogue: the cluster's or the counter's) are part of it, so flipping
+    WARP_COLUMNS, STATE_AFTER_EXCHANGE, and the epilogue: the cluster's or the counter's) are part of it, so flipping
     one in a process never reuses a kernel traced with the other setting."""
     return (f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if cluster else ''}"
-            f"{'' if WARP_COLUMNS else '_xwarp'}")
+            f"{'' if WARP_COLUMNS else '_xwarp'}{'' if STATE_AFTER_EXCHANGE else '_state_first'}")
 
 
 def _cluster_for(cfg: KDASplitConfig, cluster: bool | None) -> bool:

@@ -284,6 +284,11 @@ class KDASplit:
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1))
         return s_q, s_k, s_eg, s_v, s_part, s_red, s_flag
 
+    def key_of(self, kr, r: int):
+        """The key row of state register r of a thread whose first key row is kr (kr + r·128/C;
+        kda_multi's WARP_COLUMNS layout overrides it)."""
+        return kr + r * self.rows
+
     @cute.jit
     def load_slice(self, mS: cute.Tensor, tid: Int32, h: Int32, b: Int32, c: Int32, kr: Int32,
                    c0: Int32) -> tuple:
@@ -423,7 +428,7 @@ class KDASplit:
         """Own slice of the state and own v history back; then arrive: s_flag[0] = the counter
         of (b, h) before this CTA's bump (V_SPLIT − 1: the last CTA), after a barrier."""
         for r in cutlass.range_constexpr(self.C):
-            mS[b, h, kr + r * self.rows, c0 + c] = S[r]
+            mS[b, h, self.key_of(kr, r), c0 + c] = S[r]
         if tid < self.C:
             for j in cutlass.range_constexpr(CONV - 1):
                 mCs[b, gv, j] = hv[j].to(BFloat16)

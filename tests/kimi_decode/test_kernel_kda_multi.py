@@ -106,7 +106,7 @@ def test_warp_columns_layout_sums_each_column_over_its_keys(cols: int) -> None:
     (key, column) of the slice to exactly one (thread, register), a column's threads sit in one
     warp, and the kernel's butterfly (xor offsets 2^lg_w .. 16) leaves every one of them holding
     the column's full sum over its 128 keys (an integer replay of the shuffles), with key rows
-    kr + r·128/C as load_slice reads them."""
+    kr·C + r (key_of) as load_slice reads them."""
     kcfg = k3_kcfg(7)
     mod = km.KDAMulti(km.KDASplitConfig(kcfg, kcfg.head_dim // cols), cluster=False)
     assert mod.C == cols and mod.rows == 128 // cols
@@ -117,7 +117,8 @@ def test_warp_columns_layout_sums_each_column_over_its_keys(cols: int) -> None:
         c, kr = km.warp_column(tid, cols)
         assert 0 <= c < cols and 0 <= kr < mod.rows
         for r in range(cols):
-            key = kr + r * mod.rows
+            key = mod.key_of(kr, r)
+            assert key == kr * cols + r               # the thread's keys contiguous (vector loads)
             assert (key, c) not in seen
             seen.add((key, c))
             part[tid] += value[(key, c)]
@@ -149,6 +150,18 @@ def test_warp_columns_build_has_no_barrier_in_the_token_loop(monkeypatch, tmp_pa
         assert regs <= 255 and spills == 0, (regs, spills)
     monkeypatch.setattr(km, "WARP_COLUMNS", False)
     assert ptx_of(tmp_path / "x", kcfg, 8, km.KDAMulti).count("bar.sync") == 4
+
+
+@pytest.mark.parametrize("after", [True, False])
+def test_cluster_epilogue_stores_the_state_after_the_exchange(monkeypatch, tmp_path: Path, after: bool) -> None:
+    """STATE_AFTER_EXCHANGE: every global store of the B = 1, k = 7 build (state slice, v
+    history, output, q/k history) follows the exchange's cluster arrive; off, the C state stores
+    (and the v history's) come before it."""
+    monkeypatch.setattr(km, "STATE_AFTER_EXCHANGE", after)
+    lines = ptx_of(tmp_path, k3_kcfg(7), 8, km.KDAMulti).splitlines()
+    arrive = [i for i, ln in enumerate(lines) if "barrier.cluster.arrive" in ln][-1]
+    before = [ln for ln in lines[:arrive] if "st.global" in ln]
+    assert len(before) == (0 if after else 16 + 3), len(before)
 
 
 def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
@@ -272,8 +285,11 @@ def test_build_switches_are_part_of_the_compile_key(monkeypatch) -> None:
     name: flipping one in a process (the bench's A/B runs) never reuses the other build."""
     names = {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
     assert len(names) == 4
-    monkeypatch.setattr(km, "WARP_COLUMNS", False)
-    assert not names & {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
+    for switch in ("WARP_COLUMNS", "STATE_AFTER_EXCHANGE"):
+        monkeypatch.setattr(km, switch, False)
+        other = {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
+        assert not names & other
+        names |= other
     # the epilogue a build takes when the caller leaves it open follows CLUSTER_NORM
     cfg8 = km.KDASplitConfig(k3_kcfg(7), 8)
     assert km._cluster_for(cfg8, None) and not km._cluster_for(cfg8, False)
