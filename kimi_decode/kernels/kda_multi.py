@@ -138,14 +138,17 @@ CLUSTER_MAX_CTAS_PER_SM = 1
 # barrier. Why: kda_split's layout (c = tid mod C) spreads a column's keys over the 4 warps, so
 # each token paid two shared-memory rounds and two barriers (16 of the kernel's ~20 at T = 8);
 # at B = 1 the kernel ran 12.5 µs at T = 8 against kda_fast's 6.2 at T = 1 (H200,
-# bench/fused_correctness.md), ~0.8 µs per further token, almost all of it that synchronisation.
-# False: kda_split's layout and blocks (the build every figure before session 24 measured).
-WARP_COLUMNS = True
+# bench/fused_correctness.md), ~0.8 µs per further token. Measured (H100, session 24,
+# bench/fused_runs.md): no gain, with or without the contiguous keys (key_of): 13.1-13.2 µs alone
+# against 13.1, and the B = 1, k = 7 / B = 8 KDA layers within ±0.5 µs; the token loop is not
+# what bounds the kernel. Kept off (False: kda_split's layout and blocks) for an H200 A/B.
+WARP_COLUMNS = False
 # The cluster epilogue writes the CTA's state slice and v history back after the Σo² exchange
 # and the output (ncu at B = 1, k = 7, session 24: issued before it, the exchange's cluster
 # barrier, whose release is a GPU-scope MEMBAR in SASS, waited for those stores: 35 of the
-# kernel's 628 stall samples). False: before it, as every build until session 24.
-STATE_AFTER_EXCHANGE = True
+# kernel's 628 stall samples). Measured no gain (H100, session 24: the layers within ±0.5 µs).
+# Kept off (False: before it, as every build until session 24) for an H200 A/B.
+STATE_AFTER_EXCHANGE = False
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,

@@ -41,12 +41,12 @@ def test_compiles(monkeypatch, tmp_path: Path, splits: int, gate_mma: bool) -> N
     if km.cluster_applies(splits, 8, kcfg.head_dim // splits):
         # the cluster epilogue (V_SPLIT = 8): Σo² partials pushed into every rank's shared
         # memory (mapa + st.shared::cluster), the start and the exchange barriers; no arrival
-        # counter, and 2 CTA barriers (the prelude's, the epilogue's) with the tensor-core
-        # gates: the token loop has none (WARP_COLUMNS)
+        # counter, and 4 CTA barriers with the tensor-core gates (the prelude's, the epilogue's,
+        # the token loop's two; none in the loop with WARP_COLUMNS)
         assert "atom.global" not in ptx
         assert ptx.count("mapa") == 1 and ptx.count("st.shared::cluster") == 1
         assert ptx.count("barrier.cluster.arrive") == 2 and ptx.count("barrier.cluster.wait") == 2
-        assert ptx.count("bar.sync") == (2 if gate_mma else 3)
+        assert ptx.count("bar.sync") == (2 if gate_mma else 3) + (0 if km.WARP_COLUMNS else 2)
     else:
         assert ptx.count("atom.global") == 1 and "atom.global.acq_rel.add" in ptx
         assert "barrier.cluster" not in ptx
@@ -108,7 +108,9 @@ def test_warp_columns_layout_sums_each_column_over_its_keys(cols: int) -> None:
     the column's full sum over its 128 keys (an integer replay of the shuffles), with key rows
     kr·C + r (key_of) as load_slice reads them."""
     kcfg = k3_kcfg(7)
-    mod = km.KDAMulti(km.KDASplitConfig(kcfg, kcfg.head_dim // cols), cluster=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(km, "WARP_COLUMNS", True)
+        mod = km.KDAMulti(km.KDASplitConfig(kcfg, kcfg.head_dim // cols), cluster=False)
     assert mod.C == cols and mod.rows == 128 // cols
     value = {(key, c): 1000 * c + key for key in range(128) for c in range(cols)}
     seen: set[tuple[int, int]] = set()
@@ -141,8 +143,10 @@ def test_warp_columns_build_has_no_barrier_in_the_token_loop(monkeypatch, tmp_pa
     and the epilogue's; ptxas fits it without spills. With WARP_COLUMNS off the same build has
     kda_split's 2 barriers per token back."""
     kcfg = k3_kcfg(7)
+    monkeypatch.setattr(km, "WARP_COLUMNS", True)
     ptx = ptx_of(tmp_path / "w", kcfg, 8, km.KDAMulti)
     assert ptx.count("bar.sync") == 2
+    assert ptx.count("ld.shared.v4") == 7 + 3 * 16 // 4        # + k, q, exp(g): C / 4 each
     bfly = [ln.split(",")[2].strip() for ln in ptx.splitlines() if "shfl.sync.bfly" in ln]
     assert {"4", "8", "16"} <= set(bfly), sorted(set(bfly))
     if ptxas_path() is not None:
@@ -286,7 +290,7 @@ def test_build_switches_are_part_of_the_compile_key(monkeypatch) -> None:
     names = {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
     assert len(names) == 4
     for switch in ("WARP_COLUMNS", "STATE_AFTER_EXCHANGE"):
-        monkeypatch.setattr(km, switch, False)
+        monkeypatch.setattr(km, switch, not getattr(km, switch))
         other = {km._build_name(gate, cluster) for gate in (True, False) for cluster in (True, False)}
         assert not names & other
         names |= other
