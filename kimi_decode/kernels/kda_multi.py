@@ -149,6 +149,14 @@ WARP_COLUMNS = False
 # kernel's 628 stall samples). Measured no gain (H100, session 24: the layers within ±0.5 µs).
 # Kept off (False: before it, as every build until session 24) for an H200 A/B.
 STATE_AFTER_EXCHANGE = False
+# Step 2's loads as one batch in SASS: β of token tid by thread tid < T after the loop. Why
+# (ncu, H100, B = 1, k = 7 step, session 24): with β computed inside the token loop by thread 0
+# (a branch: the sigmoid's division has a slow-path call), ptxas issued each token's z loads,
+# converted them (waiting on them) and only then the next token's, so the prelude paid T
+# dependent global round trips (133 of its 287 stall samples long-scoreboard, spread over the
+# 8 per-token blocks) where the docstring's step 2 promises one. False: β in the loop (the build
+# every figure before session 24 measured).
+BETA_AFTER_LOADS = True
 
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
@@ -459,8 +467,12 @@ class KDAMulti(KDASplit):
             xv[t] = Float32(0.0)
             if tid < C:
                 xv[t] = mZ[row, gv].to(Float32)
-            if tid == 0:
-                s_beta[t] = sigmoid(mZ[row, 4 * P + d + h].to(Float32))
+            if cutlass.const_expr(not BETA_AFTER_LOADS):
+                if tid == 0:
+                    s_beta[t] = sigmoid(mZ[row, 4 * P + d + h].to(Float32))
+        if cutlass.const_expr(BETA_AFTER_LOADS):      # β of token tid (the switch's note)
+            if tid < T:
+                s_beta[tid] = sigmoid(mZ[b * T + tid, 4 * P + d + h].to(Float32))
         if cutlass.const_expr(self.gate_mma):
             # 4 (first: its fragments then die before step 3's values live). The T gates on the
             #    tensor cores, f_a from z in registers, so no barrier is needed before them and
@@ -548,10 +560,11 @@ class KDAMulti(KDASplit):
 
 def _build_name(gate_mma: bool, cluster: bool) -> str:
     """The compile-cache name of a build: the switches the kernel reads when traced (GATE_MMA,
-    WARP_COLUMNS, STATE_AFTER_EXCHANGE, and the epilogue: the cluster's or the counter's) are part of it, so flipping
+    WARP_COLUMNS, STATE_AFTER_EXCHANGE, BETA_AFTER_LOADS, and the epilogue: the cluster's or the counter's) are part of it, so flipping
     one in a process never reuses a kernel traced with the other setting."""
     return (f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if cluster else ''}"
-            f"{'' if WARP_COLUMNS else '_xwarp'}{'' if STATE_AFTER_EXCHANGE else '_state_first'}")
+            f"{'' if WARP_COLUMNS else '_xwarp'}{'' if STATE_AFTER_EXCHANGE else '_state_first'}"
+            f"{'' if BETA_AFTER_LOADS else '_beta_in_loop'}")
 
 
 def _cluster_for(cfg: KDASplitConfig, cluster: bool | None) -> bool:

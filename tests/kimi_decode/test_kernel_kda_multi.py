@@ -168,6 +168,21 @@ def test_cluster_epilogue_stores_the_state_after_the_exchange(monkeypatch, tmp_p
     assert len(before) == (0 if after else 16 + 3), len(before)
 
 
+@pytest.mark.parametrize("after", [True, False])
+def test_z_loads_of_every_token_come_before_the_first_sigmoid(monkeypatch, tmp_path: Path, after: bool) -> None:
+    """BETA_AFTER_LOADS (B = 1, k = 7 build): past griddepcontrol.wait every z load of the 8
+    tokens (q, k, v per token, the output gate, β) precedes the first exp (β's sigmoid, now
+    after the loop), so ptxas can issue them as one batch; with β's sigmoid inside the token
+    loop (off) only the first token's loads come before it, the shape ncu saw as 8 dependent
+    round trips."""
+    monkeypatch.setattr(km, "BETA_AFTER_LOADS", after)
+    lines, wait = chained_ptx_at_wait(lambda: ptx_of(tmp_path, k3_kcfg(7), 8, km.KDAMulti))
+    rest = lines[wait:]
+    first_exp = next(i for i, ln in enumerate(rest) if ln.startswith("ex2"))
+    loads = sum(ln.startswith("ld.global.b16") for ln in rest[:first_exp])
+    assert loads == (8 * 3 + 2 if after else 5), loads
+
+
 def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
     """PDL chain on: the state slice, conv history and weights, the f_b fragments (the f_b row
     without the tensor-core gates), dt_bias, A_log and o_norm load before griddepcontrol.wait;
@@ -180,9 +195,9 @@ def test_chained_build_reads_z_after_the_wait(tmp_path: Path) -> None:
     # + f_b fragments 16 (v4) + dt_bias of the lane's 4 keys, A_log, o_norm
     assert len(before) == 8 + 6 + 3 + 3 + 16 + 4 + 2, before
     assert sum("v4" in s for s in before) == 3 + 16
-    # z of 8 tokens: q, k, the output gate, v, β per token, f_a's 4 fragments (v4), and the
-    # last CTA's 8 o rows
-    assert len(after) >= 8 * 5 + 4 + 8
+    # z of 8 tokens: q, k, the output gate, v per token, β (one load, thread tid < T: the
+    # BETA_AFTER_LOADS build), f_a's 4 fragments (v4), and the last CTA's 8 o rows
+    assert len(after) >= 8 * 4 + 1 + 4 + 8
     assert sum("v4" in s for s in after) == 4
     assert not any(s.startswith("bar.sync") for s in lines[:wait])
 
