@@ -19,7 +19,9 @@ This kernel, per CTA (one (b, h) and C value columns, 128 threads):
    thread's f_b row (16 × 128-bit loads into registers), dt_bias, A_log, o_norm;
 2. after it: every z value the CTA needs for all T tokens in one batch of independent loads
    (q, k channel of the thread, f_a (the mma's B fragments, or f_a[tid] into shared memory),
-   the v channel on tid < C, β, the output gate);
+   the v channel on tid < C, the output gate), then β of token tid on thread tid < T: a β
+   computed inside the token loop (thread 0, a branch) made ptxas issue the tokens' loads one
+   round trip after another (BETA_AFTER_LOADS);
 3. for t = 0..T−1, registers only: conv update + SiLU of q, k (and v), q̂, k̂ norm partials
    per warp into shared memory (T slots, no barrier between tokens);
 4. the T gates. On the tensor cores (GATE_MMA, T ≤ 8): raw gate [key, token] = Σ_j
@@ -153,9 +155,12 @@ STATE_AFTER_EXCHANGE = False
 # (ncu, H100, B = 1, k = 7 step, session 24): with β computed inside the token loop by thread 0
 # (a branch: the sigmoid's division has a slow-path call), ptxas issued each token's z loads,
 # converted them (waiting on them) and only then the next token's, so the prelude paid T
-# dependent global round trips (133 of its 287 stall samples long-scoreboard, spread over the
-# 8 per-token blocks) where the docstring's step 2 promises one. False: β in the loop (the build
-# every figure before session 24 measured).
+# dependent global round trips (145 of its 287 stall samples long-scoreboard, spread over the
+# 8 per-token blocks; 973aac8's build) where the docstring's step 2 promises one. Measured (H100,
+# 4b4fcfb, bench/fused_runs.md session 24): the kernel alone 10.2 µs against 13.1 at B = 1,
+# k = 7 (cluster build), 21.9 against 25.8 at B = 8, k = 7; the B = 1, k = 7 KDA layer
+# 247.4-251.7 µs against 252.7-257.1 with β in the loop (B = 8 and the MLA layer unchanged).
+# False: β in the loop (the build every figure before session 24 measured).
 BETA_AFTER_LOADS = True
 
 
