@@ -96,6 +96,17 @@ from kimi_decode.kernels.kda_split import (THREADS, VEC, KDAScratch, KDASplit, K
                                            compile_kernel, launch)
 from kimi_decode.kernels.kda_split import can_implement as split_can_implement
 
+# The chained build's loads past griddepcontrol.wait as one batch: the v channels' conv history
+# and weights (state and constants) before the wait, then every z value (v predicated on
+# tid < C) before the v conv's shared-memory stores. Why: in the PTX of the default build the
+# tid < C block loads those, then its z value, stores it to shared memory (waiting on it), and
+# only after the block come A_log, dt_bias, β's input, o_norm and the output gate, so warp 0
+# pays two z round trips before the first barrier (the pattern kda_multi.BETA_AFTER_LOADS
+# removed at T = 8, worth ~5 µs per B = 1, k = 7 KDA layer on the H100, bench/fused_runs.md
+# session 24). Not measured yet: off, for a `--patch kimi_decode.kernels.kda_fast:
+# Z_LOADS_FIRST=True` A/B. The arithmetic is the same either way (same PTX fp32 multiset).
+Z_LOADS_FIRST = False
+
 
 def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int, tokens: int,
                   dtypes: tuple[torch.dtype, ...], splits: int = 16) -> bool:
@@ -149,6 +160,9 @@ class KDAFast(KDASplit):
             for vi in cutlass.range_constexpr(d // VEC):
                 cute.autovec_copy(mFb[h * d + tid, vi, None], fb[vi, None])
             hq, hk, hv, wq, wk, wv = self.load_conv_qk(mCs, mCw, b, gq, gk)
+            if cutlass.const_expr(Z_LOADS_FIRST):
+                if tid < C:
+                    self.load_conv_v(mCs, mCw, b, gv, hv, wv)
             chain.enter()
             for vi in cutlass.range_constexpr(d // VEC):
                 cute.autovec_copy(mZv[row, 4 * P // VEC + vi, None], fa[vi, None])
@@ -160,9 +174,19 @@ class KDAFast(KDASplit):
         xq = mZ[row, gq].to(Float32)
         xk = mZ[row, gk].to(Float32)
         xv = Float32(0.0)
+        loads_first = Z_LOADS_FIRST and chain.chain_on()
+        if cutlass.const_expr(loads_first):
+            if tid < C:
+                xv = mZ[row, gv].to(Float32)
+            a_h = mA[h]
+            dt = mDt[h * d + tid]
+            zb = mZ[row, 4 * P + d + h].to(Float32)
+            wn = mOn[tid].to(Float32)
+            zg = mZ[row, 3 * P + h * d + tid].to(Float32)
         if tid < C:
-            self.load_conv_v(mCs, mCw, b, gv, hv, wv)
-            xv = mZ[row, gv].to(Float32)
+            if cutlass.const_expr(not loads_first):
+                self.load_conv_v(mCs, mCw, b, gv, hv, wv)
+                xv = mZ[row, gv].to(Float32)
             # kda_split's rounding of the v conv: there LLVM computes the hist·w products in the
             # load block, so they round on their own and only x·w[3] fuses into the first add;
             # here they and x pass through shared memory (own slots) so that no fma absorbs the
@@ -170,11 +194,12 @@ class KDAFast(KDASplit):
             for j in cutlass.range_constexpr(CONV - 1):
                 s_pv[j, tid] = hv[j] * wv[j]
             s_pv[CONV - 1, tid] = xv
-        a_h = mA[h]
-        dt = mDt[h * d + tid]
-        zb = mZ[row, 4 * P + d + h].to(Float32)                # β's input (same address, broadcast)
-        wn = mOn[tid].to(Float32)                               # the last CTA's norm operands
-        zg = mZ[row, 3 * P + h * d + tid].to(Float32)
+        if cutlass.const_expr(not loads_first):
+            a_h = mA[h]
+            dt = mDt[h * d + tid]
+            zb = mZ[row, 4 * P + d + h].to(Float32)            # β's input (same address, broadcast)
+            wn = mOn[tid].to(Float32)                           # the last CTA's norm operands
+            zg = mZ[row, 3 * P + h * d + tid].to(Float32)
 
         # 2. Conv update + SiLU of q, k channel tid (and the slice's v channels on tid < C).
         aq, ak = self.conv_qk(xq, xk, xq * wq[CONV - 1], xk * wk[CONV - 1], hq, hk, wq, wk, s_q, s_k, tid)
@@ -218,7 +243,7 @@ class KDAFast(KDASplit):
 
 def compile_for(cfg: KDASplitConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
-    return compile_kernel(KDAFast, "kda_fast", cfg)
+    return compile_kernel(KDAFast, "kda_fast_zfirst" if Z_LOADS_FIRST else "kda_fast", cfg)
 
 
 def kda_decode_fast(z: torch.Tensor, f_b: torch.Tensor, conv_w: torch.Tensor,

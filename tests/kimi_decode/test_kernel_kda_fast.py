@@ -124,3 +124,40 @@ def test_check_harness_can_fail(monkeypatch) -> None:
     monkeypatch.setattr(ks, "kda_decode_split", _fake_split)
     row = mod.check(timing=False, batches=(1,), steps=1)[0]
     assert not row["ok"] and not row["bit_identical"]
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_z_loads_first_switch(monkeypatch, tmp_path: Path, first: bool) -> None:
+    """Z_LOADS_FIRST (chained build, B = 1, k = 0): the v channels' conv history (3 × b16) and
+    weights (one v4) load before griddepcontrol.wait, and past it no global load follows the
+    first shared-memory store (the v conv's terms), so the z values issue as one batch; off
+    (the default, not measured yet), β's input, the output gate and the rest load after those
+    stores. The fp32 arithmetic is the same multiset either way, and each setting compiles
+    under its own cache name."""
+    from kimi_decode.kernels import kda_fast as kf
+    from tests.kimi_decode.test_kernels_compile import chained_ptx_at_wait
+
+    def build(on: bool, sub: str) -> tuple[list[str], int]:
+        monkeypatch.setattr(kf, "Z_LOADS_FIRST", on)
+        return chained_ptx_at_wait(lambda: ptx_of(tmp_path / sub, k3_kcfg(0), 16, KDAFast))
+
+    lines, wait = build(first, "a")
+    base, base_wait = build(False, "b")
+    before = sum(ln.startswith("ld.global") for ln in lines[:wait])
+    assert before == sum(ln.startswith("ld.global") for ln in base[:base_wait]) + (4 if first else 0)
+    rest = lines[wait:]
+    first_st = next(i for i, ln in enumerate(rest) if ln.startswith("st.shared"))
+    barrier = next(i for i, ln in enumerate(rest) if ln.startswith("bar.sync"))
+    late = [ln for ln in rest[first_st:barrier] if ln.startswith("ld.global")]
+    assert (not late) if first else late, late
+
+    def fp32_ops(ptx_lines: list[str]) -> collections.Counter:
+        return collections.Counter(ln.split()[0] for ln in ptx_lines
+                                   if re.match(r"(fma|mul|add|sub|ex2|rcp|sqrt|rsqrt)\.\S*f32", ln))
+    assert fp32_ops(lines) == fp32_ops(base)
+    monkeypatch.setattr(kf, "compile_kernel", lambda cls, name, cfg: name)
+    names = set()
+    for on in (True, False):
+        monkeypatch.setattr(kf, "Z_LOADS_FIRST", on)
+        names.add(kf.compile_for(KDASplitConfig(k3_kcfg(0), 16)))
+    assert len(names) == 2
