@@ -133,17 +133,17 @@ CLUSTER_SPLITS = 8
 # 200.4 µs with the limit at 3 (d9ea8dc, `bench/fused_device.py --patch
 # 'kimi_decode.kernels.kda_multi:CLUSTER_MAX_CTAS_PER_SM=3'`, bench/fused_runs.md session 12).
 CLUSTER_MAX_CTAS_PER_SM = 1
-# The recurrence with a column's key rows in ONE warp (step 5 without barriers): thread
-# (warp, lane) holds column c = warp·C/4 + lane mod C/4 and keys kr + r·128/C with
-# kr = lane div C/4 (warp_column), so k̂ᵀS and q̂ᵀS of a column are butterfly shuffles over lane
-# bits ≥ log2(C/4) alone, every lane ends with the column's sum, and no token waits on a
-# barrier. Why: kda_split's layout (c = tid mod C) spreads a column's keys over the 4 warps, so
-# each token paid two shared-memory rounds and two barriers (16 of the kernel's ~20 at T = 8);
-# at B = 1 the kernel ran 12.5 µs at T = 8 against kda_fast's 6.2 at T = 1 (H200,
-# bench/fused_correctness.md), ~0.8 µs per further token. Measured (H100, session 24,
-# bench/fused_runs.md): no gain, with or without the contiguous keys (key_of): 13.1-13.2 µs alone
-# against 13.1, and the B = 1, k = 7 / B = 8 KDA layers within ±0.5 µs; the token loop is not
-# what bounds the kernel. Kept off (False: kda_split's layout and blocks) for an H200 A/B.
+# The recurrence with a column's key rows in ONE warp (step 5 without barriers): thread (warp,
+# lane) holds column c = warp·C/4 + lane mod C/4 and keys kr·C + r (key_of: contiguous, read as
+# 128-bit shared loads) with kr = lane div C/4 (warp_column), so k̂ᵀS and q̂ᵀS of a column are
+# butterfly shuffles over lane bits ≥ log2(C/4) alone, every lane ends with the column's sum,
+# and no token waits on a barrier. Why: kda_split's layout (c = tid mod C) spreads a column's
+# keys over the 4 warps, so each token paid two shared-memory rounds and two barriers (16 of the
+# kernel's ~20 at T = 8); at B = 1 the kernel ran 12.5 µs at T = 8 against kda_fast's 6.2 at T =
+# 1 (H200, bench/fused_correctness.md), ~0.8 µs per further token. Measured (H100, session 24,
+# bench/fused_runs.md): no gain, with or without the contiguous keys (key_of): 13.1-13.2 µs
+# alone against 13.1, and the B = 1, k = 7 / B = 8 KDA layers within ±0.5 µs; the token loop is
+# not what bounds the kernel. Kept off (False: kda_split's layout and blocks) for an H200 A/B.
 WARP_COLUMNS = False
 # The cluster epilogue writes the CTA's state slice and v history back after the Σo² exchange
 # and the output (ncu at B = 1, k = 7, session 24: issued before it, the exchange's cluster
@@ -174,8 +174,8 @@ def can_implement(heads: int, head_dim: int, conv_kernel: int, in_proj_rows: int
 
 def warp_column(tid, cols: int) -> tuple:
     """(c, kr) of thread `tid` in the WARP_COLUMNS layout for a slice of `cols` columns: the
-    warp holds cols / WARPS columns and each column's 128 / cols key rows kr (keys kr + r·128/cols)
-    sit in lanes that differ only in bits ≥ log2(cols / WARPS). Plain // and %: the kernel calls
+    warp holds cols / WARPS columns and each column's 128 / cols key groups kr (key_of: keys
+    kr·cols + r) sit in lanes that differ only in bits ≥ log2(cols / WARPS). Plain // and %: the kernel calls
     it on Int32, the tests on Python ints."""
     cpw = cols // WARPS
     warp = tid // 32
@@ -358,12 +358,13 @@ class KDAMulti(KDASplit):
                          hv: cute.Tensor, hq: cute.Tensor, hk: cute.Tensor, s_ob: cute.Tensor,
                          xred: cute.Tensor, zo: Float32, wo: Float32, tid: Int32, sp: Int32, h: Int32,
                          b: Int32, c: Int32, kr: Int32, c0: Int32, gq: Int32, gk: Int32, gv: Int32):
-        """Step 6 with the cluster (the CTAs of (b, h) are its V_SPLIT ranks, rank = sp): thread t < T: this CTA's Σ_c o² of token t (its C
-        columns in order) stored into every rank's xred[t, sp] (st.shared::cluster); one cluster
-        barrier (release / acquire); then thread (t, c) = (tid div C, tid mod C) adds xred[t, 0..]
-        in rank order (every CTA the same sum) and writes out[b·T + t, h·d + c0 + c]. Rank 0
-        writes the advanced q, k conv history: past the barrier every rank has read it. The own
-        state slice and v history go back after all that (STATE_AFTER_EXCHANGE), else first."""
+        """Step 6 with the cluster (the CTAs of (b, h) are its V_SPLIT ranks, rank = sp): thread t < T:
+        this CTA's Σ_c o² of token t (its C columns in order) stored into every rank's xred[t, sp]
+        (st.shared::cluster); one cluster barrier (release / acquire); then thread (t, c) = (tid div
+        C, tid mod C) adds xred[t, 0..] in rank order (every CTA the same sum) and writes out[b·T + t,
+        h·d + c0 + c]. Rank 0 writes the advanced q, k conv history: past the barrier every rank has
+        read it. The own state slice and v history go back after all that (STATE_AFTER_EXCHANGE), else
+        first."""
         d, T, C, VS = self.d, self.T, self.C, self.VS
         kc = self.k
         if cutlass.const_expr(not STATE_AFTER_EXCHANGE):
@@ -565,10 +566,11 @@ class KDAMulti(KDASplit):
 
 def _build_name(gate_mma: bool, cluster: bool) -> str:
     """The compile-cache name of a build: the switches the kernel reads when traced (GATE_MMA,
-    WARP_COLUMNS, STATE_AFTER_EXCHANGE, BETA_AFTER_LOADS, and the epilogue: the cluster's or the counter's) are part of it, so flipping
-    one in a process never reuses a kernel traced with the other setting."""
+    WARP_COLUMNS, STATE_AFTER_EXCHANGE, BETA_AFTER_LOADS, and the epilogue: the cluster's or
+    the counter's) are part of it, so flipping one in a process never reuses a kernel traced
+    with the other setting."""
     return (f"kda_multi{'' if gate_mma else '_fma'}{'_cluster' if cluster else ''}"
-            f"{'' if WARP_COLUMNS else '_xwarp'}{'' if STATE_AFTER_EXCHANGE else '_state_first'}"
+            f"{'_warp_columns' if WARP_COLUMNS else ''}{'_state_last' if STATE_AFTER_EXCHANGE else ''}"
             f"{'' if BETA_AFTER_LOADS else '_beta_in_loop'}")
 
 
