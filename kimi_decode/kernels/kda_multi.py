@@ -242,13 +242,10 @@ class KDAMulti(KDASplit):
     @cute.jit
     def load_slice(self, mS: cute.Tensor, tid: Int32, h: Int32, b: Int32, c: Int32, kr: Int32,
                    c0: Int32) -> tuple:
-        """kda_split's load_slice with the keys of key_of, and gv the v channel of column tid
-        (threads tid < C convolve the slice's v channels whatever the layout's c)."""
-        d, P = self.d, self.P
-        S = cute.make_rmem_tensor(cute.make_layout(self.C), Float32)
-        for r in cutlass.range_constexpr(self.C):
-            S[r] = mS[b, h, self.key_of(kr, r), c0 + c]
-        return S, h * d + tid, P + h * d + tid, 2 * P + h * d + c0 + tid
+        """kda_split's load_slice (keys of key_of) with gv the v channel of column tid: threads
+        tid < C convolve the slice's v channels whatever the layout's c."""
+        S, gq, gk, _ = KDASplit.load_slice(self, mS, tid, h, b, c, kr, c0)
+        return S, gq, gk, 2 * self.P + h * self.d + c0 + tid
 
     @cute.jit
     def token_warp(self, S: cute.Tensor, s_eg: cute.Tensor, s_k: cute.Tensor, s_q: cute.Tensor,

@@ -297,7 +297,7 @@ class KDASplit:
         d, P = self.d, self.P
         S = cute.make_rmem_tensor(cute.make_layout(self.C), Float32)
         for r in cutlass.range_constexpr(self.C):
-            S[r] = mS[b, h, kr + r * self.rows, c0 + c]
+            S[r] = mS[b, h, self.key_of(kr, r), c0 + c]
         gq = h * d + tid                  # q channel of this thread
         gk = P + h * d + tid              # k channel
         gv = 2 * P + h * d + c0 + c       # v channel (used by tid < C only: then c = tid)
