@@ -132,6 +132,22 @@ NEG = -1.0e30      # "minus infinity" that keeps exp(NEG - NEG) finite
 VALID = -1.0e29    # a score (or partial maximum) above this is real
 SEL_LO = 0x5410    # prmt: (a.lo, b.lo) -> one word
 SEL_HI = 0x7632    # prmt: (a.hi, b.hi) -> one word
+# PDL chain: the query positions and the first NBUF tiles' cache words loaded BEFORE
+# griddepcontrol.wait (off: after it, as before). Why: only uk_insert, the kernel before this
+# one, writes the cache, and only the rows of this step's tokens (last[0] .. last[T-1]);
+# every other row is state of earlier steps, and `last` is written at the end of the previous
+# step (FusedDecoder.forward), so both are pre-wait reads under kernels/chain.py's protocol.
+# After the wait a lane re-loads its row only where that row is one of this step's (row ≥
+# min_t last[t]: at most T rows per sequence, in the last split's tile, already in the L2).
+# In the B = 1, k = 0 step the CTAs are resident ~1 µs before uk_insert ends (the H200 trace
+# at 421b9f0), and after the wait the kernel had two dependent round trips before its first
+# barrier (last, then the cache tile from HBM); with the switch, one (q and the new rows, from
+# the L2). ncu (H100, a0aba42, cold): ~13 % of the uv build's stall samples before the first
+# barrier. Part of the compile key (compile_for); only where the chain is on.
+PRE_WAIT_TILES = False
+# The re-load above (True). False only for check_pre_wait's negative control: the build that
+# reads this step's rows before the wait alone, which a late writer must catch.
+RELOAD_NEW = True
 
 
 @dataclass(frozen=True)
@@ -392,17 +408,23 @@ class MLAAttendMMA(UVTiles):
         sPw = cute.make_tensor(cute.recast_ptr(sP.iterator, dtype=Int32),
                                cute.make_layout((RP, PROW // 2), stride=(PROW // 2, 1)))
 
-        # PDL chain (kernels/chain.py): q and the cache rows uk_insert wrote are read below
-        chain.enter()
+        # PDL chain (kernels/chain.py): q and the cache rows uk_insert wrote are read below;
+        # with PRE_WAIT_TILES the positions and the first tiles' old rows are read before the wait
+        pre = PRE_WAIT_TILES and chain.chain_on()
+        if cutlass.const_expr(not pre):
+            chain.enter()
 
         # Positions this CTA reads: [t0, end), end ≤ max_t last[t] + 1 and ≤ C.
         lastv = cute.make_rmem_tensor(cute.make_layout(self.T), Int32)
         maxlast = Int32(-1)
+        minlast = cache_len                   # the first row this step's tokens write
         for tt in cutlass.range_constexpr(self.T):
             lv = mL[tt].to(Int32)
             lastv[tt] = lv
             if lv > maxlast:
                 maxlast = lv
+            if lv < minlast:
+                minlast = lv
         # The valid tiles (positions ≤ max_t last[t], inside the cache) shared out evenly:
         # split s takes tiles ⌊s·n/S⌋ .. ⌊(s+1)·n/S⌋ - 1 (at most one more than any other).
         valid = maxlast + 1
@@ -428,6 +450,14 @@ class MLAAttendMMA(UVTiles):
         if cutlass.const_expr(self.NBUF == 2):
             if ntile > 1:
                 self.load_k(mK, kB, row0, t0 + TILE, end, nq, kh, g, t)
+        if cutlass.const_expr(pre):            # the wait, then this step's rows again
+            chain.enter()
+        if cutlass.const_expr(pre and RELOAD_NEW):
+            if ntile > 0:
+                self.reload_new(mK, kA, row0, t0, end, nq, kh, g, t, minlast)
+            if cutlass.const_expr(self.NBUF == 2):
+                if ntile > 1:
+                    self.reload_new(mK, kB, row0, t0 + TILE, end, nq, kh, g, t, minlast)
         self.stage_q(mQ, sQ, b, roff, tid)
 
         mreg = cute.make_rmem_tensor(cute.make_layout(1), Float32)   # softmax state of row tid / TPR
@@ -630,6 +660,19 @@ class MLAAttendMMA(UVTiles):
             cute.autovec_copy(mK[row0 + pos, kh * (self.D // 16) + 4 * c + t, None], kreg[c, None])
 
     @cute.jit
+    def reload_new(self, mK: cute.Tensor, kreg: cute.Tensor, row0: Int32, tstart: Int32, end: Int32, nq: Int32,
+                   kh: Int32, g: Int32, t: Int32, first_new: Int32):
+        """load_k again, after the chain's wait, for a lane whose row (clamped as load_k clamps
+        it) is one this step writes (≥ first_new = min_t last[t]): its pre-wait words may be
+        the previous content of that row (PRE_WAIT_TILES)."""
+        pos = tstart + 8 * nq + g
+        if pos > end - 1:
+            pos = end - 1
+        if pos >= first_new:
+            for c in cutlass.range_constexpr(self.KC):
+                cute.autovec_copy(mK[row0 + pos, kh * (self.D // 16) + 4 * c + t, None], kreg[c, None])
+
+    @cute.jit
     def stage_v(self, kreg: cute.Tensor, sV: cute.Tensor, kh: Int32, nq: Int32, g: Int32, t: Int32):
         """The value columns (dims < c) of this lane's cache row into sV as position-pair words:
         sV[pair i][column n] = (V[2i][n], V[2i + 1][n]) (low half: the even position). Lane g
@@ -745,7 +788,7 @@ def compile_for(cfg: MMAConfig) -> object:
         return cute.compile(MLAAttendMMA(cfg), bf, bf, dummy_ptr(torch.int64), bf, f32, f32,
                             dummy_ptr(torch.int32), bf, bf, bf, Int32(1), Int32(1), Int32(1), current_stream(),
                             options=compile_options())
-    return compiled(("mla_attend_mma", cfg), build)
+    return compiled(("mla_attend_mma", cfg, PRE_WAIT_TILES, RELOAD_NEW), build)
 
 
 def mla_attend_mma(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
@@ -985,9 +1028,76 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
     return out
 
 
+def check_pre_wait(cases: tuple[tuple[int, int], ...] = ((1, 0), (1, 7), (8, 0)),
+                   delay_ns: int = 20_000) -> list[dict]:
+    """PRE_WAIT_TILES under the PDL chain against a late writer (kernels/chain_writer.py):
+    this step's cache rows (last[t]) poisoned with NaN, then the writer, released at once,
+    puts their values back `delay_ns` later, and the kernel (chained right behind it, so
+    resident and past its pre-wait loads long before) must return exactly what it returns on
+    the written cache with nothing racing, and finite. Negative control, same setup: the build
+    without the re-load (RELOAD_NEW False) must return non-finite values, i.e. its pre-wait
+    loads did see the poisoned rows (otherwise the check proved nothing). Per case: the plain
+    build, and at B = 1, k = 0 the uv mode (the step's)."""
+    global PRE_WAIT_TILES, RELOAD_NEW
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.kernels import chain_writer
+    from kimi_decode.kernels import mla_attend as k_old
+    from kimi_decode.kernels.checks import DEVICE, _sync
+    dev = torch.device(DEVICE)
+    saved = (PRE_WAIT_TILES, RELOAD_NEW, chain.chain_on(), chain.key()[1])
+    out = []
+    try:
+        chain.set_chain(True, 0)
+        PRE_WAIT_TILES = True
+        for bsz, k in cases:
+            cfg = k3_tp16(batch=bsz, spec_tokens=k)
+            H, T, c, rope = cfg.mla_local_heads, cfg.tokens_per_seq, cfg.kv_lora_rank, cfg.qk_rope_dim
+            C, scale = cfg.cache_len, (cfg.qk_nope_dim + rope) ** -0.5
+            if not fits(bsz, T * H, C, c, sm_count(dev)):
+                out.append({"kernel": "mla_attend_mma_pre_wait", "B": bsz, "k": k, "skipped": "plan does not fit",
+                            "ok": True})
+                continue
+            for uv in ((False, True) if (bsz, k) == (1, 0) else (False,)):
+                x = k_old.check_inputs(cfg, k, 3000 * bsz + k, dev, uv=uv)
+                cache, q_full, last = x["cache"], x["q_full"], x["last"]
+                sc = make_scratch(bsz, T * H, C, c, dev)
+
+                def attend(ca: torch.Tensor) -> torch.Tensor:
+                    if uv:
+                        return mla_attend_mma_uv(q_full, ca, last, H, c, scale, x["w_uv"], x["g"], sc)[0]
+                    return mla_attend_mma(q_full, ca, last, H, c, scale, sc)
+                new_rows = cache[:, last].contiguous()
+                r = {"kernel": "mla_attend_mma_pre_wait", "B": bsz, "k": k, "uv": uv, "delay_ns": delay_ns}
+                for reload in (True, False):
+                    RELOAD_NEW = reload
+                    with torch.no_grad():
+                        ref = attend(cache)                 # nothing racing: the rows are there
+                        stale = cache.clone()
+                        stale[:, last] = float("nan")
+                        chain_writer.write_rows_late(new_rows, stale, last, delay_ns)
+                        o = attend(stale)
+                    _sync()
+                    landed = torch.equal(stale[:, last], new_rows)
+                    if reload:
+                        r.update(equal_to_unraced=torch.equal(o, ref), finite=bool(torch.isfinite(o).all()),
+                                 rows_landed=landed)
+                    else:
+                        r.update(control_nonfinite=not bool(torch.isfinite(o).all()), control_rows_landed=landed)
+                r["counters_zero"] = arrivals_zero(sc)
+                r["ok"] = all(r[f] for f in ("equal_to_unraced", "finite", "rows_landed", "control_nonfinite",
+                                              "control_rows_landed", "counters_zero"))
+                out.append(r)
+                del cache, stale, sc
+    finally:
+        PRE_WAIT_TILES, RELOAD_NEW = saved[0], saved[1]
+        chain.set_chain(saved[2], saved[3] if saved[2] else None)
+    return out
+
+
 def check_all(timing: bool = True) -> list[dict]:
-    """The device check of kernel "mla_attend_mma": both modes (check, check_uv)."""
-    return check(timing=timing) + check_uv(timing=timing)
+    """The device check of kernel "mla_attend_mma": both modes (check, check_uv) and the
+    pre-wait tiles against a late writer (check_pre_wait)."""
+    return check(timing=timing) + check_uv(timing=timing) + check_pre_wait()
 
 
 if __name__ == "__main__":

@@ -488,3 +488,136 @@ def test_check_harness_rejects_wrong_kernels(emulated_mma) -> None:
     rows = km.check_uv(timing=False, cases=((1, 0),))
     assert len(rows) == 1 and not rows[0]["ok"] and not rows[0]["o_equal_two_launch"]
     assert rows[0]["o_lat_equal_mla_attend_mma"]
+
+
+# ---- PRE_WAIT_TILES: the positions and the first tiles before the PDL chain's wait -----------
+
+def chained_lines(tmp_path: Path, cfg: km.MMAConfig, monkeypatch, pre: bool, reload: bool = True) -> list[str]:
+    """The build's PTX instruction lines with the PDL chain on (no prefetch budget)."""
+    from kimi_decode.kernels import chain
+    monkeypatch.setattr(km, "PRE_WAIT_TILES", pre)
+    monkeypatch.setattr(km, "RELOAD_NEW", reload)
+    chain.set_chain(True, 0)
+    try:
+        ptx = ptx_of(tmp_path, cfg)
+    finally:
+        chain.set_chain(False, chain.DEFAULT_BUDGET)
+    return [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
+
+
+@pytest.mark.parametrize("batch,spec,uv", [(1, 0, True), (1, 7, True), (8, 0, False)])
+def test_pre_wait_tiles_load_before_the_wait_and_reload_after(tmp_path: Path, monkeypatch, batch: int, spec: int,
+                                                              uv: bool) -> None:
+    """Off (the default), nothing is loaded before griddepcontrol.wait. On: `last` (T int64:
+    one 32-bit load at T = 1, four 128-bit loads at T = 8) and the NBUF pre-loaded tiles' KC
+    128-bit cache loads per lane come before the wait, and after it the build has exactly
+    NBUF·KC 128-bit loads more than the default one (the re-load of this step's rows), none
+    without RELOAD_NEW; the arithmetic (mma, prmt, ex2) is the default build's."""
+    cfg = config(batch, spec, uv=uv)
+    k = km.MLAAttendMMA(cfg)
+    base = chained_lines(tmp_path / "base", cfg, monkeypatch, False)
+    pre = chained_lines(tmp_path / "pre", cfg, monkeypatch, True)
+    bare = chained_lines(tmp_path / "bare", cfg, monkeypatch, True, reload=False)
+
+    def before_wait(lines: list[str]) -> list[str]:
+        w = next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
+        return [s.split()[0] for s in lines[:w] if s.startswith("ld.global")]
+
+    def count(lines: list[str], op: str) -> int:
+        return sum(s.startswith(op) for s in lines)
+    assert before_wait(base) == []
+    last_loads = {"ld.global.b32": 1} if cfg.tokens == 1 else {"ld.global.v4.b32": cfg.tokens * 8 // 16}
+    got = before_wait(pre)
+    expect = {"ld.global.v4.b32": k.NBUF * k.KC + last_loads.get("ld.global.v4.b32", 0)}
+    expect.update({op: n for op, n in last_loads.items() if op != "ld.global.v4.b32"})
+    assert {op: got.count(op) for op in set(got)} == expect
+    assert count(pre, "ld.global.v4") == count(base, "ld.global.v4") + k.NBUF * k.KC
+    assert count(bare, "ld.global.v4") == count(base, "ld.global.v4")
+    for op in ("mma.sync.aligned", "prmt.b32", "ex2.approx"):
+        assert count(pre, op) == count(base, op), op
+    if ptxas_path():
+        regs, spills = ptxas_usage(tmp_path, "\n".join(pre))
+        assert spills == 0 and regs <= 255, (regs, spills)
+
+
+def test_pre_wait_tiles_change_nothing_without_the_chain(tmp_path: Path, monkeypatch) -> None:
+    """The switch acts only where the chain is on: unchained, the PTX is the default build's."""
+    cfg = config(1, 0, uv=True)
+    base = ptx_of(tmp_path / "base", cfg)
+    monkeypatch.setattr(km, "PRE_WAIT_TILES", True)
+    pre = ptx_of(tmp_path / "pre", cfg)
+    strip = lambda p: [s for s in p.splitlines() if not s.strip().startswith("//")]  # noqa: E731
+    assert strip(pre) == strip(base)
+
+
+def test_chain_writer_releases_first_and_writes_last(tmp_path: Path) -> None:
+    """The late writer: launch_dependents before the timer loop, its only global store after
+    it; the wrapper refuses shapes it does not take."""
+    from kimi_decode.kernels import chain_writer as cw
+    opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
+    cute.compile(cw.DelayedRowWriter(cw.WriterConfig(8, 576)), P(bf), P(bf), P(torch.int64), Int32(1), Int32(1),
+                 Int32(1), _common.current_stream(), options=opts)
+    lines = [s.strip() for s in next(tmp_path.glob("*.ptx")).read_text().splitlines()]
+    first = lambda op: next(i for i, s in enumerate(lines) if s.startswith(op))  # noqa: E731
+    assert first("griddepcontrol.launch_dependents") < first("mov.u64") < first("st.global")
+    assert sum("%globaltimer" in s for s in lines) == 2
+    with pytest.raises(ValueError, match="write_rows_late"):
+        cw.write_rows_late(torch.zeros(1, 8, 576, dtype=bf), torch.zeros(1, 64, 576, dtype=bf),
+                           torch.arange(7), 1000)
+
+
+@pytest.fixture
+def raced_writer(emulated_mma):
+    """check_pre_wait on the CPU: the late writer's copy is held back and the kernel's contract
+    decides what the attention sees: a build with the re-load sees the written rows, one
+    without sees the rows as they were before the writer (the race the device check forces)."""
+    from tests.kimi_decode.test_kernel_mla_attend import _emulate_attend, _emulate_uv_gate
+    from kimi_decode.kernels import chain_writer
+    pending: list = []
+    emulated_mma.setattr(chain_writer, "write_rows_late",
+                         lambda src, dst, last, delay_ns: pending.append((src, dst, last)))
+
+    def land() -> None:
+        while pending:
+            src, dst, last = pending.pop()
+            dst[:, last] = src
+
+    def read(q, cache, last, h, c, scale):       # the contract, NaN in a row it reads propagating
+        o = _emulate_attend(q, cache, last, h, c, scale)
+        if not torch.isfinite(cache[:, :int(last.max()) + 1]).all():
+            o = torch.full_like(o, float("nan"))
+        return o
+
+    def attend(q, cache, last, h, c, scale, scratch=None, reload=None):
+        if km.RELOAD_NEW if reload is None else reload:
+            land()
+            return read(q, cache, last, h, c, scale)
+        o = read(q, cache, last, h, c, scale)
+        land()
+        return o
+
+    def attend_uv(q, cache, last, h, c, scale, w_uv, g, scratch):
+        o_lat = attend(q, cache, last, h, c, scale)
+        return _emulate_uv_gate(o_lat, w_uv, g), o_lat
+    emulated_mma.setattr(km, "mla_attend_mma", attend)
+    emulated_mma.setattr(km, "mla_attend_mma_uv", attend_uv)
+    return emulated_mma, attend
+
+
+def test_check_pre_wait_passes_a_reloading_kernel(raced_writer) -> None:
+    rows = km.check_pre_wait()
+    assert [(r["B"], r["k"], r["uv"]) for r in rows] == [(1, 0, False), (1, 0, True), (1, 7, False), (8, 0, False)]
+    assert all(r["ok"] and r["control_nonfinite"] for r in rows), rows
+    assert km.PRE_WAIT_TILES is False and km.RELOAD_NEW is True      # restored
+
+
+def test_check_pre_wait_rejects_a_stale_read_and_an_unraced_control(raced_writer) -> None:
+    """A kernel that never re-loads fails on its result; one that always sees the written rows
+    fails on the control (the race was not shown, so nothing was proved)."""
+    mp, attend = raced_writer
+    mp.setattr(km, "mla_attend_mma", lambda *a, **kw: attend(*a, reload=False))
+    rows = km.check_pre_wait(cases=((1, 0),))
+    assert rows and not any(r["ok"] for r in rows if not r["uv"])
+    mp.setattr(km, "mla_attend_mma", lambda *a, **kw: attend(*a, reload=True))
+    rows = km.check_pre_wait(cases=((8, 0),))
+    assert len(rows) == 1 and not rows[0]["ok"] and rows[0]["equal_to_unraced"] and not rows[0]["control_nonfinite"]
