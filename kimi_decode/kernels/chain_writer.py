@@ -9,7 +9,8 @@ re-load only if the race happens to go the wrong way. Launched just before that 
 writer makes it go the wrong way every time: the successor is resident and past its pre-wait
 loads long before the rows land, so it sees their old contents (poisoned by the check) unless
 it loads them again after the wait. The check's negative control (the kernel built without
-the re-load) shows that the race was exercised.
+the re-load) shows that the race was exercised. The delay must outlast the host's launch of
+that kernel (tens of µs from Python), not just the kernel's own start: callers use ~ms.
 
 Layout: grid (B, 1, 1), 128 threads; CTA b copies src[b, t, :] to dst[b, last[t], :] for the
 T positions last[0 .. T-1] (bf16 rows of D values, D % 8 == 0), 128-bit vectors.

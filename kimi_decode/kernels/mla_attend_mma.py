@@ -1029,7 +1029,7 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
 
 
 def check_pre_wait(cases: tuple[tuple[int, int], ...] = ((1, 0), (1, 7), (8, 0)),
-                   delay_ns: int = 20_000) -> list[dict]:
+                   delay_ns: int = 2_000_000) -> list[dict]:
     """PRE_WAIT_TILES under the PDL chain against a late writer (kernels/chain_writer.py):
     this step's cache rows (last[t]) poisoned with NaN, then the writer, released at once,
     puts their values back `delay_ns` later, and the kernel (chained right behind it, so
@@ -1037,7 +1037,12 @@ def check_pre_wait(cases: tuple[tuple[int, int], ...] = ((1, 0), (1, 7), (8, 0))
     the written cache with nothing racing, and finite. Negative control, same setup: the build
     without the re-load (RELOAD_NEW False) must return non-finite values, i.e. its pre-wait
     loads did see the poisoned rows (otherwise the check proved nothing). Per case: the plain
-    build, and at B = 1, k = 0 the uv mode (the step's)."""
+    build, and at B = 1, k = 0 the uv mode (the step's).
+
+    delay_ns is 2 ms, not a kernel's length: the writer starts as soon as it is launched, and the
+    host's next launch (this Python wrapper and the CuTe DSL call) takes tens of µs. With 20 µs
+    (the first device run, H200, 2026-12-06 20:44 UTC) the rows had landed before the kernel was
+    launched at all, and the control came out finite: no race was exercised."""
     global PRE_WAIT_TILES, RELOAD_NEW
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import chain_writer
