@@ -1028,6 +1028,17 @@ def check_uv(timing: bool = True, cases: tuple[tuple[int, int], ...] = ((1, 0), 
     return out
 
 
+def pre_wait_positions(splits: int, tokens: int, dev: torch.device) -> torch.Tensor:
+    """`last` for check_pre_wait: this step's T rows inside one tile, with fewer valid tiles
+    than splits, so every split gets at most one tile, the last one holding the new rows, and
+    that tile is one the kernel reads before the wait (its first). Rows past max last are
+    never read (the tail tile clamps), so check_inputs' NaN there stays unread."""
+    pos0 = TILE * (splits // 2) + 3
+    if tokens + 3 > TILE:
+        raise ValueError(f"pre_wait_positions: {tokens} tokens do not fit one tile")
+    return pos0 + torch.arange(tokens, device=dev)
+
+
 def check_pre_wait(cases: tuple[tuple[int, int], ...] = ((1, 0), (1, 7), (8, 0)),
                    delay_ns: int = 2_000_000) -> list[dict]:
     """PRE_WAIT_TILES under the PDL chain against a late writer (kernels/chain_writer.py):
@@ -1042,7 +1053,12 @@ def check_pre_wait(cases: tuple[tuple[int, int], ...] = ((1, 0), (1, 7), (8, 0))
     delay_ns is 2 ms, not a kernel's length: the writer starts as soon as it is launched, and the
     host's next launch (this Python wrapper and the CuTe DSL call) takes tens of µs. With 20 µs
     (the first device run, H200, 2026-12-06 20:44 UTC) the rows had landed before the kernel was
-    launched at all, and the control came out finite: no race was exercised."""
+    launched at all, and the control came out finite: no race was exercised.
+
+    `last` is placed by pre_wait_positions, not at check_inputs' mid-run position: there the
+    new rows sit in a split's last tile, which at B = 1, k = 7 and B = 8 is not among the tiles
+    read before the wait (the second device run, 20:50 UTC: controls finite at those shapes,
+    non-finite at B = 1, k = 0). A check that cannot see the race proves nothing."""
     global PRE_WAIT_TILES, RELOAD_NEW
     from kimi_decode.config import k3_tp16
     from kimi_decode.kernels import chain_writer
@@ -1064,15 +1080,17 @@ def check_pre_wait(cases: tuple[tuple[int, int], ...] = ((1, 0), (1, 7), (8, 0))
                 continue
             for uv in ((False, True) if (bsz, k) == (1, 0) else (False,)):
                 x = k_old.check_inputs(cfg, k, 3000 * bsz + k, dev, uv=uv)
-                cache, q_full, last = x["cache"], x["q_full"], x["last"]
+                cache, q_full = x["cache"], x["q_full"]
                 sc = make_scratch(bsz, T * H, C, c, dev)
+                last = pre_wait_positions(sc.splits, T, dev)
 
                 def attend(ca: torch.Tensor) -> torch.Tensor:
                     if uv:
                         return mla_attend_mma_uv(q_full, ca, last, H, c, scale, x["w_uv"], x["g"], sc)[0]
                     return mla_attend_mma(q_full, ca, last, H, c, scale, sc)
                 new_rows = cache[:, last].contiguous()
-                r = {"kernel": "mla_attend_mma_pre_wait", "B": bsz, "k": k, "uv": uv, "delay_ns": delay_ns}
+                r = {"kernel": "mla_attend_mma_pre_wait", "B": bsz, "k": k, "uv": uv, "delay_ns": delay_ns,
+                     "first_new": int(last[0])}
                 for reload in (True, False):
                     RELOAD_NEW = reload
                     with torch.no_grad():

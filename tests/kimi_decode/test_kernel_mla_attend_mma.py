@@ -621,3 +621,21 @@ def test_check_pre_wait_rejects_a_stale_read_and_an_unraced_control(raced_writer
     mp.setattr(km, "mla_attend_mma", lambda *a, **kw: attend(*a, reload=True))
     rows = km.check_pre_wait(cases=((8, 0),))
     assert len(rows) == 1 and not rows[0]["ok"] and rows[0]["equal_to_unraced"] and not rows[0]["control_nonfinite"]
+
+
+@pytest.mark.parametrize("bsz,k", [(1, 0), (1, 7), (8, 0), (8, 7)])
+@pytest.mark.parametrize("sms", [132, 114])
+def test_pre_wait_positions_put_the_new_rows_in_a_pre_wait_tile(bsz: int, k: int, sms: int) -> None:
+    """The race check exercises the race only where this step's rows lie in a tile a split
+    reads before the wait (its first): brute force over the kernel's split rule
+    (split s takes valid tiles ⌊s·n/S⌋ .. ⌊(s+1)·n/S⌋ - 1), on the H200's and the H100's SMs."""
+    from kimi_decode.config import k3_tp16
+    cfg = k3_tp16(batch=bsz, spec_tokens=k)
+    T, H = cfg.tokens_per_seq, cfg.mla_local_heads
+    sc = km.make_scratch(bsz, T * H, cfg.cache_len, cfg.kv_lora_rank, "cpu", sms=sms)
+    last = km.pre_wait_positions(sc.splits, T, torch.device("cpu")).tolist()
+    n_valid = (max(last) + 1 + km.TILE - 1) // km.TILE
+    first_tiles = {s * n_valid // sc.splits for s in range(sc.splits)
+                   if (s + 1) * n_valid // sc.splits > s * n_valid // sc.splits}
+    assert {p // km.TILE for p in last} <= first_tiles, (last, sc.splits)
+    assert max(last) < cfg.context_len          # below check_inputs' NaN rows
