@@ -508,7 +508,7 @@ def chained_lines(tmp_path: Path, cfg: km.MMAConfig, monkeypatch, pre: bool, rel
 @pytest.mark.parametrize("batch,spec,uv", [(1, 0, True), (1, 7, True), (8, 0, False)])
 def test_pre_wait_tiles_load_before_the_wait_and_reload_after(tmp_path: Path, monkeypatch, batch: int, spec: int,
                                                               uv: bool) -> None:
-    """Off (the default), nothing is loaded before griddepcontrol.wait. On: `last` (T int64:
+    """Off, nothing is loaded before griddepcontrol.wait. On (the default): `last` (T int64:
     one 32-bit load at T = 1, four 128-bit loads at T = 8) and the NBUF pre-loaded tiles' KC
     128-bit cache loads per lane come before the wait, and after it the build has exactly
     NBUF·KC 128-bit loads more than the default one (the re-load of this step's rows), none
@@ -543,6 +543,7 @@ def test_pre_wait_tiles_load_before_the_wait_and_reload_after(tmp_path: Path, mo
 def test_pre_wait_tiles_change_nothing_without_the_chain(tmp_path: Path, monkeypatch) -> None:
     """The switch acts only where the chain is on: unchained, the PTX is the default build's."""
     cfg = config(1, 0, uv=True)
+    monkeypatch.setattr(km, "PRE_WAIT_TILES", False)
     base = ptx_of(tmp_path / "base", cfg)
     monkeypatch.setattr(km, "PRE_WAIT_TILES", True)
     pre = ptx_of(tmp_path / "pre", cfg)
@@ -605,6 +606,7 @@ def raced_writer(emulated_mma):
 
 
 def test_check_pre_wait_passes_a_reloading_kernel(raced_writer) -> None:
+    raced_writer[0].setattr(km, "PRE_WAIT_TILES", False)
     rows = km.check_pre_wait()
     assert [(r["B"], r["k"], r["uv"]) for r in rows] == [(1, 0, False), (1, 0, True), (1, 7, False), (8, 0, False)]
     assert all(r["ok"] and r["control_nonfinite"] for r in rows), rows
