@@ -146,8 +146,10 @@ SEL_HI = 0x7632    # prmt: (a.hi, b.hi) -> one word
 # barrier. Part of the compile key (compile_for); only where the chain is on. On since
 # session 26: H200 (a8626de, 20:50-20:53 UTC, fused_ab, base / prewait twice each) MLA layer
 # 93.8 / 93.6 -> 93.0 / 93.0 µs at B = 1, k = 0; 212.2 / 212.2 -> 210.2 / 210.3 at k = 7;
-# 219.9 / 220.2 -> 217.0 / 217.1 at B = 8; KDA layers unchanged; check_pre_wait's race oracle
-# passing (bench/fused_runs.md, session 26).
+# 219.9 / 220.2 -> 217.0 / 217.1 at B = 8; KDA layers unchanged. check_pre_wait's race oracle
+# passed at B = 1, k = 0 (plain and uv, control non-finite); at B = 1, k = 7 and B = 8 its
+# pre_wait_positions placement has not yet run on a device; step parity and pdl_chain passed
+# with the switch at all three (bench/fused_runs.md, session 26).
 PRE_WAIT_TILES = True
 # The re-load above (True). False only for check_pre_wait's negative control: the build that
 # reads this step's rows before the wait alone, which a late writer must catch.
