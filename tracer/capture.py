@@ -140,6 +140,21 @@ def kernels_with_ops(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def capture_map(eager_kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`graph_capture_map` from the eager map step's kernels (kernels_with_ops, start order):
+    node_order, kernel_name, step, layer, op, and `capture_stream`, the stream the eager step
+    launched the kernel on.
+
+    Why the stream: in a graph replay CUPTI reports the executor's streams, and the fused
+    step's main chain moves between them at the shared expert's fork and join, so a kernel
+    that is resident early under PDL (waiting in griddepcontrol.wait) can sit on another
+    replay stream than the kernel it waits for. The capture stream is the one on which
+    same-stream PDL overlap is defined (analyzers' kernels_exposed partitions by stream).
+    """
+    return [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"], "op": k["op"],
+             "capture_stream": k.get("stream")} for i, k in enumerate(eager_kernels)]
+
+
 def graph_replays(kernels: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Kernels grouped by the cudaGraphLaunch that replayed them, replays in time order."""
     groups: dict[Any, list] = defaultdict(list)
@@ -180,8 +195,7 @@ def capture(variant: str, cfg: KimiConfig, graph: bool, steps: int, out: Path,
         # Same process, same model and inputs: one eager step gives the launch order and ops.
         eager_kernels = [k for k in kernels_with_ops(profile(eager_step(model, inputs), 1, cuda))
                          if k["step"] == STEP]
-        cmap = [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"],
-                 "op": k["op"]} for i, k in enumerate(eager_kernels)]
+        cmap = capture_map(eager_kernels)
         step = prepare(model, inputs, graph=True, warmup=0)
         graph_warmup = warm_graph(step.graph)
     else:

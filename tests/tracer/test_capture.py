@@ -101,6 +101,11 @@ def test_kernel_attribution_replays_and_comm_streams_on_a_hand_made_trace():
     replays = graph_replays(ks)
     assert [[k["name"] for k in r] for r in replays] == [["g_a", "g_b", "g_c"], ["g_a"]]
     assert all(k["step"] == "step" and k["layer"] is None for k in replays[0])
+    # the capture map: the eager step's kernels by start order, each with the stream it ran on
+    from tracer.capture import capture_map
+    cmap = capture_map([k for k in eager if k["step"] == "step"])
+    assert [(m["node_order"], m["kernel_name"], m["layer"], m["op"], m["capture_stream"]) for m in cmap] == [
+        (0, "k1", "L4.kda", "in_proj", 7), (1, "k2", "L4.kda", "all_reduce", 22), (2, "k3", "L4.kda", "router", 7)]
 
 
 def test_capture_on_cuda_without_a_gpu_is_one_error_line(tmp_path):
