@@ -15,7 +15,10 @@ contract other analyses code against:
 
     run_id, rank, item_kind ('kernel'|'memop'), item_id, step, step_index (0-based per run and
     rank, NULL outside any step), layer, layer_index, layer_kind, op,
-    method ('range'|'capture_map'|'reference'|'gpu_range'|'none')
+    method ('range'|'capture_map'|'reference'|'gpu_range'|'none'),
+    capture_stream (the stream a graph kernel was captured on, from the capture map, NULL
+    otherwise: the order it follows in its replay, which kernels/exposed.sql needs because
+    the graph executor picks the replay's streams itself)
 """
 from __future__ import annotations
 
@@ -47,15 +50,26 @@ KERNEL_ATTRIBUTION_DDL = """
 CREATE TEMP TABLE IF NOT EXISTS kernel_attribution (
   run_id INTEGER, rank INTEGER, item_kind VARCHAR, item_id BIGINT, step VARCHAR,
   step_index INTEGER, layer VARCHAR, layer_index INTEGER, layer_kind VARCHAR, op VARCHAR,
-  method VARCHAR
+  method VARCHAR, capture_stream BIGINT
 )"""
 # Work table: every item with its launch, the range-method result and a method column.
 WORK_SQL = """
 CREATE OR REPLACE TEMP TABLE _attr_work AS
 SELECT *,
   CASE WHEN launched AND (step_index IS NOT NULL OR layer IS NOT NULL OR op IS NOT NULL)
-    THEN 'range' ELSE 'none' END AS method
+    THEN 'range' ELSE 'none' END AS method,
+  NULL::BIGINT AS capture_stream
 FROM attribution_by_range('_attr_ann', '_attr_items')"""
+# The runs' capture-map rows; `{stream}` is the column or NULL (_capture_map_rows_sql).
+CAPTURE_MAP_ROWS_SQL = """
+CREATE OR REPLACE TEMP TABLE _attr_gcm AS
+SELECT run_id, rank, graph_id, node_order, graph_node_id, kernel_name, step_name, layer_name,
+       op_name, {stream} AS capture_stream
+FROM graph_capture_map WHERE list_contains(?, run_id)"""
+HAS_CAPTURE_STREAM_SQL = """
+SELECT count(*) FROM duckdb_columns()
+WHERE NOT internal AND database_name <> 'temp' AND table_name = 'graph_capture_map'
+  AND column_name = 'capture_stream'"""
 # Verified capture-map replays overwrite layer and op (the step stays the launch's).
 APPLY_CAPTURE_MAP_SQL = """
 UPDATE _attr_work w SET
@@ -63,7 +77,8 @@ UPDATE _attr_work w SET
   layer_index = attribution_layer_index(c.layer_name, c.layer_name, ?, ?, ?),
   layer_kind = attribution_layer_kind(c.layer_name, c.layer_name, ?, ?, ?),
   op = c.op_name,
-  method = 'capture_map'
+  method = 'capture_map',
+  capture_stream = c.capture_stream
 FROM _attr_cmap c
 WHERE c.verified AND w.run_id = c.run_id AND w.item_kind = 'kernel' AND w.item_id = c.item_id"""
 CAPTURE_SUMMARY_SQL = """
@@ -105,7 +120,7 @@ GROUP BY run_id"""
 PUBLISH_SQL = """
 INSERT INTO kernel_attribution
 SELECT run_id, rank, item_kind, item_id, step, step_index, layer, layer_index, layer_kind, op,
-       method
+       method, capture_stream
 FROM _attr_work WHERE list_contains(?, run_id)
 ORDER BY run_id, rank, item_kind, item_id"""
 RUN_SUMMARY_SQL = """
@@ -257,8 +272,9 @@ def attribute(con: duckdb.DuckDBPyConnection, run_ids: list[int] | None = None,
                 [work_ids, GRAPH_LAUNCH_PATTERN])
     con.execute(WORK_SQL)
 
+    con.execute(_capture_map_rows_sql(con), [work_ids])
     con.execute("CREATE OR REPLACE TEMP TABLE _attr_cmap AS "
-                "SELECT * FROM attribution_capture_map('_attr_work', ?)", [work_ids])
+                "SELECT * FROM attribution_capture_map('_attr_work', '_attr_gcm', ?)", [work_ids])
     con.execute(APPLY_CAPTURE_MAP_SQL, [*lp.idx_args(), *lp.kind_args()])
     capture = _capture_summary(con)
 
@@ -274,6 +290,14 @@ def attribute(con: duckdb.DuckDBPyConnection, run_ids: list[int] | None = None,
     con.execute("DELETE FROM kernel_attribution WHERE list_contains(?, run_id)", [work_ids])
     con.execute(PUBLISH_SQL, [work_ids])
     return _report(con, work_ids, capture, reference, lp.regex, steps[0], graph_reference)
+
+
+def _capture_map_rows_sql(con: duckdb.DuckDBPyConnection) -> str:
+    """The statement that copies the runs' capture-map rows into `_attr_gcm`, with
+    capture_stream NULL where the store predates that column (a store opened read-only is not
+    migrated by tracer/schema.sql's ALTER)."""
+    has_stream = con.execute(HAS_CAPTURE_STREAM_SQL).fetchall()[0][0] > 0
+    return CAPTURE_MAP_ROWS_SQL.format(stream="capture_stream" if has_stream else "NULL::BIGINT")
 
 
 def _capture_summary(con: duckdb.DuckDBPyConnection) -> dict[int, dict[str, Any]]:

@@ -47,7 +47,7 @@ SELECT a.rank, a.step_index, a.layer, a.layer_kind, a.layer_index, a.op,
        k.name, e.exposed_start_ns AS start_ns, k.end_ns, k.category
 FROM kernel_attribution AS a
 JOIN kernels AS k ON k.run_id = a.run_id AND k.kernel_id = a.item_id
-JOIN kernels_exposed($run) AS e ON e.kernel_id = k.kernel_id
+JOIN kernels_exposed('kernel_attribution', $run) AS e ON e.kernel_id = k.kernel_id
 WHERE a.run_id = $run AND a.item_kind = 'kernel'
 ORDER BY a.rank, start_ns, k.end_ns
 """

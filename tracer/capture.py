@@ -149,7 +149,8 @@ def capture_map(eager_kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     step's main chain moves between them at the shared expert's fork and join, so a kernel
     that is resident early under PDL (waiting in griddepcontrol.wait) can sit on another
     replay stream than the kernel it waits for. The capture stream is the one on which
-    same-stream PDL overlap is defined (analyzers' kernels_exposed partitions by stream).
+    same-stream PDL overlap is defined (analyzers/sql/kernels/exposed.sql orders a graph
+    kernel after the earlier kernels of its capture stream as well as of its replay stream).
     """
     return [{"node_order": i, "kernel_name": k["name"], "step": k["step"], "layer": k["layer"], "op": k["op"],
              "capture_stream": k.get("stream")} for i, k in enumerate(eager_kernels)]

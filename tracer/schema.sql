@@ -129,8 +129,13 @@ CREATE TABLE IF NOT EXISTS graph_capture_map (
   kernel_name   VARCHAR NOT NULL,           -- expected name, checked against the replay
   step_name     VARCHAR,
   layer_name    VARCHAR,                    -- e.g. 'L3.mla'
-  op_name       VARCHAR                     -- e.g. 'o_proj+ar'
+  op_name       VARCHAR,                    -- e.g. 'o_proj+ar'
+  capture_stream BIGINT                     -- stream the kernel was captured on (its eager map
+                                            -- step's stream): the order it follows in a replay,
+                                            -- whose CUPTI streams the graph executor picks
 );
+-- Stores made before capture_stream existed get the column (NULL: replay streams are used).
+ALTER TABLE graph_capture_map ADD COLUMN IF NOT EXISTS capture_stream BIGINT;
 
 -- Classifier rules that decided `category` (defaults plus the user's), kept per run so the
 -- decision can be explained. Lower priority wins; NULL fields match anything.

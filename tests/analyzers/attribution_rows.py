@@ -52,8 +52,9 @@ class RunRows:
         return mid
 
     def map_node(self, order: int, kernel_name: str, layer: str | None, op: str | None,
-                 rank: int = 0, graph_id: int | None = None) -> None:
-        self.cmap.append((self.run_id, rank, graph_id, order, None, kernel_name, "step", layer, op))
+                 rank: int = 0, graph_id: int | None = None, capture_stream: int | None = None) -> None:
+        self.cmap.append((self.run_id, rank, graph_id, order, None, kernel_name, "step", layer, op,
+                          capture_stream))
 
     def insert(self, con: duckdb.DuckDBPyConnection, graph_mode: bool = False) -> None:
         con.execute("INSERT INTO runs (run_id, name, source, path, file_hash, world_size, graph_mode) "

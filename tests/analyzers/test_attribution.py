@@ -96,7 +96,7 @@ def test_nested_ranges_threads_streams(con: duckdb.DuckDBPyConnection) -> None:
     # columns of the contract, in order
     cols = [c[0] for c in con.execute("SELECT * FROM kernel_attribution LIMIT 0").description]
     assert cols == ["run_id", "rank", "item_kind", "item_id", "step", "step_index", "layer",
-                    "layer_index", "layer_kind", "op", "method"]
+                    "layer_index", "layer_kind", "op", "method", "capture_stream"]
     assert con.execute("SELECT DISTINCT layer_index FROM kernel_attribution WHERE layer = 'L5.dense'"
                        ).fetchall() == [(5,)]
 
@@ -293,6 +293,29 @@ def test_graph_capture_map_and_mismatch(con: duckdb.DuckDBPyConnection) -> None:
     assert (bad["first_mismatch"], bad["expected"], bad["found"]) == (1, "b", "x")
     short = [x for x in m.values() if x["kernels"] == 2][0]
     assert short["map_nodes"] == 3
+
+
+def test_capture_stream_is_carried_and_old_stores_read_null(tmp_path) -> None:
+    """A verified replay's kernels carry their node's capture_stream (also when matched as
+    reordered). A store written before the column existed, opened read-only (not migrated),
+    still attributes, with capture_stream NULL."""
+    path = tmp_path / "s.duckdb"
+    con = open_store(path)
+    r = _graph_run(1, [["a", "b", "c"], ["a", "c", "b"]], with_map=False)
+    for i, ((n, layer, op), cs) in enumerate(zip(GRAPH_NODES, (7, 8, 7))):
+        r.map_node(i, n, layer, op, capture_stream=cs)
+    r.insert(con, True)
+    attribute(con)
+    got = con.execute("SELECT k.name, a.capture_stream FROM kernel_attribution a JOIN kernels k "
+                      "ON k.run_id = a.run_id AND k.kernel_id = a.item_id ORDER BY k.start_ns").fetchall()
+    assert got == [("a", 7), ("b", 8), ("c", 7), ("a", 7), ("c", 7), ("b", 8)]
+    con.execute("ALTER TABLE graph_capture_map DROP COLUMN capture_stream")
+    con.close()
+    old = open_store(path, read_only=True)
+    rep = attribute(old)
+    assert rep.runs[1].capture_map["replays_verified"] == 2
+    assert old.execute("SELECT count(*), count(capture_stream) FROM kernel_attribution "
+                       "WHERE method = 'capture_map'").fetchall() == [(6, 0)]
 
 
 def test_graph_reference_alignment(con: duckdb.DuckDBPyConnection) -> None:

@@ -158,3 +158,84 @@ def test_pdl_overlap_on_one_stream_counts_once() -> None:
            for row in layer_steps(con, 1).itertuples() if row.op is None or row.op != row.op}
     assert got == {"L0.kda": (1, 100, 100, 0),
                    "L1.kda": (3, 300 - 120, (180 - 120) + (300 - 200), 180 - 160)}
+
+
+def _graph_pdl_run(with_capture_stream: bool) -> RunRows:
+    """One graph replay of a fused-like step. The chain captured on stream 7 hops from replay
+    stream 20 (a) to 21 (b, c) at a side stream's join; b is resident under PDL from 150
+    while a runs until 200. `side` was captured on stream 8 (replay stream 22) and overlaps a
+    for real. The map names each node's capture stream unless `with_capture_stream` is False
+    (maps written before it was recorded)."""
+    r = RunRows(1, name="graph-pdl")
+    r.range("step", 0, 1000)
+    corr = r.launch(10, name="cudaGraphLaunch")
+    nodes = [("a", 100, 200, 20, 7, "L0.kda", "x"), ("side", 120, 180, 22, 8, "L1.kda", "sh"),
+             ("b", 150, 260, 21, 7, "L1.kda", "y"), ("c", 240, 300, 21, 7, "L1.kda", "z")]
+    for i, (name, start, end, stream, cap, layer, op) in enumerate(nodes):
+        r.kernel(name, start, end, corr, stream=stream)
+        r.map_node(i, name, layer, op, capture_stream=cap if with_capture_stream else None)
+    return r
+
+
+def test_pdl_wait_across_replay_streams_follows_the_capture_stream() -> None:
+    """With the capture stream, b's wait for a (150-200) is not L1's time although the two
+    ran on different replay streams; `side` keeps its own start (another capture stream).
+    Without it (an older map) b counts from its raw start: the overcount this fixes."""
+    got = {}
+    for with_cs in (True, False):
+        con = open_store(None)
+        _graph_pdl_run(with_cs).insert(con, graph_mode=True)
+        got[with_cs] = {(row.layer, None if row.op != row.op else row.op):
+                        (row.kernels, row.span_ns, row.busy_ns, row.bubble_ns)
+                        for row in layer_steps(con, 1).itertuples()}
+    assert got[True][("L1.kda", None)] == (3, 300 - 120, (180 - 120) + (300 - 200), 200 - 180)
+    assert got[True][("L1.kda", "y")] == (1, 60, 60, 0)
+    assert got[True][("L1.kda", "sh")] == (1, 60, 60, 0)
+    assert got[True][("L0.kda", None)] == (1, 100, 100, 0)
+    assert got[False][("L1.kda", None)] == (3, 300 - 120, 300 - 120, 0)
+    assert got[False][("L1.kda", "y")] == (1, 110, 110, 0)
+
+
+def _exposed_two_keys(kernels: list[tuple[int, int, int | None, int, int]]) -> dict[int, int]:
+    """{kernel id: exposed start} for (id, stream, capture stream, start, end) kernels, by
+    brute force: the latest of its start and the ends of every earlier kernel (by (start, id))
+    sharing its stream or its capture stream, capped at its end."""
+    order = sorted(kernels, key=lambda k: (k[3], k[0]))
+    out = {}
+    for i, (kid, stream, cap, start, end) in enumerate(order):
+        ends = [e for (_, st, c, _, e) in order[:i] if st == stream] + \
+               [e for (_, st, c, _, e) in order[:i] if cap is not None and c == cap]
+        out[kid] = min(end, max([start, *ends]))
+    return out
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_graph_exposed_starts_brute_force(seed: int) -> None:
+    """Random graph replays (one per step) of eight uniquely named nodes with fixed capture
+    streams (7 or 8, one node without), each on a random replay stream with a random start,
+    so replays reorder (matched by name) and overlap on both keys. Per-op busy time equals
+    the brute-force union of the exposed intervals (_exposed_two_keys)."""
+    rng = random.Random(seed)
+    r = RunRows(1, name=f"graph-rand{seed}")
+    caps = [7, 7, 8, 7, 8, 7, None, 7]
+    for i, cap in enumerate(caps):
+        r.map_node(i, f"n{i}", "L0.kda", f"op{i % 3}", capture_stream=cap)
+    kernels, ops = [], {}
+    for s in range(3):
+        r.range("step", 1000 * s, 1000 * s + 1000)
+        corr = r.launch(1000 * s + 10, name="cudaGraphLaunch")
+        base = 100_000 + 10_000 * s
+        for i, cap in enumerate(caps):
+            start = base + 20 * i + rng.randint(0, 60)
+            end = start + rng.randint(1, 120)
+            stream = rng.choice((20, 21, 22))
+            kid = r.kernel(f"n{i}", start, end, corr, stream=stream)
+            kernels.append((kid, stream, cap, start, end))
+            ops.setdefault((s, f"op{i % 3}"), []).append(kid)
+    con = open_store(None)
+    r.insert(con, graph_mode=True)
+    exposed = _exposed_two_keys(kernels)
+    ends = {k[0]: k[4] for k in kernels}
+    got = {(int(row.step_index), row.op): row.busy_ns
+           for row in layer_steps(con, 1).itertuples() if row.op == row.op and row.op is not None}
+    assert got == {key: _busy([(exposed[k], ends[k]) for k in kids]) for key, kids in ops.items()}

@@ -77,15 +77,26 @@ def test_decodescope_metadata_fills_runs_and_capture_map(tmp_path: Path) -> None
     b.launch("stage_weights", 0, 10, 300, 50, stream=21)
     meta = {"variant": "fused", "gpu": "NVIDIA H200", "graph_mode": True, "tp_sim": True, "config": {"B": 1},
             "comm_streams": [13], "prefetch_streams": [21],
-            "graph_capture_map": [{"node_order": 0, "kernel_name": "gemm", "step": "step", "layer": "L0.mla", "op": "in_proj"}]}
+            "graph_capture_map": [{"node_order": 0, "kernel_name": "gemm", "step": "step", "layer": "L0.mla", "op": "in_proj",
+                                   "capture_stream": 7}]}
     con = open_store(None)
     ingest_path(con, b.write(tmp_path / "t.json", decodescope_meta=meta), progress=False)
     assert _rows(con, "SELECT variant, gpu, graph_mode, tp_sim, world_size FROM runs") == [("fused", "NVIDIA H200", True, True, 1)]
     assert json.loads(_rows(con, "SELECT config FROM runs")[0][0]) == meta
-    assert _rows(con, "SELECT rank, node_order, kernel_name, layer_name, op_name FROM graph_capture_map") == [
-        (0, 0, "gemm", "L0.mla", "in_proj")]
+    assert _rows(con, "SELECT rank, node_order, kernel_name, layer_name, op_name, capture_stream FROM graph_capture_map") == [
+        (0, 0, "gemm", "L0.mla", "in_proj", 7)]
     cats = dict(_rows(con, "SELECT name, category FROM kernels"))
     assert cats == {"gemm": "compute", "my_collective": "communication", "stage_weights": "prefetch"}
+
+
+def test_capture_stream_that_is_not_an_integer_is_bad_input(tmp_path: Path) -> None:
+    b = KinetoTraceBuilder()
+    b.launch("gemm", 0, 10, 100, 50, stream=7)
+    meta = {"graph_capture_map": [{"node_order": 0, "kernel_name": "gemm", "capture_stream": "7"}]}
+    con = open_store(None)
+    with pytest.raises(BadInput, match=r"graph_capture_map\[0\]\.capture_stream is not an integer"):
+        ingest_path(con, b.write(tmp_path / "t.json", decodescope_meta=meta), progress=False)
+    assert _rows(con, "SELECT count(*) FROM runs") == [(0,)]
 
 
 def test_reingest_returns_existing_run(tmp_path: Path) -> None:

@@ -186,8 +186,11 @@ def _capture_map_rows(run_id: int, ds: dict[str, Any], rank: int, path: Path) ->
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or not isinstance(e.get("node_order"), int) or not isinstance(e.get("kernel_name"), str):
             raise BadInput(path, f"decodescope.graph_capture_map[{i}] needs an integer node_order and a kernel_name")
+        cs = e.get("capture_stream")
+        if cs is not None and (not isinstance(cs, int) or isinstance(cs, bool)):
+            raise BadInput(path, f"decodescope.graph_capture_map[{i}].capture_stream is not an integer")
         rows.append([run_id, e.get("rank", rank), e.get("graph_id"), e["node_order"], e.get("graph_node_id"),
-                     e["kernel_name"], e.get("step"), e.get("layer"), e.get("op")])
+                     e["kernel_name"], e.get("step"), e.get("layer"), e.get("op"), cs])
     return rows
 
 

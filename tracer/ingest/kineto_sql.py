@@ -251,8 +251,8 @@ SELECT count(*) FROM _kineto_ev WHERE ph = 'X' AND name IN ('cudaGraphLaunch', '
 
 INSERT_CAPTURE_MAP_SQL = """
 INSERT INTO graph_capture_map (run_id, rank, graph_id, node_order, graph_node_id, kernel_name,
-                               step_name, layer_name, op_name)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+                               step_name, layer_name, op_name, capture_stream)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 
 HANDLED_CATS: dict[str, str] = {

@@ -12,12 +12,14 @@
 -- the map holds several graphs, each replay takes the graph that verifies (one whose graph_id
 -- agrees when both sides know it).
 
--- items: relation shaped like attribution_items(...). One row per (replay, kernel), for the
--- graph candidate chosen for the replay (the verified one, else the closest): n_replay and
--- n_map (kernel counts), n_equal (positions whose names agree), n_occ (kernels whose (name,
--- occurrence) is in the map), verified, match ('exact' | 'reordered' | NULL), and per kernel
--- expected_name (at its position), layer_name, op_name (from the node it is matched to).
-CREATE OR REPLACE MACRO attribution_capture_map(items, run_ids) AS TABLE
+-- items: relation shaped like attribution_items(...); cmap: relation shaped like
+-- graph_capture_map (all its columns; capture_stream NULL where the map has none). One row per
+-- (replay, kernel), for the graph candidate chosen for the replay (the verified one, else the
+-- closest): n_replay and n_map (kernel counts), n_equal (positions whose names agree), n_occ
+-- (kernels whose (name, occurrence) is in the map), verified, match ('exact' | 'reordered' |
+-- NULL), and per kernel expected_name (at its position), layer_name, op_name and
+-- capture_stream (from the node it is matched to).
+CREATE OR REPLACE MACRO attribution_capture_map(items, cmap, run_ids) AS TABLE
 WITH _g AS (
   SELECT
     run_id, rank, correlation, item_id, name, graph_id,
@@ -32,9 +34,10 @@ WITH _g AS (
 _m AS (
   SELECT
     run_id, rank, graph_id AS map_graph_id, node_order, kernel_name, layer_name, op_name,
+    capture_stream,
     row_number() OVER (PARTITION BY run_id, rank, graph_id, kernel_name ORDER BY node_order) AS occ,
     count(*) OVER (PARTITION BY run_id, rank, graph_id) AS n_map
-  FROM graph_capture_map
+  FROM query_table(cmap)
   WHERE list_contains(run_ids, run_id)
 ),
 _replays AS (
@@ -55,8 +58,9 @@ _pairs AS (
   SELECT
     c.run_id, c.rank, c.correlation, c.map_graph_id, c.n_replay, c.n_map,
     g.item_id, g.node_order, g.name, m.kernel_name AS expected_name,
-    m.layer_name AS pos_layer, m.op_name AS pos_op,
-    o.node_order IS NOT NULL AS occ_found, o.layer_name AS occ_layer, o.op_name AS occ_op
+    m.layer_name AS pos_layer, m.op_name AS pos_op, m.capture_stream AS pos_stream,
+    o.node_order IS NOT NULL AS occ_found, o.layer_name AS occ_layer, o.op_name AS occ_op,
+    o.capture_stream AS occ_stream
   FROM _cand c
   JOIN _g g ON g.run_id = c.run_id AND g.rank = c.rank AND g.correlation = c.correlation
   LEFT JOIN _m m
@@ -94,6 +98,7 @@ SELECT
   p.node_order, p.name, p.expected_name,
   CASE WHEN b.match = 'reordered' THEN p.occ_layer ELSE p.pos_layer END AS layer_name,
   CASE WHEN b.match = 'reordered' THEN p.occ_op ELSE p.pos_op END AS op_name,
+  CASE WHEN b.match = 'reordered' THEN p.occ_stream ELSE p.pos_stream END AS capture_stream,
   b.n_equal, b.n_occ, b.match, b.match IS NOT NULL AS verified
 FROM _pairs p
 JOIN _best b

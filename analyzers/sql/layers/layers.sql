@@ -20,7 +20,7 @@ WITH _k AS (
   SELECT a.rank, a.step_index, a.layer, a.layer_index, a.layer_kind, a.op,
          k.exposed_start_ns AS start_ns, k.end_ns
   FROM query_table(attr) a
-  JOIN kernels_exposed(run) k ON k.kernel_id = a.item_id
+  JOIN kernels_exposed(attr, run) k ON k.kernel_id = a.item_id
   WHERE a.run_id = run AND a.item_kind = 'kernel' AND a.layer IS NOT NULL
 ),
 _iv AS (
