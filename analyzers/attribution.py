@@ -16,8 +16,8 @@ contract other analyses code against:
     run_id, rank, item_kind ('kernel'|'memop'), item_id, step, step_index (0-based per run and
     rank, NULL outside any step), layer, layer_index, layer_kind, op,
     method ('range'|'capture_map'|'reference'|'gpu_range'|'none'),
-    capture_stream (the stream a graph kernel was captured on, from the capture map, NULL
-    otherwise: the order it follows in its replay, which kernels/exposed.sql needs because
+    capture_stream (the stream a graph kernel was captured on, from the capture map or the
+    reference kernel it is aligned to, NULL otherwise: the order it follows in its replay, which kernels/exposed.sql needs because
     the graph executor picks the replay's streams itself)
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ SELECT run_id, rank, correlation, map_graph_id, any_value(n_replay), any_value(n
        arg_min(name, node_order) FILTER (WHERE expected_name IS DISTINCT FROM name)
 FROM _attr_cmap GROUP BY ALL ORDER BY run_id, rank, correlation"""
 REFERENCE_ROWS_SQL = """
-SELECT rank, step_index, name, layer, layer_index, layer_kind, op
+SELECT rank, step_index, name, layer, layer_index, layer_kind, op, stream
 FROM _attr_work
 WHERE run_id = ? AND item_kind = 'kernel' AND step_index IS NOT NULL
 ORDER BY rank, step_index, start_ns, item_id"""
@@ -102,7 +102,7 @@ ORDER BY run_id, rank, correlation, start_ns, item_id"""
 APPLY_REFERENCE_SQL = """
 UPDATE _attr_work w SET
   layer = r.layer, layer_index = r.layer_index, layer_kind = r.layer_kind, op = r.op,
-  method = 'reference'
+  method = 'reference', capture_stream = r.capture_stream
 FROM _attr_ref r
 WHERE w.run_id = r.run_id AND w.item_kind = 'kernel' AND w.item_id = r.item_id"""
 APPLY_FALLBACK_SQL = """
@@ -365,7 +365,8 @@ def _apply_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: lis
     whose names equal the reference step's as a multiset but not in order (kernels on
     concurrent streams started in another order, e.g. the fused step's side stream) is matched
     by (name, occurrence) instead, as the capture map is (attribution/capture_map.sql), and
-    counted apart as reordered."""
+    counted apart as reordered. A matched kernel also takes the reference kernel's stream as its
+    capture stream: the eager step ran the chain in the order the graph captured it."""
     ref = _reference_sequence(con, ref_run)
     ref_names = list(ref["name"])
     ref_occ: dict[tuple[str, int], int] = {}
@@ -409,12 +410,13 @@ def _apply_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: lis
         "item_id": pd.Series(picked_items, dtype="int64"),
         "layer": sel["layer"].astype(object), "layer_index": sel["layer_index"].astype("Int64"),
         "layer_kind": sel["layer_kind"].astype(object), "op": sel["op"].astype(object),
+        "capture_stream": sel["stream"].astype("Int64"),
     })
     con.register("_attr_ref_df", frame)
     con.execute("CREATE OR REPLACE TEMP TABLE _attr_ref AS SELECT run_id, item_id, "
                 "CAST(layer AS VARCHAR) AS layer, CAST(layer_index AS INTEGER) AS layer_index, "
-                "CAST(layer_kind AS VARCHAR) AS layer_kind, CAST(op AS VARCHAR) AS op "
-                "FROM _attr_ref_df")
+                "CAST(layer_kind AS VARCHAR) AS layer_kind, CAST(op AS VARCHAR) AS op, "
+                "CAST(capture_stream AS BIGINT) AS capture_stream FROM _attr_ref_df")
     con.unregister("_attr_ref_df")
     con.execute(APPLY_REFERENCE_SQL)
     return out

@@ -323,7 +323,8 @@ def test_graph_reference_alignment(con: duckdb.DuckDBPyConnection) -> None:
     c in L1.kda/o_proj, then `sample` in the step outside any layer.
     Graph run (run 2, no map): replay 0 = a b c -> a contiguous part of the reference step,
     all 3 matched; replay 1 = a z c -> a and c matched, z (not in the reference) counted as
-    1 unmatched kernel and left without layer. Steps come from the graph launches (0, 1)."""
+    1 unmatched kernel and left without layer. Steps come from the graph launches (0, 1). A
+    matched kernel's capture stream is its reference kernel's stream (b ran on 8, the rest on 7)."""
     ref = RunRows(1, name="eager")
     for s in range(2):
         base = 1000 * s
@@ -334,16 +335,18 @@ def test_graph_reference_alignment(con: duckdb.DuckDBPyConnection) -> None:
         ref.range("L1.kda", base + 300, base + 500, depth=1)
         ref.range("o_proj", base + 300, base + 400, depth=2)
         for i, (n, t) in enumerate((("a", 150), ("b", 250), ("c", 350), ("sample", 700))):
-            ref.kernel(n, 50_000 + base + 10 * i, 50_005 + base + 10 * i, ref.launch(base + t))
+            ref.kernel(n, 50_000 + base + 10 * i, 50_005 + base + 10 * i, ref.launch(base + t),
+                       stream=8 if n == "b" else 7)
     ref.insert(con)
     _graph_run(2, [["a", "b", "c"], ["a", "z", "c"]], with_map=False).insert(con, True)
     rep = attribute(con, [2], graph_reference=1)
-    rows = con.execute("SELECT k.name, a.step_index, a.layer, a.op, a.method FROM kernel_attribution a "
+    rows = con.execute("SELECT k.name, a.step_index, a.layer, a.op, a.method, a.capture_stream "
+                       "FROM kernel_attribution a "
                        "JOIN kernels k ON k.run_id = a.run_id AND k.kernel_id = a.item_id "
                        "WHERE a.run_id = 2 ORDER BY k.start_ns").fetchall()
-    assert rows == [("a", 0, "L0.mla", "q_proj", "reference"), ("b", 0, "L0.mla", "attn", "reference"),
-                    ("c", 0, "L1.kda", "o_proj", "reference"), ("a", 1, "L0.mla", "q_proj", "reference"),
-                    ("z", 1, None, None, "range"), ("c", 1, "L1.kda", "o_proj", "reference")]
+    assert rows == [("a", 0, "L0.mla", "q_proj", "reference", 7), ("b", 0, "L0.mla", "attn", "reference", 8),
+                    ("c", 0, "L1.kda", "o_proj", "reference", 7), ("a", 1, "L0.mla", "q_proj", "reference", 7),
+                    ("z", 1, None, None, "range", None), ("c", 1, "L1.kda", "o_proj", "reference", 7)]
     r = rep.runs[2].reference
     assert (r["replays"], r["replays_exact"], r["kernels_matched"], r["kernels_unmatched"]) == (2, 1, 5, 1)
     assert rep.runs[2].mismatches[0]["found"] == "z"
