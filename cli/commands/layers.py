@@ -69,6 +69,17 @@ def warn_mismatches(report: Any) -> None:
                        f"(first: {r.mismatches[0]})", err=True)
 
 
+def note_missing_capture_streams(report: Any) -> None:
+    """Graph kernels without a capture stream: their op's busy time may include a PDL wait the
+    replay moved across streams (analyzers/sql/kernels/exposed.sql). Said once per run, on stderr."""
+    for r in report.runs.values():
+        n = r.graph_kernels_without_capture_stream
+        if n:
+            click.echo(f"note: run {r.run_id}: {n} graph-replayed kernels have no capture stream (a capture "
+                       f"map written before capture streams were recorded); where the replay moved a PDL "
+                       f"chain across streams, the wait stays in that op's busy_ns", err=True)
+
+
 @click.command("layers")
 @click.argument("inputs", nargs=-1, metavar="[TRACE_OR_DB]...")
 @run_option
@@ -96,6 +107,8 @@ def command(inputs: tuple[str, ...], run_id: int | None, layer_pattern: str | No
     ref = resolve_reference(con, graph_reference)
     ids = [i for i in pick_runs(inputs, ids, run_id) if i != ref]
     kw = attribution_kwargs(layer_pattern, step_pattern, ref)
-    warn_mismatches(attribute(con, ids, **kw))
+    report = attribute(con, ids, **kw)
+    warn_mismatches(report)
+    note_missing_capture_streams(report)
     docs = [layer_breakdown(con, i, attributed=True, **kw) for i in ids]
     emit(one_or_many(docs), fmt, _text)

@@ -57,8 +57,10 @@ def write_eager(path: Path, steps: int = 3) -> Path:
 
 
 def write_graph(path: Path, steps: int = 3, with_map: bool = True,
-                names: list[str] | None = None) -> Path:
-    """`names` replaces the kernel names of the LAST replay (to plant a mismatch)."""
+                names: list[str] | None = None, capture_streams: bool = True) -> Path:
+    """`names` replaces the kernel names of the LAST replay (to plant a mismatch). The map
+    gives each node's capture stream (its kernel's stream here) unless `capture_streams` is
+    False, as maps written before the tracer recorded them."""
     b = KinetoTraceBuilder()
     for s in range(steps):
         h = 1_000_000 * s
@@ -72,7 +74,8 @@ def write_graph(path: Path, steps: int = 3, with_map: bool = True,
     meta = {"variant": "stock", "graph_mode": True}
     if with_map:
         meta["graph_capture_map"] = [
-            {"node_order": i, "kernel_name": k[0], "step": "step", "layer": k[4], "op": k[5]}
+            {"node_order": i, "kernel_name": k[0], "step": "step", "layer": k[4], "op": k[5],
+             **({"capture_stream": k[3]} if capture_streams else {})}
             for i, k in enumerate(KERNELS)]
     return b.write(path, gz=True, decodescope_meta=meta)
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from cli.exit_codes import BAD_INPUT, OK
 from cli.main import main
-from tests.analyzers.decode_pair import EXPECTED_LAYERS, write_eager, write_graph
+from tests.analyzers.decode_pair import EXPECTED_LAYERS, KERNELS as KERNELS_PER_STEP, write_eager, write_graph
 
 
 def _run(*args: str, code: int = OK) -> str:
@@ -30,6 +30,20 @@ def test_layers_graph_capture_map_equals_eager(tmp_path: Path) -> None:
     graph = write_graph(tmp_path / "graph.json.gz")
     doc = json.loads(_run("layers", str(graph), "--format", "json"))
     assert doc["layers"] == EXPECTED_LAYERS
+
+
+def test_layers_notes_a_map_without_capture_streams(tmp_path: Path) -> None:
+    """A map without capture streams (written before they were recorded) gives the same
+    breakdown here (no PDL overlap across streams) and one note on stderr saying what it may
+    miss; a map with them gives none."""
+    for streams in (True, False):
+        graph = write_graph(tmp_path / f"graph{streams}.json.gz", capture_streams=streams)
+        res = CliRunner().invoke(main, ["layers", str(graph), "--format", "json"])
+        assert res.exit_code == OK
+        assert json.loads(res.stdout)["layers"] == EXPECTED_LAYERS
+        n = sum(len(KERNELS_PER_STEP) for _ in range(3))
+        expected = (f"note: run 1: {n} graph-replayed kernels have no capture stream" in res.stderr)
+        assert expected is (not streams), res.stderr
 
 
 def test_layers_graph_reference(tmp_path: Path) -> None:
