@@ -25,6 +25,12 @@ SUMMARY_SELECT_SQL = "SELECT * FROM layers_summary('_layers_steps') " \
                      "ORDER BY layer_index NULLS LAST, layer, op NULLS FIRST"
 STEP_COUNT_SQL = "SELECT count(DISTINCT step_index) FROM _layers_steps WHERE step_index IS NOT NULL"
 RUN_NAME_SQL = "SELECT name FROM runs WHERE run_id = ?"
+# Graph kernels attributed with no capture stream (kernels/exposed.sql): their op's busy time
+# may hold a PDL wait the replay moved across streams, which the reader should be told.
+NO_CAPTURE_STREAM_SQL = """
+SELECT count(*) FROM kernel_attribution
+WHERE run_id = ? AND item_kind = 'kernel' AND method IN ('capture_map', 'reference')
+  AND capture_stream IS NULL"""
 
 
 def _attributed(con: duckdb.DuckDBPyConnection, run_id: int, attribution_kwargs: dict[str, Any]) -> None:
@@ -50,14 +56,18 @@ def layer_steps(con: duckdb.DuckDBPyConnection, run_id: int, **attribution_kwarg
 def layer_breakdown(con: duckdb.DuckDBPyConnection, run_id: int, **attribution_kwargs: Any) -> dict[str, Any]:
     """Medians over steps per layer and per op, as the issue's JSON:
     {"run", "steps", "layers": [{"layer", "index", "kind", "kernels", "span_ns", "busy_ns",
-    "bubble_ns", "ops": [{"op", "kernels", "busy_ns"}]}]}. Ops are ordered by their median
-    offset from the layer's first kernel. A run with no layer at all says why instead."""
+    "bubble_ns", "ops": [{"op", "kernels", "busy_ns"}]}], "graph_kernels_without_capture_stream"}.
+    Ops are ordered by their median offset from the layer's first kernel. A run with no layer
+    at all says why instead. The last count is of graph kernels whose op busy time cannot
+    leave out a PDL wait across replay streams (no capture stream known)."""
     _attributed(con, run_id, attribution_kwargs)
     con.execute(SUMMARY_SQL, [run_id])
     rows = con.execute(SUMMARY_SELECT_SQL).df()
     steps = con.execute(STEP_COUNT_SQL).fetchall()[0][0]
     name = con.execute(RUN_NAME_SQL, [run_id]).fetchall()[0][0]
-    out: dict[str, Any] = {"run": name, "steps": int(steps), "layers": []}
+    no_stream = con.execute(NO_CAPTURE_STREAM_SQL, [run_id]).fetchall()[0][0]
+    out: dict[str, Any] = {"run": name, "steps": int(steps), "layers": [],
+                           "graph_kernels_without_capture_stream": int(no_stream)}
     if rows.empty:
         out["not_applicable"] = ("no kernel is attributed to a layer: no range matches the layer "
                                  "pattern around any launch, and no capture map or reference applies")

@@ -33,6 +33,18 @@ def notice(text: str, kind: str = "missing") -> html.Div:
     return html.Div(text, className=kind)
 
 
+def capture_stream_notice(breakdown: dict[str, Any]) -> list[html.Div]:
+    """The layers page's notice for a run whose graph kernels have no capture stream (traces
+    captured before it was recorded): its per-op busy time may hold PDL waits the replay moved
+    across streams (analyzers/sql/kernels/exposed.sql). Empty when there is nothing to say."""
+    n = breakdown.get("graph_kernels_without_capture_stream") or 0
+    if not n:
+        return []
+    return [notice(f"{n} graph-replayed kernels have no capture stream (a trace captured before they "
+                   "were recorded): where the replay moved a PDL chain across streams, the wait stays "
+                   "in that op's busy time.")]
+
+
 def run_links(all_runs: list[dict[str, Any]], path: str, current: int | None, param: str = "run",
               **keep: Any) -> html.Div:
     """One link per run to `path` with `param` set to it (other state in `keep` carried along)."""

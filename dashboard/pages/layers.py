@@ -44,6 +44,7 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
             if bd.get("not_applicable"):
                 content.append(c.notice(f"not applicable: {bd['not_applicable']}"))
             else:
+                content += c.capture_stream_notice(bd)
                 content += [
                     html.P(f"median over {bd.get('steps')} steps", className="note"),
                     dcc.Graph(id=f"layers-{side}-time", figure=figs.breakdown_bars(bd, "busy time by op (µs)", colors)),

@@ -98,3 +98,19 @@ def test_concurrent_analyzer_calls_do_not_conflict(tmp_path: Any) -> None:
     assert not [r for r in results if isinstance(r, Exception)], results
     assert len(results) == 4 and all(r == results[0] for r in results)
     assert [layer["layer"] for layer in results[0]["layers"]] == ["L0.kda", "L1.kda"]
+
+
+def test_layers_page_notes_graph_kernels_without_capture_stream(app_context: Any, tmp_path: Any) -> None:
+    """A graph trace whose map lacks capture streams gets one notice on the layers page, with
+    the count layer_breakdown reports (15 = 3 replays x 5 kernels); one with them gets none."""
+    from dashboard import components as c
+    from tests.analyzers.decode_pair import write_graph
+
+    app_context.ingest(write_graph(tmp_path / "with.json.gz"))
+    app_context.ingest(write_graph(tmp_path / "without.json.gz", capture_streams=False))
+    bds = [data.call("layers", "layer_breakdown", i) for i in (1, 2)]
+    assert [bd["graph_kernels_without_capture_stream"] for bd in bds] == [0, 15]
+    assert c.capture_stream_notice(bds[0]) == []
+    (note,) = c.capture_stream_notice(bds[1])
+    assert note.children.startswith("15 graph-replayed kernels have no capture stream")
+    assert note.className == "missing"
