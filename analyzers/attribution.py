@@ -17,8 +17,8 @@ contract other analyses code against:
     rank, NULL outside any step), layer, layer_index, layer_kind, op,
     method ('range'|'capture_map'|'reference'|'gpu_range'|'none'),
     capture_stream (the stream a graph kernel was captured on, from the capture map or the
-    reference kernel it is aligned to, NULL otherwise: the order it follows in its replay, which kernels/exposed.sql needs because
-    the graph executor picks the replay's streams itself)
+    reference kernel it is aligned to, NULL otherwise: the order it follows in its replay,
+    which kernels/exposed.sql needs because the graph executor picks the replay's streams)
 """
 from __future__ import annotations
 
