@@ -99,6 +99,18 @@ FROM _attr_work
 WHERE is_graph AND launched AND item_kind = 'kernel' AND method <> 'capture_map'
   AND run_id <> ? AND list_contains(?, run_id)
 ORDER BY run_id, rank, correlation, start_ns, item_id"""
+# Kernels the capture map attributed but could give no capture stream (maps written before it
+# was recorded), per replay in start order: with a reference run, its stream fills the gap.
+MAP_WITHOUT_STREAM_SQL = """
+SELECT run_id, rank, correlation, item_id, name
+FROM _attr_work
+WHERE method = 'capture_map' AND item_kind = 'kernel' AND capture_stream IS NULL
+  AND run_id <> ? AND list_contains(?, run_id)
+ORDER BY run_id, rank, correlation, start_ns, item_id"""
+APPLY_REFERENCE_STREAMS_SQL = """
+UPDATE _attr_work w SET capture_stream = r.capture_stream
+FROM _attr_ref_streams r
+WHERE w.run_id = r.run_id AND w.item_kind = 'kernel' AND w.item_id = r.item_id"""
 APPLY_REFERENCE_SQL = """
 UPDATE _attr_work w SET
   layer = r.layer, layer_index = r.layer_index, layer_kind = r.layer_kind, op = r.op,
@@ -287,6 +299,7 @@ def attribute(con: duckdb.DuckDBPyConnection, run_ids: list[int] | None = None,
     reference: dict[int, dict[str, Any]] = {}
     if graph_reference is not None:
         reference = _apply_reference(con, graph_reference, work_ids, lp)
+        _streams_from_reference(con, graph_reference, work_ids, reference)
 
     con.execute("CREATE OR REPLACE TEMP TABLE _attr_fb AS "
                 "SELECT * FROM attribution_gpu_fallback('_attr_work')")
@@ -426,6 +439,47 @@ def _apply_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: lis
     con.unregister("_attr_ref_df")
     con.execute(APPLY_REFERENCE_SQL)
     return out
+
+
+def _streams_from_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: list[int],
+                            reference: dict[int, dict[str, Any]]) -> None:
+    """Capture streams for kernels the capture map attributed without one (maps written before
+    the tracer recorded it), from the reference step: the k-th kernel named X of a replay takes
+    the stream of the reference step's k-th kernel named X, as the capture map's own
+    (name, occurrence) match does. A replay whose (name, occurrence) pairs are not all in the
+    reference step gets none. Counted per run as reference["capture_streams_filled"]."""
+    rows = con.execute(MAP_WITHOUT_STREAM_SQL, [ref_run, work_ids]).df()
+    if rows.empty:
+        return
+    ref = _reference_sequence(con, ref_run)
+    ref_stream: dict[tuple[str, int], Any] = {}
+    seen: Counter[str] = Counter()
+    for name, stream in zip(ref["name"], ref["stream"]):
+        seen[name] += 1
+        ref_stream[(name, seen[name])] = stream
+    runs: list[int] = []
+    items: list[int] = []
+    streams: list[int] = []
+    for (run_id, _rank, _corr), g in rows.groupby(["run_id", "rank", "correlation"], sort=True):
+        occ: Counter[str] = Counter()
+        keys = []
+        for name in g["name"]:
+            occ[name] += 1
+            keys.append((name, occ[name]))
+        found = [ref_stream.get(k) for k in keys]
+        if any(f is None or pd.isna(f) for f in found):
+            continue
+        runs += [int(run_id)] * len(found)
+        items += [int(i) for i in g["item_id"]]
+        streams += [int(f) for f in found]
+    for run_id in set(runs):
+        reference.setdefault(run_id, {})["capture_streams_filled"] = runs.count(run_id)
+    frame = pd.DataFrame({"run_id": pd.Series(runs, dtype="int64"), "item_id": pd.Series(items, dtype="int64"),
+                          "capture_stream": pd.Series(streams, dtype="int64")})
+    con.register("_attr_ref_streams_df", frame)
+    con.execute("CREATE OR REPLACE TEMP TABLE _attr_ref_streams AS SELECT * FROM _attr_ref_streams_df")
+    con.unregister("_attr_ref_streams_df")
+    con.execute(APPLY_REFERENCE_STREAMS_SQL)
 
 
 def _report(con: duckdb.DuckDBPyConnection, work_ids: list[int],

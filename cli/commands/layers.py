@@ -17,7 +17,8 @@ def pattern_options(fn: Any) -> Any:
     """--layer-pattern / --step-pattern / --graph-reference, shared with `compare`."""
     fn = click.option("--graph-reference", "graph_reference", default=None, metavar="TRACE",
                       help="Eager trace (or run id in the store) of the same workload, to attribute "
-                           "CUDA-graph replays that have no capture map.")(fn)
+                           "CUDA-graph replays that have no capture map (and to give capture streams "
+                           "to a map that has none).")(fn)
     fn = click.option("--step-pattern", default=None, metavar="RE",
                       help="Regex naming step ranges (default: `step`, else ProfilerStep#N).")(fn)
     fn = click.option("--layer-pattern", default=None, metavar="RE",
@@ -77,7 +78,8 @@ def note_missing_capture_streams(report: Any) -> None:
         if n:
             click.echo(f"note: run {r.run_id}: {n} graph-replayed kernels have no capture stream (a capture "
                        f"map written before capture streams were recorded); where the replay moved a PDL "
-                       f"chain across streams, the wait stays in that op's busy_ns", err=True)
+                       f"chain across streams, the wait stays in that op's busy_ns (--graph-reference "
+                       f"EAGER_TRACE gives them the eager run's streams)", err=True)
 
 
 @click.command("layers")

@@ -472,3 +472,27 @@ def test_reference_alignment_of_a_reordered_replay() -> None:
     assert _align(ref, ("a", "b", "c", "b"), occ) == ([0, 1, 2, 3], False)
     pos, reordered = _align(ref, ("a", "x", "b", "c", "b"), occ)
     assert (pos, reordered) == ([0, None, 1, 2, 3], False)
+
+
+def test_reference_fills_capture_streams_a_map_lacks(con: duckdb.DuckDBPyConnection) -> None:
+    """A graph run with a capture map but no capture streams (an older trace) and an eager
+    reference: the map still gives layer and op (method capture_map), the reference the
+    streams by (name, occurrence): a and c ran on 7, b on 8. Replay 1 was captured as a c b
+    (reordered): each kernel still takes its own name's stream. Without the reference the
+    streams stay NULL and the report counts the kernels."""
+    ref = RunRows(1, name="eager")
+    ref.range("step", 0, 1000)
+    for i, (n, t) in enumerate((("a", 150), ("b", 250), ("c", 350))):
+        ref.kernel(n, 50_000 + 10 * i, 50_005 + 10 * i, ref.launch(t), stream=8 if n == "b" else 7)
+    ref.insert(con)
+    _graph_run(2, [["a", "b", "c"], ["a", "c", "b"]], with_map=True).insert(con, True)
+    rep = attribute(con, [2])
+    assert rep.runs[2].graph_kernels_without_capture_stream == 6
+    rep = attribute(con, [2], graph_reference=1)
+    rows = con.execute("SELECT k.name, a.method, a.capture_stream FROM kernel_attribution a "
+                       "JOIN kernels k ON k.run_id = a.run_id AND k.kernel_id = a.item_id "
+                       "WHERE a.run_id = 2 ORDER BY k.start_ns").fetchall()
+    assert rows == [("a", "capture_map", 7), ("b", "capture_map", 8), ("c", "capture_map", 7),
+                    ("a", "capture_map", 7), ("c", "capture_map", 7), ("b", "capture_map", 8)]
+    assert rep.runs[2].graph_kernels_without_capture_stream == 0
+    assert rep.runs[2].reference["capture_streams_filled"] == 6
