@@ -9,7 +9,7 @@
 -- too). In a CUDA-graph replay the executor picks the streams itself: the chain captured on
 -- one stream can hop between replay streams (at a side stream's fork / join), so a PDL wait
 -- shows as overlap across replay streams; the capture stream (attr.capture_stream, from the
--- capture map) keeps that chain's order. Without PDL (no such overlap) the exposed start is the
+-- capture map or an eager reference run) keeps that chain's order. Without PDL (no such overlap) the exposed start is the
 -- start; kernels with no stream and no capture stream keep their start. Used wherever kernel
 -- time is attributed to layers and ops (layers_steps, the diff's kernel rows).
 -- attr: relation shaped like kernel_attribution (item_kind, item_id, run_id, capture_stream).
