@@ -233,6 +233,30 @@ def default_pair(all_runs: list[dict[str, Any]]) -> tuple[int | None, int | None
     return (ids[0], None) if ids else (None, None)
 
 
+def _capture_config(r: dict[str, Any]) -> dict[str, Any] | None:
+    """The model and run config our capture recorded (runs.config's "config"); None otherwise."""
+    try:
+        cfg = (json.loads(r.get("config") or "{}") or {}).get("config")
+    except (TypeError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) and cfg else None
+
+
+def eager_sibling(all_runs: list[dict[str, Any]], run_id: int | None) -> int | None:
+    """For a CUDA-graph run of ours, an eager run of the same variant and config (the lowest
+    id), else None. Its step order gives graph kernels their capture streams where the trace's
+    capture map has none (analyzers.attribution, graph_reference), so per-op busy time can
+    leave out PDL waits the replay moved across streams. Foreign runs (no recorded config)
+    are never paired: the same workload cannot be told from names alone."""
+    me = next((r for r in all_runs if r["run_id"] == run_id), None)
+    if me is None or not me.get("graph_mode") or _capture_config(me) is None:
+        return None
+    same = [r["run_id"] for r in all_runs
+            if not r.get("graph_mode") and r.get("variant") == me.get("variant")
+            and _capture_config(r) == _capture_config(me)]
+    return min(same) if same else None
+
+
 def run_label(r: dict[str, Any]) -> str:
     """A short human label: `#3 k3_stock_b1 (stock)`."""
     variant = f" ({r['variant']})" if r.get("variant") else ""

@@ -35,7 +35,8 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
     if cand_id is None:
         body.append(c.notice("One run shown: pick a candidate run above to see two side by side."))
     try:
-        sides = [(side, run_id, data.call("layers", "layer_breakdown", run_id))
+        refs = {run_id: data.eager_sibling(all_runs, run_id) for run_id in (base_id, cand_id)}
+        sides = [(side, run_id, data.call("layers", "layer_breakdown", run_id, graph_reference=refs[run_id]))
                  for side, run_id in (("base", base_id), ("cand", cand_id)) if run_id is not None]
         colors = figs.op_colors(*[bd for _s, _r, bd in sides])
         columns = []
@@ -45,8 +46,11 @@ def layout(base: str | None = None, cand: str | None = None, **_: Any) -> html.D
                 content.append(c.notice(f"not applicable: {bd['not_applicable']}"))
             else:
                 content += c.capture_stream_notice(bd)
+                ref = refs.get(run_id)
                 content += [
-                    html.P(f"median over {bd.get('steps')} steps", className="note"),
+                    html.P(f"median over {bd.get('steps')} steps"
+                           + (f"; capture streams from eager run {labels[ref]}" if ref is not None else ""),
+                           className="note", id=f"layers-{side}-steps"),
                     dcc.Graph(id=f"layers-{side}-time", figure=figs.breakdown_bars(bd, "busy time by op (µs)", colors)),
                     dcc.Graph(id=f"layers-{side}-kernels", figure=figs.kernel_bars(bd, "kernels by op", colors)),
                 ]

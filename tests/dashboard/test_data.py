@@ -114,3 +114,34 @@ def test_layers_page_notes_graph_kernels_without_capture_stream(app_context: Any
     (note,) = c.capture_stream_notice(bds[1])
     assert note.children.startswith("15 graph-replayed kernels have no capture stream")
     assert note.className == "missing"
+
+
+def _captured(run_id: int, variant: str, graph: bool, cfg: dict[str, Any] | None) -> dict[str, Any]:
+    meta = {"variant": variant, "graph_mode": graph, **({"config": cfg} if cfg is not None else {})}
+    return {"run_id": run_id, "name": f"r{run_id}", "variant": variant, "graph_mode": graph,
+            "config": json.dumps(meta)}
+
+
+def test_eager_sibling_same_variant_and_config_only() -> None:
+    b1, b8 = {"batch": 1, "spec_tokens": 0}, {"batch": 8, "spec_tokens": 0}
+    runs = [_captured(1, "stock", False, b1), _captured(2, "fused", False, b1), _captured(3, "fused", False, b8),
+            _captured(4, "fused", True, b1), _captured(5, "fused", True, b8), _captured(6, "stock", True, b8),
+            _captured(7, "fused", False, b1), _captured(8, None, True, None), _captured(9, None, False, None)]
+    assert [data.eager_sibling(runs, i) for i in (4, 5, 6, 8, 2, 99, None)] == [2, 3, None, None, None, None, None]
+
+
+def test_eager_sibling_fills_the_capture_streams(app_context: Any, tmp_path: Any) -> None:
+    """Our eager and graph traces of one config (a map without streams): the page's pairing
+    finds the eager run, and the breakdown with it as reference has no stream-less kernel."""
+    from tests.analyzers.decode_pair import write_eager, write_graph
+
+    app_context.ingest(write_eager(tmp_path / "eager.json.gz"))
+    app_context.ingest(write_graph(tmp_path / "graph.json.gz", capture_streams=False))
+    with app_context.cursor() as cur:
+        cur.execute("""UPDATE runs SET config = json_merge_patch(config, '{"config": {"batch": 1}}')""")
+    ref = data.eager_sibling(data.runs(), 2)
+    assert ref == 1
+    with_ref = data.call("layers", "layer_breakdown", 2, graph_reference=ref)
+    assert with_ref["graph_kernels_without_capture_stream"] == 0
+    assert data.call("layers", "layer_breakdown", 2)["graph_kernels_without_capture_stream"] == 15
+    assert with_ref["layers"] == data.call("layers", "layer_breakdown", 2)["layers"]
