@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -135,7 +136,12 @@ SELECT run_id, rank, item_kind, item_id, step, step_index, layer, layer_index, l
        method, capture_stream
 FROM _attr_work WHERE list_contains(?, run_id)
 ORDER BY run_id, rank, item_kind, item_id"""
-RUN_SUMMARY_SQL = """
+# Graph kernels attributed (capture map or reference) that got no capture stream: a map
+# written before it was recorded and no reference. Their exposed start sees only the replay
+# stream, so a PDL wait across replay streams stays in their op's busy time (kernels/exposed.sql).
+WITHOUT_CAPTURE_STREAM = ("item_kind = 'kernel' AND method IN ('capture_map', 'reference') "
+                          "AND capture_stream IS NULL")
+RUN_SUMMARY_SQL = f"""
 SELECT run_id, count(*) AS items,
   count(*) FILTER (WHERE item_kind = 'kernel') AS kernels,
   count(*) FILTER (WHERE NOT launched) AS unlaunched,
@@ -148,8 +154,7 @@ SELECT run_id, count(*) AS items,
   count(*) FILTER (WHERE method = 'none') AS m_none,
   count(*) FILTER (WHERE layer IS NOT NULL) AS with_layer,
   count(*) FILTER (WHERE step_index IS NOT NULL) AS with_step,
-  count(*) FILTER (WHERE item_kind = 'kernel' AND method IN ('capture_map', 'reference')
-                   AND capture_stream IS NULL) AS graph_without_stream
+  count(*) FILTER (WHERE {WITHOUT_CAPTURE_STREAM}) AS graph_without_stream
 FROM _attr_work WHERE list_contains(?, run_id) GROUP BY run_id ORDER BY run_id"""
 
 
@@ -197,10 +202,7 @@ class RunAttribution:
     capture_map: dict[str, int] = field(default_factory=dict)
     reference: dict[str, int] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
-    # Graph kernels attributed (capture map or reference) with no capture stream: a map written
-    # before capture_stream was recorded. Their exposed start sees only the replay stream, so
-    # a PDL wait across replay streams stays in their op's busy time (kernels/exposed.sql).
-    graph_kernels_without_capture_stream: int = 0
+    graph_kernels_without_capture_stream: int = 0   # WITHOUT_CAPTURE_STREAM
 
 
 @dataclass
@@ -358,17 +360,23 @@ def _reference_sequence(con: duckdb.DuckDBPyConnection, ref_run: int) -> pd.Data
     raise AssertionError("unreachable")
 
 
+def _occurrences(names: Iterable[str]) -> list[tuple[str, int]]:
+    """(name, occurrence) of each name in order: the k-th `X` is (X, k), 1-based. The key by
+    which replays whose concurrent streams started in another order are matched."""
+    seen: Counter[str] = Counter()
+    out = []
+    for name in names:
+        seen[name] += 1
+        out.append((name, seen[name]))
+    return out
+
+
 def _align(ref_names: list[str], names: tuple[str, ...],
            ref_occ: dict[tuple[str, int], int]) -> tuple[list[int | None], bool]:
     """Reference position of each replayed kernel (None: unmatched) and whether the match is by
     (name, occurrence) because the order differs (see _apply_reference)."""
     if list(names) != ref_names and Counter(names) == Counter(ref_names):
-        seen: Counter[str] = Counter()
-        pos_occ: list[int | None] = []
-        for name in names:
-            seen[name] += 1
-            pos_occ.append(ref_occ[(name, seen[name])])
-        return pos_occ, True
+        return [ref_occ[key] for key in _occurrences(names)], True
     pos: list[int | None] = [None] * len(names)
     sm = difflib.SequenceMatcher(None, ref_names, list(names), autojunk=False)
     for a, b, size in sm.get_matching_blocks():
@@ -388,11 +396,7 @@ def _apply_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_ids: lis
     capture stream: the eager step ran the chain in the order the graph captured it."""
     ref = _reference_sequence(con, ref_run)
     ref_names = list(ref["name"])
-    ref_occ: dict[tuple[str, int], int] = {}
-    seen: Counter[str] = Counter()
-    for i, name in enumerate(ref_names):
-        seen[name] += 1
-        ref_occ[(name, seen[name])] = i
+    ref_occ = {key: i for i, key in enumerate(_occurrences(ref_names))}
     replays = con.execute(REPLAY_ROWS_SQL, [ref_run, work_ids]).df()
     out: dict[int, dict[str, Any]] = {}
     cache: dict[tuple[str, ...], list[int | None]] = {}
@@ -452,21 +456,12 @@ def _streams_from_reference(con: duckdb.DuckDBPyConnection, ref_run: int, work_i
     if rows.empty:
         return
     ref = _reference_sequence(con, ref_run)
-    ref_stream: dict[tuple[str, int], Any] = {}
-    seen: Counter[str] = Counter()
-    for name, stream in zip(ref["name"], ref["stream"]):
-        seen[name] += 1
-        ref_stream[(name, seen[name])] = stream
+    ref_stream = dict(zip(_occurrences(ref["name"]), ref["stream"]))
     runs: list[int] = []
     items: list[int] = []
     streams: list[int] = []
     for (run_id, _rank, _corr), g in rows.groupby(["run_id", "rank", "correlation"], sort=True):
-        occ: Counter[str] = Counter()
-        keys = []
-        for name in g["name"]:
-            occ[name] += 1
-            keys.append((name, occ[name]))
-        found = [ref_stream.get(k) for k in keys]
+        found = [ref_stream.get(k) for k in _occurrences(g["name"])]
         if any(f is None or pd.isna(f) for f in found):
             continue
         runs += [int(run_id)] * len(found)

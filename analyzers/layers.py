@@ -14,7 +14,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from analyzers.attribution import attribute, load_sql
+from analyzers.attribution import WITHOUT_CAPTURE_STREAM, attribute, load_sql
 
 STEPS_SQL = "SELECT * EXCLUDE (first_start_ns) FROM layers_steps('kernel_attribution', ?) " \
             "ORDER BY rank, step_index NULLS FIRST, layer_index, layer, op NULLS FIRST"
@@ -25,12 +25,9 @@ SUMMARY_SELECT_SQL = "SELECT * FROM layers_summary('_layers_steps') " \
                      "ORDER BY layer_index NULLS LAST, layer, op NULLS FIRST"
 STEP_COUNT_SQL = "SELECT count(DISTINCT step_index) FROM _layers_steps WHERE step_index IS NOT NULL"
 RUN_NAME_SQL = "SELECT name FROM runs WHERE run_id = ?"
-# Graph kernels attributed with no capture stream (kernels/exposed.sql): their op's busy time
-# may hold a PDL wait the replay moved across streams, which the reader should be told.
-NO_CAPTURE_STREAM_SQL = """
-SELECT count(*) FROM kernel_attribution
-WHERE run_id = ? AND item_kind = 'kernel' AND method IN ('capture_map', 'reference')
-  AND capture_stream IS NULL"""
+# Graph kernels with no capture stream (attribution.WITHOUT_CAPTURE_STREAM): their op's busy
+# time may hold a PDL wait the replay moved across streams, which the reader should be told.
+NO_CAPTURE_STREAM_SQL = f"SELECT count(*) FROM kernel_attribution WHERE run_id = ? AND {WITHOUT_CAPTURE_STREAM}"
 
 
 def _attributed(con: duckdb.DuckDBPyConnection, run_id: int, attribution_kwargs: dict[str, Any]) -> None:

@@ -199,12 +199,18 @@ def store_fingerprint() -> tuple[int, int]:
     return int(n), int(top)
 
 
+def _capture_config(r: dict[str, Any]) -> dict[str, Any] | None:
+    """The model and run config our capture recorded (runs.config's "config"); None otherwise."""
+    try:
+        cfg = (json.loads(r.get("config") or "{}") or {}).get("config")
+    except (TypeError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) and cfg else None
+
+
 def workload(r: dict[str, Any]) -> tuple[Any, Any]:
     """(batch, speculative tokens) from our capture metadata; (None, None) for foreign traces."""
-    try:
-        cfg = (json.loads(r.get("config") or "{}") or {}).get("config") or {}
-    except (TypeError, ValueError):
-        cfg = {}
+    cfg = _capture_config(r) or {}
     return cfg.get("batch"), cfg.get("spec_tokens")
 
 
@@ -231,15 +237,6 @@ def default_pair(all_runs: list[dict[str, Any]]) -> tuple[int | None, int | None
     if len(ids) >= 2:
         return ids[0], ids[1]
     return (ids[0], None) if ids else (None, None)
-
-
-def _capture_config(r: dict[str, Any]) -> dict[str, Any] | None:
-    """The model and run config our capture recorded (runs.config's "config"); None otherwise."""
-    try:
-        cfg = (json.loads(r.get("config") or "{}") or {}).get("config")
-    except (TypeError, ValueError):
-        return None
-    return cfg if isinstance(cfg, dict) and cfg else None
 
 
 def eager_sibling(all_runs: list[dict[str, Any]], run_id: int | None) -> int | None:
