@@ -33,6 +33,9 @@ from kimi_decode.variants import variant_class
 # selection in the logits grid's last CTA, router_mma at one K slice, FC1 follows latent_down
 # within 0.4-2.4 us: the delay comes with router_topk as a kernel of its own, its late start
 # and ~7 us run; what inside it costs the time is not isolated.)
+# Session 28 (H100, ce8a1dd): the aux stream at -1 again, now that the shared expert's down
+# GEMV sits beside FC1 (in the profiled step graphs it starts behind FC1's grid in every layer
+# but the first): layer and step graphs within 0.9 us of 0 at B = 1 (k = 0, 7) and B = 8.
 MAIN_STREAM_PRIORITY = 0
 
 _capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
