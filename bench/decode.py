@@ -1,7 +1,9 @@
 """Per-layer decode benchmark of kimi_decode variants on the GPU, written to bench/decode.md.
 
 For each (variant, B, k): per-layer time from CUDA events around each replay of a CUDA graph
-holding ONE layer (many replays; median, p10, p90 per layer kind), the full-step graph time,
+holding ONE layer (many replays; median, p10, p90 per layer kind), the same layers' cost inside
+the step ("in-step": the increments of graphs holding the step's first 1, 2, .. n layers, see
+prefix_increments), the full-step graph time,
 kernels per layer (one profiled eager step, kernels attributed to `L{idx}.{kind}` ranges),
 bytes one rank reads per layer (weights as used: experts = distinct selected experts x one
 expert slice, the up-projection's row shard only; plus KDA state read+write and the MLA cache
@@ -67,6 +69,50 @@ def time_replays(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5,
     return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
 
+def run_layers(model: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's first `n` layers as the step runs them: each layer's output feeds the next,
+    and an all-gather the last of them left unfinished (kimi_decode.fused.Gathered) is finished
+    as FusedDecoder.forward finishes it. Without the step's tail (the MLA positions' update,
+    ~6 tiny kernels), which is no layer's cost."""
+    from kimi_decode.fused import Gathered
+
+    m, prefix, blocks = inputs
+    for layer in model.layers[:n]:
+        m, prefix = layer(m, prefix, blocks, model.pos)
+    return (m.gather() if isinstance(m, Gathered) else m), prefix
+
+
+def prefix_increments(model: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      reps: int) -> list[float | None]:
+    """Each layer's cost inside the step: the median replay time of a CUDA graph holding the
+    first i + 1 layers minus that of the graph holding the first i (None for the first layer,
+    whose graph also holds the launch).
+
+    Why beside the one-layer graphs: a one-layer graph's time includes one graph launch
+    (~3.6 us per layer on the H200: the 4-layer step took 336.0 us against 336.5 for its layers'
+    one-layer figures, though the step also runs ~14 us of tail kernels), and in it the layer's
+    first kernel cannot overlap the previous layer's last (the PDL chain crosses layers inside
+    the step). The increment is what a layer adds to the step a deployment replays. Each figure
+    is a difference of two medians, so it carries both graphs' run-to-run noise."""
+    from kimi_decode.runner import capture_stream
+
+    totals = []
+    with torch.no_grad():
+        for n in range(1, len(model.layers) + 1):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=capture_stream()):
+                run_layers(model, inputs, n)
+            totals.append(statistics.median(time_replays(g, reps)))
+            del g
+    return increments(totals)
+
+
+def increments(totals: list[float]) -> list[float | None]:
+    """Per layer, the prefix graph's median minus the previous one's; None for the first."""
+    return [None] + [b - a for a, b in zip(totals, totals[1:])]
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
@@ -120,6 +166,8 @@ def bench_config(variant: str, cfg: Any, reps: int) -> dict[str, Any]:
                            "p10_us": pct(us, 0.1), "p90_us": pct(us, 0.9),
                            "kernels": per_layer_kernels.get(name, 0), **layer_bytes(layer, cfg)})
             del g
+    for row, inc in zip(layers, prefix_increments(model, (m, prefix, blocks), reps)):
+        row["in_step_us"] = inc
     step = prepare(model, (m, prefix, blocks), graph=True, warmup=0)
     step_us = time_replays(step.graph, reps)
     del step, model
@@ -138,9 +186,13 @@ def by_kind(result: dict[str, Any], bw: float) -> dict[str, dict[str, float]]:
         rows = [r for r in result["layers"] if r["kind"] == kind]
         med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
         mb = med("weight_bytes") + med("state_bytes")
+        in_step = [r["in_step_us"] for r in rows if r.get("in_step_us") is not None]
         out[kind] = {"n": len(rows), "median_us": med("median_us"), "p10_us": med("p10_us"),
                      "p90_us": med("p90_us"), "kernels": med("kernels"), "mb": mb / 1e6,
-                     "floor_us": mb / bw * 1e6}
+                     "floor_us": mb / bw * 1e6,
+                     # runs before the in-step figures (and a kind whose only layer is the first) have none
+                     "in_step_us": statistics.median(in_step) if in_step else None,
+                     "in_step_n": len(in_step)}
     return out
 
 
@@ -159,7 +211,12 @@ def render(data: dict[str, Any]) -> str:
              "copy bandwidth (a 2 GiB device copy; from bench/fused_device.py measured when its process",
              "starts: later in a process that has run the checks and captures the same copy measured",
              "~11 % slower on the H200 while the layer times did not move, which would lower the floor).",
-             "Kernels: one profiled eager step, attributed to `L{idx}.{kind}` ranges.", ""]
+             "Kernels: one profiled eager step, attributed to `L{idx}.{kind}` ranges.",
+             "In-step us (runs since session 28): what the layer adds inside the step, the median replay",
+             "time of a graph holding the step's first i + 1 layers minus that of the first i (no launch of",
+             "its own, the PDL chain crossing the layer boundary as in the step; the first layer has none,",
+             "so a KDA figure is the median over the later KDA layers and the MLA one is the step's last",
+             "layer); a difference of two medians, so noisier than the one-layer figures.", ""]
     for variant, m in sorted(meta.items()):
         lines.append(f"- **{variant}**: {m['date']}, commit `{m['commit']}`, {m['gpu']}, torch {m['torch']} "
                      f"(CUDA {m['cuda']}), copy bandwidth {m['copy_bw_tbs']:.2f} TB/s"
@@ -169,19 +226,24 @@ def render(data: dict[str, Any]) -> str:
                      f"layers {m['layers']}, tp_sim={m['tp_sim']}, experts {m['expert_impl']}, "
                      f"compile_ops={m.get('compile_ops')}"
                      + (f", Triton op groups kept torch: {m['triton_off'] or 'none'}" if "triton_off" in m else ""))
-    lines += ["", "| variant | B | k | M | kind | layers | median us | p10 us | p90 us | kernels/layer | MB read/layer | floor us | step median us |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| variant | B | k | M | kind | layers | median us | p10 us | p90 us | in-step us | kernels/layer | MB read/layer | floor us | step median us |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["spec_tokens"], r["batch"], r["variant"])):
         bw = meta[r["variant"]]["copy_bw_tbs"] * 1e12
         for kind, s in by_kind(r, bw).items():
             lines.append(f"| {r['variant']} | {r['batch']} | {r['spec_tokens']} | {r['rows']} | {kind} | {s['n']} | "
-                         f"{s['median_us']:.1f} | {s['p10_us']:.1f} | {s['p90_us']:.1f} | {s['kernels']:.0f} | "
-                         f"{s['mb']:.1f} | {s['floor_us']:.1f} | {r['step_median_us']:.1f} |")
+                         f"{s['median_us']:.1f} | {s['p10_us']:.1f} | {s['p90_us']:.1f} | {_us(s['in_step_us'])} | "
+                         f"{s['kernels']:.0f} | {s['mb']:.1f} | {s['floor_us']:.1f} | {r['step_median_us']:.1f} |")
     variants = sorted(meta)
     if len(variants) > 1:
         lines += side_by_side(runs, meta)
     lines += ["", "<!-- decode-bench-data", json.dumps(data), "-->", ""]
     return "\n".join(lines)
+
+
+def _us(x: float | None) -> str:
+    """A table cell: µs to one decimal, '-' where the run has no such figure."""
+    return "-" if x is None else f"{x:.1f}"
 
 
 def side_by_side(runs: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
@@ -218,7 +280,28 @@ def side_by_side(runs: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
                      f"(goal ≤ 13: {'met' if fu['kernels'] <= 13 else 'not met'})")
     if goals:
         lines += ["", "Against the fused path's goals (issue 6), computed from the rows above:", ""] + goals
+    lines += in_step_side_by_side(table)
     return lines
+
+
+def in_step_side_by_side(table: dict[tuple, dict[str, dict[str, float]]]) -> list[str]:
+    """The side-by-side ratios again from the in-step figures (by_kind's in_step_us), for the
+    (B, k, kind) rows where both variants have one; nothing for runs without them."""
+    rows = []
+    for (b, k, kind), vals in sorted(table.items()):
+        st, fu = vals.get("stock"), vals.get("fused")
+        if st is None or fu is None or st.get("in_step_us") is None or fu.get("in_step_us") is None:
+            continue
+        s_us, f_us = st["in_step_us"], fu["in_step_us"]
+        rows.append(f"| {b} | {k} | {kind} | {s_us:.1f} | {f_us:.1f} | {s_us / f_us:.2f} | {fu['floor_us']:.1f} | "
+                    f"{f_us / fu['floor_us']:.2f} |")
+    if not rows:
+        return []
+    return ["", "## Inside the step: stock vs fused from the in-step figures", "",
+            "The same comparison with each layer's cost inside the step (the in-step column above)",
+            "instead of its one-layer graph; the goal lines above read the one-layer figures.", "",
+            "| B | k | kind | stock in-step us | fused in-step us | stock/fused | floor us | fused/floor |",
+            "|---|---|---|---|---|---|---|---|"] + rows
 
 
 def merge(new: dict[str, Any], md_path: Path = MD_PATH) -> dict[str, Any]:

@@ -59,3 +59,61 @@ def test_render_into_another_file_leaves_decode_md_alone(tmp_path) -> None:
     text = md.read_text()
     assert text.count("| 1 | 0 | kda | 210.0 |") == 1
     assert json.loads(decode.DATA_RE.search(text).group(1))["results"] == data["results"]
+
+
+def _with_in_step(result: dict, in_step: list) -> dict:
+    for row, inc in zip(result["layers"], in_step):
+        row["in_step_us"] = inc
+    return result
+
+
+def test_in_step_column_and_its_side_by_side() -> None:
+    """In-step figures: a kind's is the median over its layers that have one (the first layer
+    of the step has none), its ratios computed by hand; runs without them render '-' and no
+    in-step table."""
+    stock = _with_in_step(_result("stock", [210.0, 212.0, 208.0], 23), [None, 205.0, 207.0])
+    fused = _with_in_step(_result("fused", [100.0, 98.0, 104.0], 13), [None, 95.0, 96.0])
+    md = render({"results": [stock, fused], "meta": {"stock": _meta("abc"), "fused": _meta("abc")}})
+    main_row = next(x for x in md.splitlines() if x.startswith("| fused | 1 | 0 | 1 | kda | 3 |"))
+    assert [c.strip() for c in main_row.strip("|").split("|")][6:10] == ["100.0", "99.0", "101.0", "95.5"]
+    table = md.split("## Inside the step")[1]
+    row = next(x for x in table.splitlines() if x.startswith("| 1 | 0 | kda |"))
+    # stock median(205, 207) = 206, fused median(95, 96) = 95.5, floor 57.5
+    assert [c.strip() for c in row.strip("|").split("|")][3:] == ["206.0", "95.5", "2.16", "57.5", "1.66"]
+
+    old = render({"results": [_result("stock", [210.0], 23), _result("fused", [100.0], 13)],
+                  "meta": {"stock": _meta("abc"), "fused": _meta("abc")}})
+    assert "## Inside the step" not in old
+    old_row = next(x for x in old.splitlines() if x.startswith("| fused | 1 | 0 | 1 | kda | 1 |"))
+    assert [c.strip() for c in old_row.strip("|").split("|")][9] == "-"
+
+
+def test_increments_are_prefix_differences() -> None:
+    from bench.decode import increments
+
+    assert increments([90.0, 170.0, 251.5, 345.0]) == [None, 80.0, 81.5, 93.5]
+    assert increments([90.0]) == [None]
+
+
+def test_run_layers_all_of_them_is_the_step_without_its_tail() -> None:
+    """run_layers over every layer gives the step's output (the decoders' forward, which also
+    advances the MLA positions: the tail the prefix graphs leave out), on two copies of one
+    model so both start from the same state."""
+    import copy
+
+    import torch
+
+    from bench.decode import run_layers
+    from kimi_decode.config import tiny
+    from kimi_decode.stock import StockDecoder
+
+    model = StockDecoder(tiny(layers=(2, 3, 4), batch=2))
+    twin = copy.deepcopy(model)
+    inputs = model.make_inputs()
+    with torch.no_grad():
+        want_m, want_prefix = model(*inputs)
+        got_m, got_prefix = run_layers(twin, inputs, len(twin.layers))
+        assert torch.equal(got_m, want_m) and torch.equal(got_prefix, want_prefix)
+        assert not torch.equal(twin.pos, model.pos)        # the step advanced pos, the layers did not
+        part_m, _ = run_layers(copy.deepcopy(twin), inputs, 1)
+        assert part_m.shape == want_m.shape and not torch.equal(part_m, got_m)
