@@ -793,6 +793,9 @@ class LatentMoE(stock.LatentMoE):
     use_experts_one = False      # FC1 + FC2 v2 in one persistent launch (kernels/moe_experts_one.py)
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     up_grid_scratch = None       # kernels/moe_up_grid.py at 2 ≤ M ≤ 8 (made by enable())
+    # the routing sync buffer (kernels/router_fast.py SYNC_WORDS) where FC1 takes the ids from
+    # the M = 1 front's flag (moe_experts.FC1_EARLY_IDS; made by enable(), else None)
+    routing_sync: torch.Tensor | None = None
     use_experts_async = False    # FC2 v2 stages its activations with cp.async (experts_v2_async)
     use_experts_rows = False     # at M ≥ 2 FC2 as a resident grid (kernels/moe_fc2_rows.py)
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
@@ -868,12 +871,14 @@ class LatentMoE(stock.LatentMoE):
         return _linear(sh, self.shared_down, self.use_gemv, self.k)
 
     def _experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, ids_ready: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_j w·expert_j(z): the one-launch kernel (kernels/moe_experts_one.py) where
         `experts_one` is enabled, M ≤ MAX_ROWS["experts_one"] and its shape rules hold; else
         the two-kernel CuTe path (kernels/moe_experts.py) where it applies (FC2 v2 where
         `experts_v2` is enabled and its shape rules hold, else the first FC2 where `experts`
-        is enabled), else the stock op; with `out`, written there (the all-reduce slot)."""
+        is enabled), else the stock op; with `out`, written there (the all-reduce slot).
+        `ids_ready`: the routing sync buffer whose flag the front raised (forward passes it only
+        where _early_ids_apply said this call runs the two-kernel path with FC2 v2)."""
         cfg = self.cfg
         if self.use_experts_one and z.shape[0] <= MAX_ROWS["experts_one"]:
             from kimi_decode.kernels.moe_experts_one import can_implement_one, experts_one
@@ -895,7 +900,8 @@ class LatentMoE(stock.LatentMoE):
                     rows = k_rows.STEP_BUFFERS if k_rows.can_implement(*shape, inter=inter) else 0
                 return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
                                inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"], v2=v2,
-                               stage_async=v2 and self.use_experts_async and not rows, rows=rows)
+                               stage_async=v2 and self.use_experts_async and not rows, rows=rows,
+                               ids_ready=ids_ready)
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 
@@ -914,9 +920,14 @@ class LatentMoE(stock.LatentMoE):
             else:
                 from kimi_decode.kernels.front_mma import route_and_project
             shared_in = FRONT_SHARED if front else FRONT_MMA_SHARED
+            sync = self.routing_sync if front and self._early_ids_apply(y) else None
             with op_range("moe_front"):
-                idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
-                                                 self.router_counter, self._front_weights(shared_in))
+                if sync is not None:     # the top-k raises the ids-ready flag FC1 starts on
+                    idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
+                                                     sync, self._front_weights(shared_in), publish_ready=True)
+                else:
+                    idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
+                                                     self.router_counter, self._front_weights(shared_in))
             z = outs[0]
             if shared_in:
                 with _on_side(self.rt, outs[1]), op_range("shared_expert"):
@@ -955,6 +966,7 @@ class LatentMoE(stock.LatentMoE):
         if self.forced_routing is not None:   # parity checks only: stock's choice, see the attribute
             idx, w = self.forced_routing
         if not (front or front_mma):
+            sync = None
             _wait_mark(z_ready, z)
         rank = comm.rank
         if self.use_up_kernel and self._up_applies(y):
@@ -965,7 +977,7 @@ class LatentMoE(stock.LatentMoE):
             from kimi_decode.kernels.moe_up import moe_up
             r_buf = comm.ar_slots((y.shape[0], cfg.latent_dim), z)
             with op_range("experts"):
-                self._experts(z, idx, w, out=r_buf[rank])
+                self._experts(z, idx, w, out=r_buf[rank], ids_ready=sync)
             self._prefetch()
             _join(self.rt, sh)
             sh_buf = comm.rs_slots(tuple(sh.shape), sh)
@@ -982,7 +994,7 @@ class LatentMoE(stock.LatentMoE):
             with op_range("moe_gather"):
                 return comm.gather_slots(ag_buf)
         with op_range("experts"):
-            r = self._experts(z, idx, w)
+            r = self._experts(z, idx, w, ids_ready=sync)
         self._prefetch()
         _join(self.rt, sh)
         with op_range("moe_tail"):
@@ -1019,6 +1031,19 @@ class LatentMoE(stock.LatentMoE):
         return can_implement(y.shape[0], y.shape[1], [w.shape[0] for w in ws],
                              (y.dtype, self.router.dtype, *(w.dtype for w in ws)),
                              router=(self.router.shape[0], self.cfg.top_k)) and self.bias.dtype == torch.float32
+
+    def _early_ids_apply(self, y: torch.Tensor) -> bool:
+        """FC1 takes the ids from the front's flag (FC1_EARLY_IDS) on this call: the buffer
+        exists (enable()), and _experts will run the two-kernel path with FC2 v2 and FC1's load
+        groups at this M (the only FC1 that lowers the flag: a raised flag nobody lowers would
+        let the next step's FC1 read stale ids)."""
+        if self.routing_sync is None or (self.use_experts_one and y.shape[0] <= MAX_ROWS["experts_one"]):
+            return False
+        from kimi_decode.kernels import moe_experts as k_mx
+        cfg = self.cfg
+        return (self.use_experts_v2 and k_mx.fc1_group(y.shape[0]) > 0
+                and k_mx.can_implement_v2(y.shape[0], cfg.top_k, cfg.latent_dim, self.w2.shape[-1], (y.dtype,),
+                                          inter=cfg.expert_local_inter))
 
     def _up_applies(self, y: torch.Tensor) -> bool:
         """The MoE tail in one kernel: moe_up at M ≤ MAX_ROWS["moe_up"], moe_up_grid above it
@@ -1246,6 +1271,12 @@ class FusedDecoder(StockDecoder):
                     layer.mlp.register_buffer("experts_counters", make_counters(dev))
                 layer.mlp.use_front = "gemv_multi" in on
                 layer.mlp.use_front_mma = "front_mma" in on
+                layer.mlp.routing_sync = None
+                if layer.mlp.use_front and layer.mlp.use_experts_v2 and cfg.rows <= MAX_ROWS["gemv_multi"]:
+                    from kimi_decode.kernels import moe_experts as k_mx
+                    from kimi_decode.kernels.router_fast import SYNC_WORDS
+                    if k_mx.FC1_EARLY_IDS:    # a plain attribute: scratch, not decode state
+                        layer.mlp.routing_sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
                 layer.mlp.up_grid_scratch = None
                 if layer.mlp.use_up_kernel and "moe_up_grid" in on and cfg.rows > MAX_ROWS["moe_up"]:

@@ -153,7 +153,8 @@ class GemvMulti:
         mG = cute.make_tensor(w_gate, cute.make_layout((e, k // VEC, VEC), stride=(k, VEC, 1)))
         mB = cute.make_tensor(bias, cute.make_layout(e))
         mL = cute.make_tensor(logits, cute.make_layout((m, e), stride=(e, 1)))
-        mC = cute.make_tensor(counter, cute.make_layout(1))
+        nc = rf.SYNC_WORDS if cutlass.const_expr(self.router is not None and self.cfg.router.publish_ready) else 1
+        mC = cute.make_tensor(counter, cute.make_layout(nc))
         mI = cute.make_tensor(ids, cute.make_layout((m, tk), stride=(tk, 1)))
         mR = cute.make_tensor(weights, cute.make_layout((m, tk), stride=(tk, 1)))
         grid = self.rctas + sum(self.ctas)
@@ -277,21 +278,28 @@ def gemv_multi(x: torch.Tensor, ws: Sequence[torch.Tensor], *, unroll: int = GEM
 
 def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int,
                       scaling: float, counter: torch.Tensor, ws: Sequence[torch.Tensor], *,
-                      unroll: int = GEMV_UNROLL, tune: dict[str, object] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                      unroll: int = GEMV_UNROLL, tune: dict[str, object] | None = None,
+                      publish_ready: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """router_fast.route(y, w_gate, bias, top_k, scaling, counter) and [y @ w.t() for w in ws]
     in one launch: (ids [M, k] int64, weights [M, k] fp32, outputs). counter: the zeroed int32
-    [1] buffer router_fast uses (left zeroed). Bit-identical to the separate kernels."""
+    [1] buffer router_fast uses (left zeroed). Bit-identical to the separate kernels.
+    `publish_ready`: counter is a routing sync buffer (router_fast.SYNC_WORDS, zeroed) and the
+    top-k raises its ids-ready flag for FC1 (moe_experts.experts' `ids_ready`), which lowers it."""
     e = w_gate.shape[0]
     _check_operands(y, [w_gate, *ws], (e, top_k))
     if bias.dtype != torch.float32 or bias.numel() != e or len(ws) > MAX_SEGMENTS:
         raise ValueError(f"gemv_multi router: bias must be fp32 [{e}], at most {MAX_SEGMENTS} projections")
+    if publish_ready and (counter.dtype != torch.int32 or counter.numel() < rf.SYNC_WORDS
+                          or not counter.is_contiguous()):
+        raise ValueError(f"gemv_multi publish_ready: counter must be a contiguous int32 [{rf.SYNC_WORDS}] "
+                         f"routing sync buffer, got {counter.dtype} {tuple(counter.shape)}")
     m, k = y.shape
     dev = y.device
     outs = [torch.empty(m, w.shape[0], dtype=torch.bfloat16, device=dev) for w in ws]
     logits = torch.empty(m, e, dtype=torch.float32, device=dev)
     ids = torch.empty(m, top_k, dtype=torch.int64, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
-    rcfg = rf.RouterFastConfig(k, e, top_k, m, float(scaling))
+    rcfg = rf.RouterFastConfig(k, e, top_k, m, float(scaling), publish_ready=publish_ready)
     _launch(_config(k, m, tuple(w.shape[0] for w in ws), rcfg, unroll, tune), y, ws, outs,
             (w_gate, bias, logits, counter, ids, weights))
     return ids, weights, outs

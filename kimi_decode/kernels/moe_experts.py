@@ -95,6 +95,20 @@ then blocks until FC1 has completed and its writes are visible, before `a` is re
 w are read before the wait: they were written before FC1 started. Without `pdl` both
 instructions are no-ops and the launch is ordinary stream order.
 
+Early ids (FC1_EARLY_IDS, `experts(..., ids_ready=)`, M = 1 with load groups): the MoE front
+(gemv_multi.route_and_project with publish_ready) raises a flag in a routing sync buffer once
+its top-k has written idx and w (a release add after each writer's fence and a barrier). FC1's
+thread 0 polls it (acquire loads) and arrives on a counter beside it; the last of FC1's CTAs
+lowers the flag and the counter again (fc1_await_ids). A barrier and a fence by every thread,
+then each warp reads its id and issues its first load group's weights, and only then passes
+the PDL chain's wait (z, the front's other output, is read after it) and releases FC2. So
+FC1's first weight bytes are requested while the front's last projection CTAs still stream,
+not one ids round trip after its end. Why the flag is safe across steps and layers: under the
+chain FC1 starts only once every front CTA has entered (passed its wait), and the next step's
+front raises the flag only after this FC1 has completed (chain.py's protocol), so no FC1 can
+see the previous step's flag; a front that raises it is always followed by an FC1 that lowers
+it (fused.LatentMoE._early_ids_apply decides both together).
+
 Why it should reach its target (M = 1, K = 16, L = 3584, I = 192): FC1 reads 16·2·192·3584·2 B
 = 44 MB, FC2 16·3584·192·2 B = 22 MB: 66 MB, 17 us at 3.9 TB/s, plus two ramp/tails (~2 us
 each) -> ~21-23 us (88 MB and ~26-28 us with inter=None), against 48.8 us stock; PDL may hide
@@ -130,6 +144,7 @@ from cutlass import Float32, Int32
 
 from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, sigmoid
+from kimi_decode.kernels.router_fast import FC1_DONE_WORD, READY_WORD, SYNC_WORDS
 
 VEC = 8          # bf16 per 128-bit load
 WARPS = 8        # warps per CTA (both kernels)
@@ -166,6 +181,17 @@ FC1_GROUP_MAX_ROWS = 1   # M up to which FC1 runs grouped (above: the loop)
 # slices would need 84 for its data alone, so ptxas issues ~15 loads at once and the rest as
 # registers free; 4 B of spill), so M = 1's 384 CTAs stay one wave on 132 SMs
 FC1_GROUP_MIN_BLOCKS = 3
+# FC1 at M = 1 (its load groups) takes the router's ids as soon as the MoE front's top-k
+# publishes them (router_fast.READY_WORD of the front's routing sync buffer), not at the
+# front's end: its CTAs that are resident beside the front's last projection CTAs issue their
+# first load group of expert weights, then wait (griddepcontrol.wait) for z. Why: in the H200
+# B = 1, k = 0 graph trace (cd24720) FC1 ends 15.4 us after the front for 44 MB (10.4 us at
+# the copy rate); after the front's end each CTA read the ids (an L2 round trip) before its
+# first weight address was known, then waited for its first bytes, with HBM idle meanwhile
+# (the fixed ~5-6 us of bench/ncu_fused_b1.md). The top-k runs in the front's last router
+# CTA, while the projection CTAs still stream (gemv_multi's module docstring).
+# Off until a device A/B says otherwise (fused.LatentMoE passes the buffer only when on).
+FC1_EARLY_IDS = False
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
@@ -203,13 +229,16 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
              beta: Float32, lin_beta: Float32, g: Int32, lane: Int32, Ip: cutlass.Constexpr[int],
              I: cutlass.Constexpr[int], K: cutlass.Constexpr[int], E: cutlass.Constexpr[int],
              slices: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-             group: cutlass.Constexpr[int] = 0):
+             group: cutlass.Constexpr[int] = 0, pre_wait: cutlass.Constexpr[bool] = False):
     """FC1's warp g: a[p, c] for pair p = g // I, column c = g % I (gate row c and up row
     Ip + c of the pair's expert, `slices` 128-bit slices per lane, a 32-lane butterfly each,
     bf16 h, then the gate/up activation). Shared by ExpertsFC1.kernel and
     moe_experts_one.ExpertsOne.fc1_item. `group` > 0 (FC1_LOADS_GROUP): the slices in groups
     of that many, each group's loads all issued before its first conversion; the products
-    are summed in the same order either way (bit-equal)."""
+    are summed in the same order either way (bit-equal). `pre_wait` (with a group; the ids
+    already published, FC1_EARLY_IDS): the first group's weight loads are issued, then the
+    PDL chain's wait and release (chain.enter), then its z loads: the same loads, products and
+    order, only z's loads move after the wait."""
     p = g // I                           # pair
     c = g - p * I                        # output column (gate row c, up row Ip + c)
     # Every lane reaches the shuffles below: out-of-range warps (none: the grid is exact)
@@ -226,23 +255,33 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
     wu = cute.make_rmem_tensor(cute.make_layout(VEC), mW.element_type)
     zv = cute.make_rmem_tensor(cute.make_layout(VEC), mZ.element_type)
     if cutlass.const_expr(group > 0):
+        # every slice's gate and up weights in one register array each (indexed at trace time,
+        # so only a group's stay live), z per group
+        gw = cute.make_rmem_tensor(cute.make_layout((slices, VEC), stride=(VEC, 1)), mW.element_type)
+        uw = cute.make_rmem_tensor(cute.make_layout((slices, VEC), stride=(VEC, 1)), mW.element_type)
+        if cutlass.const_expr(pre_wait):
+            if p < pairs and e >= 0 and e < E:   # warp-uniform; the first group's weights only
+                for t in cutlass.range_constexpr(min(group, slices)):
+                    q = lane + t * 32
+                    cute.autovec_copy(mW[e, c, q, None], gw[t, None])
+                    cute.autovec_copy(mW[e, Ip + c, q, None], uw[t, None])
+            chain.enter()                        # every thread: z is read after the wait
         if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
             for gi in cutlass.range_constexpr((slices + group - 1) // group):
                 i0 = gi * group
                 n = min(group, slices - i0)
-                gw = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mW.element_type)
-                uw = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mW.element_type)
                 zs = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mZ.element_type)
                 for t in cutlass.range_constexpr(n):
                     q = lane + (i0 + t) * 32
-                    cute.autovec_copy(mW[e, c, q, None], gw[t, None])
-                    cute.autovec_copy(mW[e, Ip + c, q, None], uw[t, None])
+                    if cutlass.const_expr(not pre_wait or gi > 0):
+                        cute.autovec_copy(mW[e, c, q, None], gw[i0 + t, None])
+                        cute.autovec_copy(mW[e, Ip + c, q, None], uw[i0 + t, None])
                     cute.autovec_copy(mZ[row, q, None], zs[t, None])
                 for t in cutlass.range_constexpr(n):
                     for v in cutlass.range_constexpr(VEC):
                         zf = zs[t, v].to(Float32)
-                        acc[0] = acc[0] + gw[t, v].to(Float32) * zf
-                        acc[1] = acc[1] + uw[t, v].to(Float32) * zf
+                        acc[0] = acc[0] + gw[i0 + t, v].to(Float32) * zf
+                        acc[1] = acc[1] + uw[i0 + t, v].to(Float32) * zf
     else:
         if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
             for i in cutlass.range(slices, unroll=unroll):
@@ -292,41 +331,47 @@ class ExpertsFC1:
     """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
 
     def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL, column_major: bool | None = None,
-                 group: int | None = None) -> None:
+                 group: int | None = None, early_ids: bool = False) -> None:
         """`unroll`: slices of the L loop per trip (FC1_UNROLL; experts_one builds its FC1
         items at its own depth and compares them with this kernel at that depth).
         `column_major`: the CTA order (FC1_COLUMN_MAJOR when None); it needs I % 8 == 0
         (a CTA's 8 columns within one pair), which can_implement's I % VEC == 0 gives.
-        `group`: FC1_LOADS_GROUP when None (0: the loop)."""
+        `group`: FC1_LOADS_GROUP when None (0: the loop). `early_ids` (with a group:
+        FC1_EARLY_IDS): the ids are read once the front's top-k has published them (the
+        routing sync buffer `sync`), and the first load group's weights before the wait."""
         self.cfg = cfg
         self.slices = cfg.latent // (VEC * 32)
         self.unroll = unroll if self.slices % unroll == 0 else 1
         cm = FC1_COLUMN_MAJOR if column_major is None else column_major
         self.column_major = bool(cm) and cfg.inter % WARPS == 0
         self.group = max(0, min(int(FC1_LOADS_GROUP if group is None else group), self.slices))
+        self.early_ids = bool(early_ids) and self.group > 0
 
     @cute.jit
     def __call__(self, z: cute.Pointer, idx: cute.Pointer, w13: cute.Pointer, act: cute.Pointer,
-                 m: Int32, beta: Float32, lin_beta: Float32, stream: cuda.CUstream):
+                 sync: cute.Pointer, m: Int32, beta: Float32, lin_beta: Float32, stream: cuda.CUstream):
+        """`sync`: the front's routing sync buffer (int32, router_fast.SYNC_WORDS) with
+        early_ids, else never read (any int32 pointer)."""
         L, Ip, I, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
         nv = L // VEC
         mZ = cute.make_tensor(z, cute.make_layout((m, nv, VEC), stride=(L, VEC, 1)))
         mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
         mW = cute.make_tensor(w13, cute.make_layout((E, 2 * Ip, nv, VEC), stride=(2 * Ip * L, L, VEC, 1)))
         mA = cute.make_tensor(act, cute.make_layout((m * K, Ip), stride=(Ip, 1)))
+        mS = cute.make_tensor(sync, cute.make_layout(SYNC_WORDS))
         if cutlass.const_expr(self.group > 0):
             # explicit carveout (-1: the driver's default): no device query at compile time
-            self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
+            self.kernel(mZ, mIdx, mW, mA, mS, m, beta, lin_beta).launch(
                 grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
                 use_pdl=chain.chain_on(), min_blocks_per_mp=FC1_GROUP_MIN_BLOCKS, preferred_smem_carveout=-1)
         else:
-            self.kernel(mZ, mIdx, mW, mA, m, beta, lin_beta).launch(
+            self.kernel(mZ, mIdx, mW, mA, mS, m, beta, lin_beta).launch(
                 grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
                 use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor,
-               m: Int32, beta: Float32, lin_beta: Float32):
+               mS: cute.Tensor, m: Int32, beta: Float32, lin_beta: Float32):
         Ip, I, K, E = self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
@@ -335,14 +380,44 @@ class ExpertsFC1:
         # it waits (griddepcontrol.wait) for this grid's end before reading `a`. No effect
         # on results; without use_pdl on FC2 it is a no-op. In the PDL chain FC1 itself
         # starts early: it waits for the router's ids first and releases FC2 only then (FC2
-        # reads the ids before its own wait; kernels/chain.py).
-        if cutlass.const_expr(chain.chain_on()):
+        # reads the ids before its own wait; kernels/chain.py). With early_ids the ids come
+        # from the front's flag instead and the chain's wait follows the first load group
+        # (fc1_warp's pre_wait), still before FC2 is released.
+        if cutlass.const_expr(self.early_ids):
+            if cutlass.const_expr(not chain.chain_on()):
+                cute.arch.griddepcontrol_launch_dependents()
+            fc1_await_ids(mS, bidx)
+        elif cutlass.const_expr(chain.chain_on()):
             chain.enter()
         else:
             cute.arch.griddepcontrol_launch_dependents()
         g = fc1_warp_index(bidx, warp, m * K, I, self.column_major)
         fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll,
-                 self.group)
+                 self.group, self.early_ids)
+
+
+@cute.jit
+def fc1_await_ids(mS: cute.Tensor, bidx: Int32):
+    """FC1_EARLY_IDS, at the kernel's start: thread 0 polls the routing sync buffer's ids-ready
+    flag (acquire, gpu scope) until the front's top-k has raised it, then arrives on the FC1
+    counter; the CTA that arrives last (every other CTA has seen the flag) lowers the flag and
+    re-zeroes the counter for the next step's front. Then a barrier and a fence by every
+    thread, after which the ids and weights the top-k wrote are visible (moe_experts_one's
+    poll pattern). Deadlock-free: FC1 starts only after every front CTA has entered the chain
+    (kernels/chain.py), so the top-k CTA is running; without the chain the front is complete."""
+    tidx, _, _ = cute.arch.thread_idx()
+    gdim, _, _ = cute.arch.grid_dim()
+    if tidx == 0:
+        rp = mS.iterator + READY_WORD
+        seen = cute.arch.load(rp.llvm_ptr, Int32, sem="acquire", scope="gpu")
+        while seen == 0:
+            seen = cute.arch.load(rp.llvm_ptr, Int32, sem="acquire", scope="gpu")
+        old = cute.arch.atomic_add(mS.iterator + FC1_DONE_WORD, Int32(1), sem="acq_rel", scope="gpu")
+        if old == gdim - 1:
+            mS[FC1_DONE_WORD] = Int32(0)
+            mS[READY_WORD] = Int32(0)
+    cute.arch.sync_threads()
+    cute.arch.fence_acq_rel_gpu()
 
 
 class ExpertsFC2:
@@ -668,32 +743,36 @@ def fc1_group(m: int) -> int:
     return FC1_LOADS_GROUP if m <= FC1_GROUP_MAX_ROWS else 0
 
 
-def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int | None = None) -> object:
-    """FC1 compiled for `cfg` in the given CTA order (FC1_COLUMN_MAJOR when None) and load
-    group (FC1_LOADS_GROUP when None); cached per order and group, so flipping a module
-    constant in a process cannot reuse the other build."""
+def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int | None = None,
+                early_ids: bool = False) -> object:
+    """FC1 compiled for `cfg` in the given CTA order (FC1_COLUMN_MAJOR when None), load
+    group (FC1_LOADS_GROUP when None) and ids mode (early_ids: ExpertsFC1's; only with a
+    group); cached per order, group and mode, so flipping a module constant in a process
+    cannot reuse the other build."""
     cm = FC1_COLUMN_MAJOR if column_major is None else column_major
     grp = FC1_LOADS_GROUP if group is None else group
+    early_ids = bool(early_ids) and grp > 0
     cfg1 = dataclasses.replace(cfg, pdl=False, stage_async=False)   # FC1 does not depend on them
 
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(ExpertsFC1(cfg1, column_major=cm, group=grp), bf, dummy_ptr(cfg.idx_dtype), bf, bf,
-                            Int32(1), Float32(4.0), Float32(25.0), current_stream(), options=compile_options())
-    return compiled(("experts_fc1", cfg1, bool(cm), int(grp)), build)
+        return cute.compile(ExpertsFC1(cfg1, column_major=cm, group=grp, early_ids=early_ids), bf,
+                            dummy_ptr(cfg.idx_dtype), bf, bf, dummy_ptr(torch.int32), Int32(1), Float32(4.0),
+                            Float32(25.0), current_stream(), options=compile_options())
+    return compiled(("experts_fc1", cfg1, bool(cm), int(grp), early_ids), build)
 
 
-def compile_for(cfg: ExpertsConfig, v2: bool, m: int) -> tuple[object, object]:
+def compile_for(cfg: ExpertsConfig, v2: bool, m: int, early_ids: bool = False) -> tuple[object, object]:
     """The two compiled kernels for `cfg` (cached), FC1 with M = `m`'s load group
-    (fc1_group: M is required, so no caller gets M = 1's build at another M); `v2`: FC2 is
-    ExpertsFC2v2."""
+    (fc1_group: M is required, so no caller gets M = 1's build at another M) and, where that
+    group is not 0, `early_ids`; `v2`: FC2 is ExpertsFC2v2."""
 
     def build2() -> object:
         bf = dummy_ptr(torch.bfloat16)
         return cute.compile((ExpertsFC2v2 if v2 else ExpertsFC2)(cfg), bf, dummy_ptr(cfg.idx_dtype),
                             dummy_ptr(torch.float32), bf, bf, Int32(1), current_stream(), options=compile_options())
     # FC1 does not depend on `pdl` (its launch_dependents hint is always there): one compile
-    return compile_fc1(cfg, group=fc1_group(m)), compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
+    return compile_fc1(cfg, group=fc1_group(m), early_ids=early_ids), compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
 
 
 def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -727,7 +806,7 @@ def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             beta: float, lin_beta: float, out: torch.Tensor | None = None, *,
             inter: int | None = None, pdl: bool = False, v2: bool = False,
-            stage_async: bool = False, rows: int = 0) -> torch.Tensor:
+            stage_async: bool = False, rows: int = 0, ids_ready: torch.Tensor | None = None) -> torch.Tensor:
     """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
     z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
     dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
@@ -738,13 +817,22 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     ExpertsFC2v2 (kernel `experts_v2`; shapes: can_implement_v2); `stage_async` (with v2,
     kernel `experts_v2_async`): its `a` staged by cp.async, bit-identical. `rows` (1 or 2,
     with v2, kernel `experts_rows`): at M ≥ 2 FC2 is moe_fc2_rows.ExpertsFC2Rows with that
-    many register buffers, bit-identical to FC2 v2 (M = 1 keeps FC2 v2). Returns out [M, L]."""
+    many register buffers, bit-identical to FC2 v2 (M = 1 keeps FC2 v2). `ids_ready`: the
+    routing sync buffer (router_fast.SYNC_WORDS int32) whose ids-ready flag the MoE front
+    that wrote idx and w raises (gemv_multi.route_and_project's publish_ready); where FC1 runs
+    its load groups (fc1_group(M) > 0) it then reads idx once the flag is up instead of after
+    the front's end (FC1_EARLY_IDS) and lowers the flag again; results are identical. Without
+    a flag-raising front it must be None (FC1 would wait forever). Returns out [M, L]."""
     (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
                                                      can_implement_v2 if v2 else can_implement,
                                                      "experts kernel")
-    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2, m)
+    early = ids_ready is not None and fc1_group(m) > 0
+    if early and (ids_ready.dtype != torch.int32 or ids_ready.numel() < SYNC_WORDS or not ids_ready.is_contiguous()):
+        raise ValueError(f"experts ids_ready must be a contiguous int32 [{SYNC_WORDS}] routing sync buffer")
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2, m, early)
     stream = current_stream()
-    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), stream)
+    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), ptr(ids_ready) if early else dummy_ptr(torch.int32), Int32(m),
+        Float32(beta), Float32(lin_beta), stream)
     if rows and v2 and not stage_async and m >= 2:
         from kimi_decode.kernels import moe_fc2_rows
         moe_fc2_rows.launch_fc2(act, idx, w, w2, out, ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), m, rows)
@@ -898,7 +986,8 @@ def fc1_launch(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, act: torch
     E, two_ip, L = w13.shape
     grp = fc1_group(m) if group is None else group
     fc1 = compile_fc1(ExpertsConfig(L, two_ip // 2, inter, k, E, idx.dtype), column_major, grp)
-    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), Int32(m), Float32(beta), Float32(lin_beta), current_stream())
+    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), dummy_ptr(torch.int32), Int32(m), Float32(beta), Float32(lin_beta),
+        current_stream())
 
 
 def check_fc1_order(timing: bool = True, rows: tuple[int, ...] = (2, 8)) -> list[dict]:

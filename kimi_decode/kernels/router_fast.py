@@ -89,6 +89,16 @@ MIN_CTAS = 4               # .minnctapersm: ≤ 64 registers, so all E/EPC = 448
 # the 64-register cap the 28 logit + 28 bias loads per lane issue one after another, each a
 # full L2 round trip, between the sigmoids.
 STAGE_MAX_LOGITS = 2048
+# The routing sync buffer (int32 [SYNC_WORDS], zero at creation) of the MoE front with
+# `publish_ready` (gemv_multi.route_and_project at M = 1, moe_experts.FC1_EARLY_IDS): word 0 is
+# the router CTAs' arrival counter (the `counter` every router kernel takes), word READY_WORD
+# the ids-ready flag the top-k CTA raises once ids and weights are written, word
+# FC1_DONE_WORD the arrival counter of the FC1 CTAs that read the flag (the last re-zeroes the
+# flag and itself). Each in its own 128-byte line, so FC1's polls of the flag do not queue
+# behind the counters' atomics.
+READY_WORD = 32
+FC1_DONE_WORD = 64
+SYNC_WORDS = 96
 SMEM_CARVEOUT = 50         # percent of the SM's 228 KB as shared memory (4 CTAs × ~19 KB); set
                            # explicitly, else with min_blocks_per_mp > 1 the DSL queries the
                            # device while compiling (no GPU in CI)
@@ -104,6 +114,9 @@ class RouterFastConfig:
     rows: int
     scaling: float = 1.0
     logits_bf16: bool = False
+    # raise the routing sync buffer's ids-ready flag after the top-k (the counter argument is
+    # then that buffer, SYNC_WORDS long; see READY_WORD)
+    publish_ready: bool = False
 
     @property
     def group_bits(self) -> int:
@@ -253,6 +266,14 @@ class RouterFast:
                     self.topk_row(mL, mB, mI, mO, cK, cI, selI, selS, row, warp, lane)
             if tidx == 0:
                 mC[0] = Int32(0)
+            if cutlass.const_expr(self.cfg.publish_ready):
+                # ids and weights (written by the top-k warps above) before the flag: each
+                # thread fences its own stores, the barrier orders them before thread 0's
+                # release (arrive_count's pattern); FC1 reads the flag with acquire
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    cute.arch.atomic_add(mC.iterator + READY_WORD, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def topk_row(self, mL: cute.Tensor, mB: cute.Tensor, mI: cute.Tensor, mO: cute.Tensor,

@@ -553,7 +553,7 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     rows_asked: list[int] = []
 
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
-                stage_async=False, rows=0):
+                stage_async=False, rows=0, ids_ready=None):
         calls.append(v2)
         staged.append(stage_async)
         rows_asked.append(rows)
@@ -823,7 +823,7 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
     calls: list = []
 
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
-                stage_async=False, rows=0):
+                stage_async=False, rows=0, ids_ready=None):
         calls.append(v2)
         r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)
@@ -868,3 +868,75 @@ def test_shared_expert_issued_after_the_router(monkeypatch, after: bool) -> None
     want = ("latent_down", "router", "shared_expert") if after else ("latent_down", "shared_expert", "router")
     per_layer = [tuple(moe[i:i + 3]) for i in range(0, len(moe), 3)]
     assert per_layer and all(p == want for p in per_layer), per_layer
+
+
+@pytest.mark.parametrize("early,enabled,expect", [
+    (True, {"gemv_multi", "experts_v2"}, True),                   # the M = 1 front and FC2 v2: flag
+    (False, {"gemv_multi", "experts_v2"}, False),                 # the switch off: the router counter
+    (True, {"gemv_multi", "experts_v2", "experts_one"}, False),   # the one-launch experts take M = 1
+    (True, {"gemv_multi", "experts"}, False),                     # no FC2 v2: no buffer at all
+])
+def test_fc1_early_ids_wiring_on_cpu(monkeypatch, early: bool, enabled: set, expect: bool) -> None:
+    """moe_experts.FC1_EARLY_IDS: enable() gives each MoE layer a zeroed int32 routing sync
+    buffer (router_fast.SYNC_WORDS) where the M = 1 front and FC2 v2 are on; forward then
+    hands that buffer to the front as its counter with publish_ready and the same buffer to
+    the experts as ids_ready, and nowhere else (a raised flag that no FC1 lowers would let a
+    later FC1 read stale ids). Kernels are their torch contracts: the step still equals stock."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels_pkg
+    import kimi_decode.kernels.gemv_multi as k_multi
+    import kimi_decode.kernels.moe_experts as k_ex
+    import kimi_decode.kernels.moe_experts_one as k_one
+    from kimi_decode import stock_ops as ops
+    from kimi_decode.kernels.router_fast import SYNC_WORDS
+    fronts, ready = [], []
+
+    def route_and_project(y, w_gate, bias, top_k, scaling, counter, ws, publish_ready=False):
+        fronts.append((counter, publish_ready))
+        ids, w = _emulate_route(y, w_gate, bias, top_k, scaling, counter)
+        return ids, w, [y @ w_.t() for w_ in ws]
+
+    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
+                stage_async=False, rows=0, ids_ready=None):
+        ready.append(ids_ready)
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+
+    def experts_one(z, idx, w, w13, w2, beta, lin_beta, counters, out=None, *, inter=None):
+        ready.append("one")
+        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
+    monkeypatch.setattr(k_multi, "route_and_project", route_and_project)
+    monkeypatch.setattr(k_multi, "gemv_multi", lambda x, ws: [x @ w.t() for w in ws])   # MLA's qkv_a + g
+    monkeypatch.setattr(k_multi, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(k_ex, "experts", experts)
+    monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: True)
+    monkeypatch.setattr(k_ex, "FC1_EARLY_IDS", early)
+    monkeypatch.setattr(k_one, "experts_one", experts_one)
+    monkeypatch.setattr(k_one, "can_implement_one", lambda *a, **k: True)
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | set(enabled))
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
+    cfg = tiny(layers=(3, 4, 5, 6), batch=1)
+    assert cfg.rows == 1
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    assert fused.enable(frozenset(enabled)) == frozenset(enabled)
+    moe = [layer.mlp for layer in fused.layers if isinstance(layer.mlp, fused_mod.LatentMoE)]
+    bufs = [m.routing_sync for m in moe]
+    if early and "experts_v2" in enabled:
+        assert all(b is not None and b.dtype == torch.int32 and b.shape == (SYNC_WORDS,) and not b.any()
+                   for b in bufs)
+        assert all("routing_sync" not in dict(m.named_buffers()) for m in moe)   # scratch, not state
+    else:
+        assert all(b is None for b in bufs)
+    run_close(stock, fused, seed=91, steps=2)
+    assert len(fronts) == 2 * len(moe)
+    if expect:
+        assert [(c.data_ptr(), p) for c, p in fronts] == [(b.data_ptr(), True) for b in bufs] * 2
+        assert [r.data_ptr() for r in ready] == [b.data_ptr() for b in bufs] * 2
+    else:
+        assert all(not p and c.numel() == 1 for c, p in fronts)
+        assert all(r is None or r == "one" for r in ready) and len(ready) == 2 * len(moe)

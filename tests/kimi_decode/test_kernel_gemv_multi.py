@@ -20,7 +20,8 @@ cute = pytest.importorskip("cutlass.cute")
 from kimi_decode.config import k3_tp16  # noqa: E402
 from kimi_decode.kernels import _common  # noqa: E402
 from kimi_decode.kernels import router_fast as rf  # noqa: E402
-from kimi_decode.kernels.gemv_multi import GemvMulti, MultiConfig, can_implement, gemv_multi  # noqa: E402
+from kimi_decode.kernels.gemv_multi import (GemvMulti, MultiConfig, can_implement, gemv_multi,  # noqa: E402
+                                            route_and_project)
 
 bf, f32 = torch.bfloat16, torch.float32
 P = _common.dummy_ptr
@@ -50,6 +51,31 @@ def test_moe_front_compiles(tmp_path: Path) -> None:
     # three kinds of result: fp32 logits, the top-k (int64 ids), bf16 projections
     assert "st.global.u64" in ptx or "st.global.s64" in ptx or "st.global.b64" in ptx
     assert ptx.count("st.global.b16") >= 2 or ptx.count("st.global.u16") >= 2
+
+
+def test_moe_front_publishes_the_ids_after_the_top_k(tmp_path: Path) -> None:
+    """publish_ready (moe_experts.FC1_EARLY_IDS): one more atomic, a release add to the ids-ready
+    word (READY_WORD · 4 bytes past the counter) after the ids are stored and a fence; the
+    default build has none (test_moe_front_compiles: one atomic)."""
+    rcfg = rf.RouterFastConfig(K3.hidden, K3.num_experts, K3.top_k, 1, K3.routed_scaling, publish_ready=True)
+    ptx = ptx_of(tmp_path, MultiConfig(K3.hidden, 1, (K3.latent_dim, 2 * K3.shared_local_inter), rcfg))
+    lines = [x.strip() for x in ptx.splitlines()]
+    rel = [i for i, x in enumerate(lines) if x.startswith("atom.") and ".release." in x]
+    assert len(rel) == 1, rel
+    addr = re.search(r"\[(%rd\d+)\]", lines[rel[0]]).group(1)       # counter + READY_WORD words
+    assert any(re.fullmatch(rf"add\.s64\s+{addr}, %rd\d+, {rf.READY_WORD * 4};", x) for x in lines[:rel[0]])
+    assert ptx.count("atom.global.acq_rel.add") == 1
+    stores = [i for i, x in enumerate(lines) if x.startswith("st.global") and ("64" in x.split()[0])]
+    assert stores and max(stores) < rel[0]                       # every id stored before the flag
+    assert any(x.startswith("fence.acq_rel.gpu") for x in lines[max(stores):rel[0]])
+
+
+def test_publish_needs_a_sync_buffer() -> None:
+    y = torch.zeros(1, K3.hidden, dtype=bf)
+    w = torch.zeros(K3.num_experts, K3.hidden, dtype=bf)
+    with pytest.raises(ValueError, match="routing sync buffer"):
+        route_and_project(y, w, torch.zeros(K3.num_experts), K3.top_k, 1.0, torch.zeros(1, dtype=torch.int32),
+                          [torch.zeros(256, K3.hidden, dtype=bf)], publish_ready=True)
 
 
 def test_moe_front_without_the_shared_expert_compiles(tmp_path: Path) -> None:

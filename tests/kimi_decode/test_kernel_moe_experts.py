@@ -107,7 +107,7 @@ def test_divergent_shuffles_helper_can_fail() -> None:
 
 
 def test_fc1_compiles(tmp_path: Path) -> None:
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert ptx.count("ld.global.v4") == 3 * 14       # gate, up, z per slice; all 14 slices in one trip
     assert ptx.count("shfl.sync.bfly") == 2 * 5      # two butterflies (gate, up)
@@ -125,7 +125,7 @@ def test_fc1_load_groups_issue_each_groups_loads_first(tmp_path: Path, group: in
     ptxas's (cuobjdump of this build with ptxas 13.0): the first group's loads ~15 back to
     back, the later ones as registers freed, where the loop's build kept 3-5 in flight."""
     from tests.kimi_decode.test_kernels_compile import load_convert_order
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=group), P(bf), P(i64), P(bf), P(bf), Int32(1),
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=group), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(1),
                  Float32(4.0), Float32(25.0))
     common_checks(ptx)
     slices = K3.latent_dim // 256
@@ -165,7 +165,7 @@ def test_fc1_orders_compile_the_same_loads(tmp_path: Path, column_major: bool) -
     """Both CTA orders of the loop build (M >= 2: fc1_group 0): the same loads, butterflies
     and store (only the warp's index math differs), no local memory, registers at the
     pair-major build's level."""
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major, group=0), P(bf), P(i64), P(bf), P(bf), Int32(8),
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major, group=0), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(8),
                  Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert ptx.count("ld.global.v4") == 3 * 14 and ptx.count("shfl.sync.bfly") == 2 * 5
@@ -273,7 +273,7 @@ def test_fc2_v2_registers_with_ptxas(tmp_path: Path) -> None:
 
 def test_fc1_int32_idx_compiles(tmp_path: Path) -> None:
     cfg = ExpertsConfig(3584, 256, 256, 16, 896, torch.int32)    # no padding skip, int32 ids
-    ptx = ptx_of(tmp_path, ExpertsFC1(cfg), P(bf), P(torch.int32), P(bf), P(bf), Int32(8), Float32(4.0), Float32(25.0))
+    ptx = ptx_of(tmp_path, ExpertsFC1(cfg), P(bf), P(torch.int32), P(bf), P(bf), P(torch.int32), Int32(8), Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert "ld.global.v4" in ptx
 
@@ -555,3 +555,56 @@ def test_check_async_runs_on_cpu_with_emulated_kernel(monkeypatch: pytest.Monkey
         return _emulate(z, idx, ww, *a, **kw)
     monkeypatch.setattr(moe_experts, "experts", broken)
     assert not any(r["ok"] for r in moe_experts.check_async(timing=False, rows=(2,)))
+
+
+def _ordered_events(ptx: str) -> str:
+    """FC1_EARLY_IDS' protocol in PTX order: A = an acquire load of the flag, T = an atomic
+    add, W = griddepcontrol.wait, R = griddepcontrol.launch_dependents, V = a 128-bit global
+    load (weights or z), S = a barrier."""
+    out = []
+    for line in ptx.splitlines():
+        s = line.strip()
+        if s.startswith("ld.acquire.gpu") or s.startswith("ld.global.acquire.gpu"):
+            out.append("A")
+        elif s.startswith("atom."):
+            out.append("T")
+        elif s.startswith("griddepcontrol.wait"):
+            out.append("W")
+        elif s.startswith("griddepcontrol.launch_dependents"):
+            out.append("R")
+        elif s.startswith("ld.global") and ".v4" in s:
+            out.append("V")
+        elif s.startswith("bar.sync"):
+            out.append("S")
+    return "".join(out)
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_fc1_early_ids_protocol_in_ptx(tmp_path: Path, chained: bool) -> None:
+    """FC1_EARLY_IDS (the M = 1 load-group build): the flag polled with acquire loads and the
+    arrival atomic before the CTA barrier, then the first group's 2 x 7 weight loads, then (in
+    the PDL chain) the wait and the release of FC2, then the first group's 7 z loads and the
+    later groups' 21; the same 42 vector loads as without it. Off the chain FC2 is released
+    at the start, as before, and there is no wait. The default build has no acquire or atomic."""
+    from kimi_decode.kernels import chain
+    chain.set_chain(chained)
+    try:
+        ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=7, early_ids=True), P(bf), P(i64), P(bf), P(bf),
+                     P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
+        (tmp_path / "plain").mkdir()
+        plain = ptx_of(tmp_path / "plain", ExpertsFC1(K3_CFG, group=7), P(bf), P(i64), P(bf), P(bf),
+                       P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
+    finally:
+        chain.set_chain(False)
+    common_checks(ptx)
+    ev = _ordered_events(ptx)
+    assert ptx.count("ld.global.v4") == 3 * 14
+    head = ev.index("S")
+    assert "A" in ev[:head] and "T" in ev[:head] and "V" not in ev[:head]
+    if chained:
+        assert ev[head:].replace("A", "") .startswith("S" + "V" * 14 + "WR" + "V" * 28), ev
+    else:
+        assert ev.index("R") < head and "W" not in ev and ev[head:].startswith("S" + "V" * 42), ev
+    plain_ev = _ordered_events(plain)
+    assert "A" not in plain_ev and "T" not in plain_ev
+    assert not ExpertsFC1(K3_CFG, group=0, early_ids=True).early_ids      # the loop build never polls

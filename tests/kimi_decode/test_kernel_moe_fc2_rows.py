@@ -97,7 +97,7 @@ def test_experts_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """experts(rows=b): FC1, then ExpertsFC2Rows with b buffers at M ≥ 2 with v2; M = 1, no
     v2 or the cp.async staging keep the FC2 kernel compile_for returns."""
     launched: list[object] = []
-    monkeypatch.setattr(k_ex, "compile_for", lambda cfg, v2, m: (lambda *a: launched.append("fc1"),
+    monkeypatch.setattr(k_ex, "compile_for", lambda cfg, v2, m, early=False: (lambda *a: launched.append("fc1"),
                                                                     lambda *a: launched.append("fc2")))
     monkeypatch.setattr(k_rows, "launch_fc2", lambda act, idx, w, w2, out, cfg, m, buffers: launched.append(("rows", m, buffers)))
     monkeypatch.setattr(k_ex, "ptr", lambda t: None)
