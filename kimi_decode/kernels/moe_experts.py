@@ -189,9 +189,12 @@ FC1_GROUP_MIN_BLOCKS = 3
 # the copy rate); after the front's end each CTA read the ids (an L2 round trip) before its
 # first weight address was known, then waited for its first bytes, with HBM idle meanwhile
 # (the fixed ~5-6 us of bench/ncu_fused_b1.md). The top-k runs in the front's last router
-# CTA, while the projection CTAs still stream (gemv_multi's module docstring).
-# Off until a device A/B says otherwise (fused.LatentMoE passes the buffer only when on).
-FC1_EARLY_IDS = False
+# CTA, while the projection CTAs still stream (gemv_multi's module docstring). Measured (H100,
+# 315382f, bench/fused_runs.md session 28, `fused_ab --batch 1 --spec 0`, two pairs): B = 1,
+# k = 0 KDA 98.9-99.4 / MLA 112.1-112.4 us against 100.7-101.1 / 113.9-114.0 without it; the
+# PDL chain's bit-equality check and step parity (B = 1, k = 0 and 7) pass with it.
+# fused.LatentMoE passes the buffer only when on.
+FC1_EARLY_IDS = True
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
