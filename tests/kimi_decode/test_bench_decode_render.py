@@ -81,6 +81,16 @@ def test_in_step_column_and_its_side_by_side() -> None:
     # stock median(205, 207) = 206, fused median(95, 96) = 95.5, floor 57.5
     assert [c.strip() for c in row.strip("|").split("|")][3:] == ["206.0", "95.5", "2.16", "57.5", "1.66"]
 
+    # the in-step floor is over the layers with an in-step figure: the first layer's bytes
+    # (here 4x the others') stay out of it, while the one-layer floor is their median
+    fused["layers"][0]["weight_bytes"] = 4 * 228_000_000
+    fused["layers"][2]["weight_bytes"] = 298_000_000
+    md = render({"results": [stock, fused], "meta": {"stock": _meta("abc"), "fused": _meta("abc")}})
+    side = next(x for x in md.split("## Inside")[0].splitlines() if x.startswith("| 1 | 0 | kda | 210.0 |"))
+    assert [c.strip() for c in side.strip("|").split("|")][8] == "75.0"        # median(912, 230, 300) MB / 4 TB/s
+    row = next(x for x in md.split("## Inside the step")[1].splitlines() if x.startswith("| 1 | 0 | kda |"))
+    assert [c.strip() for c in row.strip("|").split("|")][6:] == ["66.2", "1.44"]   # (230 + 300) / 2 MB
+
     old = render({"results": [_result("stock", [210.0], 23), _result("fused", [100.0], 13)],
                   "meta": {"stock": _meta("abc"), "fused": _meta("abc")}})
     assert "## Inside the step" not in old
