@@ -922,7 +922,7 @@ class LatentMoE(stock.LatentMoE):
             shared_in = FRONT_SHARED if front else FRONT_MMA_SHARED
             sync = self.routing_sync if front and self._early_ids_apply(y) else None
             with op_range("moe_front"):
-                if sync is not None:     # the top-k raises the ids-ready flag FC1 starts on
+                if sync is not None:     # gemv_multi's front: its top-k raises the flag FC1 starts on
                     idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
                                                      sync, self._front_weights(shared_in), publish_ready=True)
                 else:

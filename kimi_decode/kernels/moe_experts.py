@@ -389,7 +389,7 @@ class ExpertsFC1:
         if cutlass.const_expr(self.early_ids):
             if cutlass.const_expr(not chain.chain_on()):
                 cute.arch.griddepcontrol_launch_dependents()
-            fc1_await_ids(mS, bidx)
+            fc1_await_ids(mS)
         elif cutlass.const_expr(chain.chain_on()):
             chain.enter()
         else:
@@ -400,7 +400,7 @@ class ExpertsFC1:
 
 
 @cute.jit
-def fc1_await_ids(mS: cute.Tensor, bidx: Int32):
+def fc1_await_ids(mS: cute.Tensor):
     """FC1_EARLY_IDS, at the kernel's start: thread 0 polls the routing sync buffer's ids-ready
     flag (acquire, gpu scope) until the front's top-k has raised it, then arrives on the FC1
     counter; the CTA that arrives last (every other CTA has seen the flag) lowers the flag and
