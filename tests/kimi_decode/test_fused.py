@@ -244,6 +244,14 @@ def test_restate_shares_runtime_and_weights() -> None:
     assert new.rec_state.data_ptr() != attn.rec_state.data_ptr() and type(new) is KDAAttention
 
 
+def experts_contract(z, idx, w, w13, w2, beta, lin_beta, out=None):
+    """The routed-experts kernels' contract in torch: stock's grouped experts, written into
+    `out` where given (the fakes of the wiring tests record their arguments, then call this)."""
+    from kimi_decode import stock_ops as ops
+    r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
+    return r if out is None else out.copy_(r)
+
+
 def emulate_moe_kernels(monkeypatch) -> None:
     """The routed-experts and moe_up kernels replaced by torch statements of their contracts
     (experts: stock's grouped experts written into `out`; moe_up: sum the all-reduce slots,
@@ -254,8 +262,7 @@ def emulate_moe_kernels(monkeypatch) -> None:
     from kimi_decode import stock_ops as ops
 
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, **kw):
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
+        return experts_contract(z, idx, w, w13, w2, beta, lin_beta, out)
 
     def moe_up(r_slots, sh_slots, sh_full, rank, latent_norm, up_rows, eps, out=None):
         n = up_rows.shape[0]
@@ -547,7 +554,6 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     import kimi_decode.kernels as kernels_pkg
     import kimi_decode.kernels.moe_experts as k_ex
     import kimi_decode.kernels.moe_fc2_rows as k_rows
-    from kimi_decode import stock_ops as ops
     calls: list[bool] = []
     staged: list[bool] = []
     rows_asked: list[int] = []
@@ -557,8 +563,7 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
         calls.append(v2)
         staged.append(stage_async)
         rows_asked.append(rows)
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
+        return experts_contract(z, idx, w, w13, w2, beta, lin_beta, out)
     monkeypatch.setattr(k_ex, "experts", experts)
     monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
     monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: v2_fits)
@@ -819,20 +824,17 @@ def test_experts_one_wiring_on_cpu(monkeypatch, enabled: set, max_rows: int, one
     import kimi_decode.kernels as kernels_pkg
     import kimi_decode.kernels.moe_experts as k_ex
     import kimi_decode.kernels.moe_experts_one as k_one
-    from kimi_decode import stock_ops as ops
     calls: list = []
 
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
                 stage_async=False, rows=0, ids_ready=None):
         calls.append(v2)
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
+        return experts_contract(z, idx, w, w13, w2, beta, lin_beta, out)
 
     def experts_one(z, idx, w, w13, w2, beta, lin_beta, counters, out=None, *, inter=None):
         assert counters.dtype == torch.int32 and counters.shape == (64,) and int(counters.abs().sum()) == 0
         calls.append("one")
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
+        return experts_contract(z, idx, w, w13, w2, beta, lin_beta, out)
     monkeypatch.setattr(k_ex, "experts", experts)
     monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: True)
     monkeypatch.setattr(k_one, "experts_one", experts_one)
@@ -888,7 +890,6 @@ def test_fc1_early_ids_wiring_on_cpu(monkeypatch, early: bool, enabled: set, exp
     import kimi_decode.kernels.gemv_multi as k_multi
     import kimi_decode.kernels.moe_experts as k_ex
     import kimi_decode.kernels.moe_experts_one as k_one
-    from kimi_decode import stock_ops as ops
     from kimi_decode.kernels.router_fast import SYNC_WORDS
     fronts, ready = [], []
 
@@ -900,13 +901,11 @@ def test_fc1_early_ids_wiring_on_cpu(monkeypatch, early: bool, enabled: set, exp
     def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, pdl=False, v2=False,
                 stage_async=False, rows=0, ids_ready=None):
         ready.append(ids_ready)
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
+        return experts_contract(z, idx, w, w13, w2, beta, lin_beta, out)
 
     def experts_one(z, idx, w, w13, w2, beta, lin_beta, counters, out=None, *, inter=None):
         ready.append("one")
-        r = ops.experts_grouped(z, idx, w, w13, w2, beta, lin_beta)
-        return r if out is None else out.copy_(r)
+        return experts_contract(z, idx, w, w13, w2, beta, lin_beta, out)
     monkeypatch.setattr(k_multi, "route_and_project", route_and_project)
     monkeypatch.setattr(k_multi, "gemv_multi", lambda x, ws: [x @ w.t() for w in ws])   # MLA's qkv_a + g
     monkeypatch.setattr(k_multi, "can_implement", lambda *a, **k: True)

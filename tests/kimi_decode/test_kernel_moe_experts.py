@@ -561,22 +561,13 @@ def _ordered_events(ptx: str) -> str:
     """FC1_EARLY_IDS' protocol in PTX order: A = an acquire load of the flag, T = an atomic
     add, W = griddepcontrol.wait, R = griddepcontrol.launch_dependents, V = a 128-bit global
     load (weights or z), S = a barrier."""
-    out = []
-    for line in ptx.splitlines():
-        s = line.strip()
-        if s.startswith("ld.acquire.gpu") or s.startswith("ld.global.acquire.gpu"):
-            out.append("A")
-        elif s.startswith("atom."):
-            out.append("T")
-        elif s.startswith("griddepcontrol.wait"):
-            out.append("W")
-        elif s.startswith("griddepcontrol.launch_dependents"):
-            out.append("R")
-        elif s.startswith("ld.global") and ".v4" in s:
-            out.append("V")
-        elif s.startswith("bar.sync"):
-            out.append("S")
-    return "".join(out)
+    from tests.kimi_decode.test_kernels_compile import ptx_events
+    return ptx_events(ptx, [(lambda s: s.startswith(("ld.acquire.gpu", "ld.global.acquire.gpu")), "A"),
+                            (lambda s: s.startswith("atom."), "T"),
+                            (lambda s: s.startswith("griddepcontrol.wait"), "W"),
+                            (lambda s: s.startswith("griddepcontrol.launch_dependents"), "R"),
+                            (lambda s: s.startswith("ld.global") and ".v4" in s, "V"),
+                            (lambda s: s.startswith("bar.sync"), "S")])
 
 
 @pytest.mark.parametrize("chained", [False, True])

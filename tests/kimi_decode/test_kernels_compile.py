@@ -56,20 +56,26 @@ def chained_ptx_at_wait(build: Callable[[], str]) -> tuple[list[str], int]:
     return lines, next(i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait"))
 
 
+def ptx_events(ptx: str, rules: list[tuple[Callable[[str], bool], str]]) -> str:
+    """One letter per PTX instruction that a rule matches (the first matching rule's letter),
+    in PTX order: the order tests read their kernels' loads, waits and barriers from."""
+    out = []
+    for line in ptx.splitlines():
+        s = line.strip()
+        for match, letter in rules:
+            if match(s):
+                out.append(letter)
+                break
+    return "".join(out)
+
+
 def load_convert_order(ptx: str) -> str:
     """The kernel's global loads (L), bf16 → fp32 conversions (C) and CTA barriers (B) in PTX
     order: what the loads-first tests read (a load issued after a conversion of an earlier
     load's value waits for that load in ptxas's in-order schedule)."""
-    out = []
-    for line in ptx.splitlines():
-        s = line.strip()
-        if s.startswith("ld.global"):
-            out.append("L")
-        elif s.startswith("cvt.f32.bf16"):
-            out.append("C")
-        elif s.startswith("bar.sync"):
-            out.append("B")
-    return "".join(out)
+    return ptx_events(ptx, [(lambda s: s.startswith("ld.global"), "L"),
+                            (lambda s: s.startswith("cvt.f32.bf16"), "C"),
+                            (lambda s: s.startswith("bar.sync"), "B")])
 
 
 def common_checks(ptx: str) -> None:
