@@ -137,3 +137,60 @@ def test_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None
         return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]) if rows else w, *a, **kw)
     monkeypatch.setattr(k_ex, "experts", broken)
     assert not any(r["ok"] for r in k_rows.check(timing=False, rows=(2,)))
+
+
+def test_compact_w2_changes_only_w2_addressing(tmp_path: Path) -> None:
+    """w2_cols = I (the compact w2 of moe_experts.compact_w2): the same PTX as the padded build
+    except w2's two strides, the expert stride L·Ip -> L·I (elements) and the row stride
+    Ip -> I; so the lanes, loads and arithmetic are the padded kernel's and only the addresses
+    move (which is why the device diagnostic expects bit-equal outputs)."""
+    L, Ip, I = K3.latent_dim, K3.expert_local_inter_padded, K3.expert_local_inter
+    ptx = {}
+    for cols in (0, I):
+        d = tmp_path / str(cols)
+        d.mkdir()
+        cfg = k_rows.RowsConfig(dataclasses.replace(K3_CFG, pdl=True, w2_cols=cols), 1)
+        ptx[cols] = ptx_of(d, k_rows.ExpertsFC2Rows(cfg), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(8), Int32(115))
+    a, b = ptx[0].splitlines(), ptx[I].splitlines()
+    assert len(a) == len(b)
+    changed = [(x.split(), y.split()) for x, y in zip(a, b) if x != y]
+    assert changed
+    for x, y in changed:
+        # the padded expert stride L·Ip becomes L·I; the padded row stride (Ip = 2^8, a shift)
+        # becomes a multiply by I; the destination register is the same
+        assert x[1] == y[1], (x, y)
+        if x[0] == "mul.lo.s32":
+            assert x[-1] == f"{L * Ip};" and y[-1] == f"{L * I};" and y[0] == "mul.lo.s32", (x, y)
+        else:
+            assert x[0] == "shl.b32" and x[-1] == f"{Ip.bit_length() - 1};", (x, y)
+            assert y[0] == "mul.lo.s32" and y[-1] == f"{I};", (x, y)
+    assert str(L * Ip) not in ptx[I] and str(L * I) not in ptx[0]
+
+
+def test_experts_passes_a_compact_w2_to_fc2_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """experts(w2=compact_w2(w2, I), inter=I): FC2 (FC2 v2 and the rows grid) is configured with
+    w2_cols = I and FC1 with the padded config; a padded w2 gives w2_cols = 0. A compact w2
+    without `inter`, one of another width, or a non-contiguous one is refused by name."""
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(k_ex, "compile_for", lambda cfg, v2, m, early=False: (
+        seen.append(("fc2", cfg.w2_cols)) or (lambda *a: None), lambda *a: None))
+    monkeypatch.setattr(k_rows, "launch_fc2", lambda act, idx, w, w2, out, cfg, m, buffers: seen.append(("rows", cfg.w2_cols)))
+    monkeypatch.setattr(k_ex, "ptr", lambda t: None)
+    E, L, Ip, I = 8, 256, 256, 192
+    w13, w2 = torch.zeros(E, 2 * Ip, L, dtype=bf), torch.randn(E, L, Ip).to(bf)
+    w2[:, :, I:] = 0
+    small = k_ex.compact_w2(w2, I)
+    assert small.shape == (E, L, I) and small.is_contiguous() and torch.equal(small, w2[:, :, :I])
+    for m, w2x, want in ((8, small, [("fc2", I), ("rows", I)]), (8, w2, [("fc2", 0), ("rows", 0)]),
+                         (1, small, [("fc2", I)])):
+        seen.clear()
+        z, idx = torch.zeros(m, L, dtype=bf), torch.arange(4).repeat(m, 1)
+        k_ex.experts(z, idx, torch.ones(m, 4), w13, w2x, 1.0, 1.0, inter=I, v2=True, rows=1)
+        assert seen == want[:1] + (want[1:] if m >= 2 else []), (m, seen)
+    z, idx = torch.zeros(2, L, dtype=bf), torch.arange(4).repeat(2, 1)
+    for bad, kw in ((small, {}), (k_ex.compact_w2(w2, 128), {"inter": I}),
+                    (w2.transpose(1, 2).contiguous().transpose(1, 2), {"inter": I})):
+        with pytest.raises(ValueError, match="experts kernel cannot run"):
+            k_ex.experts(z, idx, torch.ones(2, 4), w13, bad, 1.0, 1.0, v2=True, **kw)
+    with pytest.raises(ValueError, match="compact_w2 needs"):
+        k_ex.compact_w2(w2, Ip + 8)
