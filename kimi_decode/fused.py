@@ -234,13 +234,6 @@ FRONT_SHARED = True
 # experts) or, False, the front streams the router and latent_down only and the whole shared
 # expert runs on the side stream after it. Read per call, so `--patch` A/Bs it.
 FRONT_MMA_SHARED = True
-# The routed experts' FC2 reads a compact copy of w2 ([E, L, I], moe_experts.compact_w2, made
-# by enable()) instead of the stock padded [E, L, Ip]: same bf16 values, whole 384-byte rows
-# instead of 384 of every 512 bytes. Why tried: FC2 streams ~164 MB at ~3.0 TB/s at M = 8 in
-# the H200 B = 1, k = 7 trace (cd24720) against FC1's ~4.0 (bench/fc2_layout.py separates the
-# access pattern from the kernel). Costs one w2 copy per layer beside the stock one (a
-# fused-only deployment would keep only the compact one). Read by enable(), so `--patch` A/Bs it.
-COMPACT_W2 = False
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -805,9 +798,6 @@ class LatentMoE(stock.LatentMoE):
     routing_sync: torch.Tensor | None = None
     use_experts_async = False    # FC2 v2 stages its activations with cp.async (experts_v2_async)
     use_experts_rows = False     # at M ≥ 2 FC2 as a resident grid (kernels/moe_fc2_rows.py)
-    # w2 without its zero padding for the two-kernel experts (COMPACT_W2; made by enable(), a
-    # plain attribute: a copy of a weight, not decode state), else None
-    w2_compact: torch.Tensor | None = None
     use_front = False            # kernels/gemv_multi.py: router + latent_down + shared gate/up
     use_front_mma = False        # kernels/front_mma.py: the same at 2 ≤ M ≤ 8 on the tensor cores
     gather_out = False           # with use_up_kernel: return Gathered (the next layer's AttnRes
@@ -908,8 +898,7 @@ class LatentMoE(stock.LatentMoE):
                 if v2 and self.use_experts_rows:
                     from kimi_decode.kernels import moe_fc2_rows as k_rows
                     rows = k_rows.STEP_BUFFERS if k_rows.can_implement(*shape, inter=inter) else 0
-                w2 = self.w2 if self.w2_compact is None else self.w2_compact
-                return experts(z, idx, w, self.w13, w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
+                return experts(z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta, out=out,
                                inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"], v2=v2,
                                stage_async=v2 and self.use_experts_async and not rows, rows=rows,
                                ids_ready=ids_ready)
@@ -1280,12 +1269,6 @@ class FusedDecoder(StockDecoder):
                     # ticket / completion / exit counters of the one-launch experts; it re-zeroes them
                     from kimi_decode.kernels.moe_experts_one import make_counters
                     layer.mlp.register_buffer("experts_counters", make_counters(dev))
-                if COMPACT_W2 and (layer.mlp.use_experts_kernel or layer.mlp.use_experts_v2):
-                    if layer.mlp.w2_compact is None:
-                        from kimi_decode.kernels.moe_experts import compact_w2
-                        layer.mlp.w2_compact = compact_w2(layer.mlp.w2.detach(), cfg.expert_local_inter)
-                else:
-                    layer.mlp.w2_compact = None
                 layer.mlp.use_front = "gemv_multi" in on
                 layer.mlp.use_front_mma = "front_mma" in on
                 layer.mlp.routing_sync = None

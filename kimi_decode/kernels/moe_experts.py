@@ -212,8 +212,6 @@ class ExpertsConfig:
     idx_dtype: torch.dtype   # int32 or int64
     pdl: bool = False        # launch FC2 with programmatic dependent launch (see `experts`)
     stage_async: bool = False  # FC2 v2 stages `a` with cp.async (kernel experts_v2_async)
-    w2_cols: int = 0         # row length of w2 in elements: 0 = Ip (the padded layout); I = a
-                             # compact copy [E, L, I] without the zero padding (compact_w2)
 
 
 def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[torch.dtype, ...],
@@ -313,11 +311,10 @@ def fc2_views(cfg: ExpertsConfig, act: cute.Pointer, idx: cute.Pointer, w: cute.
     run while their __call__ traces)."""
     L, Ip, K, E = cfg.latent, cfg.inter_padded, cfg.top_k, cfg.experts
     ni = Ip // VEC
-    row = cfg.w2_cols or Ip              # w2's row stride: padded (Ip) or compact (I)
     mA = cute.make_tensor(act, cute.make_layout((m * K, ni, VEC), stride=(Ip, VEC, 1)))
     mIdx = cute.make_tensor(idx, cute.make_layout((m, K), stride=(K, 1)))
     mWt = cute.make_tensor(w, cute.make_layout((m, K), stride=(K, 1)))
-    mW2 = cute.make_tensor(w2, cute.make_layout((E, L, row // VEC, VEC), stride=(L * row, row, VEC, 1)))
+    mW2 = cute.make_tensor(w2, cute.make_layout((E, L, ni, VEC), stride=(L * Ip, Ip, VEC, 1)))
     mO = cute.make_tensor(out, cute.make_layout((m, L), stride=(L, 1)))
     return mA, mIdx, mWt, mW2, mO
 
@@ -758,7 +755,7 @@ def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int
     cm = FC1_COLUMN_MAJOR if column_major is None else column_major
     grp = FC1_LOADS_GROUP if group is None else group
     early_ids = bool(early_ids) and grp > 0
-    cfg1 = dataclasses.replace(cfg, pdl=False, stage_async=False, w2_cols=0)   # FC1 does not read them
+    cfg1 = dataclasses.replace(cfg, pdl=False, stage_async=False)   # FC1 does not depend on them
 
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
@@ -782,11 +779,10 @@ def compile_for(cfg: ExpertsConfig, v2: bool, m: int, early_ids: bool = False) -
 
 
 def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            out: torch.Tensor | None, inter: int | None, can: Callable[..., bool], name: str,
-            compact_ok: bool = False) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            out: torch.Tensor | None, inter: int | None, can: Callable[..., bool], name: str
+            ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch arguments of `experts` and moe_experts_one.experts_one: checks the shapes
-    (ValueError naming `name` where `can` says no; w2 [E, L, Ip], or with `compact_ok` also
-    the compact [E, L, I], contiguous either way), converts idx (int32 unless int64/int32)
+    (ValueError naming `name` where `can` says no), converts idx (int32 unless int64/int32)
     and w (fp32, contiguous), allocates out (or checks it) and the [M·K, Ip] bf16 `a` buffer.
     Returns ((M, K, L, E, Ip, I), idx, w, out, act)."""
     m, L = z.shape
@@ -794,9 +790,8 @@ def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     E, two_ip, L13 = w13.shape
     ip = two_ip // 2
     i = ip if inter is None else inter
-    w2_shapes = [(E, L, ip)] + ([(E, L, i)] if compact_ok else [])
-    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) not in w2_shapes
-            or not w2.is_contiguous() or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
+    if (idx.shape[0] != m or w.shape != (m, k) or L13 != L or tuple(w2.shape) != (E, L, ip)
+            or two_ip != 2 * ip or E * two_ip * L >= 2 ** 31
             or not can(m, k, L, ip, (z.dtype, w13.dtype, w2.dtype), inter)):
         raise ValueError(f"{name} cannot run M={m} K={k} L={L} Ip={ip} I={i} E={E}")
     if idx.dtype not in (torch.int32, torch.int64):
@@ -817,8 +812,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
             stage_async: bool = False, rows: int = 0, ids_ready: torch.Tensor | None = None) -> torch.Tensor:
     """stock_ops.experts_grouped on the current stream, CUDA-graph safe (no host syncs).
     z [M, L] bf16, idx [M, K] int64/int32 (distinct per row), w [M, K] fp32 (other float
-    dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16 (or, with `inter`, the
-    compact [E, L, I] of compact_w2: FC2 then reads whole rows); `out` an optional
+    dtypes are converted), w13 [E, 2·Ip, L] bf16, w2 [E, L, Ip] bf16; `out` an optional
     contiguous [M, L] bf16 view to write into. `inter`: the real intermediate I (w13 rows and
     w2 columns I..Ip-1 are zero padding, skipped); None reads all Ip. `pdl`: launch FC2 with
     programmatic dependent launch, so its w2 stream starts while FC1's last CTAs run (it
@@ -834,31 +828,20 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
     a flag-raising front it must be None (FC1 would wait forever). Returns out [M, L]."""
     (m, k, L, E, ip, i), idx, w, out, act = prepare(z, idx, w, w13, w2, out, inter,
                                                      can_implement_v2 if v2 else can_implement,
-                                                     "experts kernel", compact_ok=True)
+                                                     "experts kernel")
     early = ids_ready is not None and fc1_group(m) > 0
     if early and (ids_ready.dtype != torch.int32 or ids_ready.numel() < SYNC_WORDS or not ids_ready.is_contiguous()):
         raise ValueError(f"experts ids_ready must be a contiguous int32 [{SYNC_WORDS}] routing sync buffer")
-    w2_cols = w2.shape[-1] if w2.shape[-1] != ip else 0          # a compact w2 (compact_w2)
-    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2, w2_cols), v2, m, early)
+    fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2, m, early)
     stream = current_stream()
     fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), ptr(ids_ready) if early else dummy_ptr(torch.int32), Int32(m),
         Float32(beta), Float32(lin_beta), stream)
     if rows and v2 and not stage_async and m >= 2:
         from kimi_decode.kernels import moe_fc2_rows
-        moe_fc2_rows.launch_fc2(act, idx, w, w2, out, ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, w2_cols=w2_cols),
-                                m, rows)
+        moe_fc2_rows.launch_fc2(act, idx, w, w2, out, ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), m, rows)
     else:
         fc2(ptr(act), ptr(idx), ptr(w), ptr(w2), ptr(out), Int32(m), stream)
     return out
-
-
-def compact_w2(w2: torch.Tensor, inter: int) -> torch.Tensor:
-    """w2 [E, L, Ip] without its zero padding: a contiguous [E, L, I] copy (same values), which
-    `experts` takes in place of w2 so that FC2's lanes read whole 384-byte rows instead of
-    384 of every 512 bytes (bench/fc2_layout.py measures both)."""
-    if w2.dim() != 3 or not 0 < inter <= w2.shape[-1]:
-        raise ValueError(f"compact_w2 needs w2 [E, L, Ip] and 0 < I <= Ip, got {tuple(w2.shape)} and I={inter}")
-    return w2[:, :, :inter].contiguous()
 
 
 def reference(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -867,7 +850,7 @@ def reference(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Te
     rounding). round_bf16 rounds h, a and e to bf16 where stock does; `inter` uses only w13
     rows / w2 columns < I of each half (equal to the full result when the padding is zero)."""
     M, K = idx.shape
-    ip = w13.shape[1] // 2
+    ip = w2.shape[-1]
     i = ip if inter is None else inter
     rnd = (lambda t: t.to(torch.bfloat16).double()) if round_bf16 else (lambda t: t)
     flat = idx.reshape(-1).long()

@@ -586,61 +586,6 @@ def test_experts_v2_wiring_on_cpu(monkeypatch, enabled: set, v2_fits: bool, expe
     assert rows_asked == [k_rows.STEP_BUFFERS if rows else 0] * len(calls)
 
 
-@pytest.mark.parametrize("compact,enabled,expect", [
-    (True, {"experts_v2", "experts_rows"}, True),     # the switch on: FC2 reads the copy
-    (False, {"experts_v2", "experts_rows"}, False),   # off (the default): the stock w2
-    (True, {"experts"}, True),                        # the first two-kernel path reads it too
-    (True, set(), False),                             # no experts kernel: no copy is made
-])
-def test_compact_w2_wiring_on_cpu(monkeypatch, compact: bool, enabled: set, expect: bool) -> None:
-    """fused.COMPACT_W2: enable() keeps a compact copy of each MoE layer's w2 (its zero padding
-    dropped) where a two-kernel experts path is on, and _experts hands that copy to the
-    kernels. The fake kernels put the zero padding back before computing stock's experts, so
-    the step still matches stock only if the copy holds exactly w2's real columns; switching
-    the kernels off again drops the copy."""
-    pytest.importorskip("cutlass")
-    import kimi_decode.fused as fused_mod
-    import kimi_decode.kernels as kernels_pkg
-    import kimi_decode.kernels.moe_experts as k_ex
-    import kimi_decode.kernels.moe_fc2_rows as k_rows
-    widths: list[int] = []
-
-    def experts(z, idx, w, w13, w2, beta, lin_beta, out=None, *, inter=None, **kw):
-        widths.append(w2.shape[-1])
-        ip = w13.shape[1] // 2
-        full = torch.nn.functional.pad(w2, (0, ip - w2.shape[-1]))      # the padding is zero
-        return experts_contract(z, idx, w, w13, full, beta, lin_beta, out)
-    monkeypatch.setattr(fused_mod, "COMPACT_W2", compact)
-    monkeypatch.setattr(k_ex, "experts", experts)
-    monkeypatch.setattr(k_ex, "can_implement", lambda *a, **k: True)
-    monkeypatch.setattr(k_ex, "can_implement_v2", lambda *a, **k: True)
-    monkeypatch.setattr(k_rows, "can_implement", lambda *a, **k: True)
-    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED | {"experts_v2", "experts_rows"})
-    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
-    monkeypatch.setattr(kernels_pkg, "applicable", lambda name, cfg: True)
-    cfg = tiny(layers=(3, 4, 5, 6), batch=2, spec_tokens=1, moe_pad_local_inter=24)
-    assert cfg.expert_local_inter < cfg.expert_local_inter_padded          # there is padding to drop
-    stock = StockDecoder(cfg)
-    fused = FusedDecoder.from_stock(stock)
-    fused.enable(frozenset(enabled))
-    moes = [layer.mlp for layer in fused.layers if isinstance(layer.mlp, fused_mod.LatentMoE)]
-    for moe in moes:
-        if expect:
-            I = cfg.expert_local_inter
-            assert moe.w2_compact.shape == (*moe.w2.shape[:2], I) and moe.w2_compact.is_contiguous()
-            assert torch.equal(moe.w2_compact, moe.w2[:, :, :I])
-        else:
-            assert moe.w2_compact is None
-    run_close(stock, fused, seed=70, steps=2)
-    if enabled:
-        want = cfg.expert_local_inter if expect else moes[0].w2.shape[-1]
-        assert widths == [want] * (2 * len(moes))
-    else:
-        assert widths == []
-    fused.enable(frozenset())
-    assert all(moe.w2_compact is None for moe in moes)
-
-
 def _emulate_fold_kernels(monkeypatch, cfg, calls: list) -> None:
     """gemv, gemv_rmsnorm, uk_insert(_norm), uv_gate replaced by their contracts in torch
     (the norms as stock's F.rms_norm), shape checks off (tiny sizes)."""
