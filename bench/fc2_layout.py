@@ -16,8 +16,10 @@ causes, each on cold weights (4 routings cycled, N calls in one CUDA graph, per-
 3. the grid: ExpertsFC2Rows' per_row (CTAs per row) at the default and at a count that gives
    every CTA the same number of column blocks;
 4. FC2 v2 (one CTA per (row, 4-column block)) in both layouts, and at M = 1.
+With --per-row C..: only ExpertsFC2Rows at M = 8 with those CTAs per row (and the formula's).
 
     python3 -m bench.fc2_layout --out $OUT      (writes fc2_layout.json, prints the table)
+    python3 -m bench.fc2_layout --out $OUT --per-row 96 112 113 114   (fc2_per_row.json)
 """
 from __future__ import annotations
 
@@ -106,6 +108,43 @@ def pattern_rows(nbytes: int, sms: int) -> list[dict]:
     return res
 
 
+def per_row_sweep(m: int, sms: int, counts: list[int]) -> list[dict]:
+    """ExpertsFC2Rows (padded w2, one buffer) at M = m with each CTAs-per-row count in
+    `counts` and the formula's, cold, outputs compared bit for bit with the formula's."""
+    from cutlass import Int32
+    from kimi_decode.kernels import moe_experts as me
+    from kimi_decode.kernels import moe_fc2_rows as mr
+    from kimi_decode.kernels._common import current_stream, ptr
+    dev = torch.device("cuda")
+    cfg0, w13, w2 = me.check_weights(dev)
+    del w13
+    E, L, ip = w2.shape
+    inter, K = cfg0.expert_local_inter, cfg0.top_k
+    z, routings = me.check_inputs(cfg0, m, 7000 + m, dev)
+    routings = [(i.to(torch.int32).contiguous(), w.float().contiguous()) for i, w in routings]
+    act = torch.randn(m * K, ip, generator=torch.Generator(device=dev).manual_seed(11 + m), device=dev).bfloat16()
+    kern = mr.compile_rows(mr.RowsConfig(me.ExpertsConfig(L, ip, inter, K, E, torch.int32, False), 1))
+    pr0 = mr.per_row(m, L, 1, sms)
+    nbytes = sum(len(set(i.flatten().tolist())) for i, _ in routings) / 4 * L * inter * 2
+    res, first = [], None
+    for pr in [pr0] + [c for c in counts if c != pr0]:
+        dst = torch.empty(m, L, dtype=torch.bfloat16, device=dev)
+
+        def call(r: int, pr=pr, dst=dst) -> None:
+            idx, wt = routings[r]
+            kern(ptr(act), ptr(idx), ptr(wt), ptr(w2), ptr(dst), Int32(m), Int32(pr), current_stream())
+        call(0)
+        torch.cuda.synchronize()
+        first = dst.clone() if first is None else first
+        us = _graph_us([lambda r=r: call(r % 4) for r in range(8)])
+        res.append({"M": m, "per_row": pr, "formula": pr == pr0, "ctas": m * pr,
+                    "max_blocks_per_cta": -(-(L // 4) // pr), "us": us, "tbs": nbytes / us / 1e6,
+                    "equal_to_formula": bool(torch.equal(dst, first))})
+    del w2
+    torch.cuda.empty_cache()
+    return res
+
+
 def fc2_rows(m: int, sms: int) -> list[dict]:
     """FC2 alone at M = m on the real K3 TP16 expert weights: padded vs compact w2, per_row
     variants, FC2 v2; outputs compared bit for bit against the padded step kernel."""
@@ -183,6 +222,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", type=int, nargs="*", default=[8, 2, 1])
+    ap.add_argument("--per-row", type=int, nargs="*", default=[],
+                    help="only sweep ExpertsFC2Rows' CTAs per row at M = 8 over these counts")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     from bench.decode import copy_bandwidth
@@ -190,6 +231,12 @@ def main() -> None:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "commit": os.environ.get("DECODESCOPE_COMMIT", "unknown"), "gpu": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "sms": sms, "copy_2gib_tbs": copy_bandwidth() / 1e12}
+    if args.per_row:
+        res["per_row"] = per_row_sweep(8, sms, args.per_row)
+        for r in res["per_row"]:
+            print(r, flush=True)
+        (args.out / "fc2_per_row.json").write_text(json.dumps(res, indent=1))
+        return
     res["pattern"] = pattern_rows(164 * 10**6 // 384 * 384, sms)
     for r in res["pattern"]:
         print(r, flush=True)
