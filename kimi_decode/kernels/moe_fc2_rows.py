@@ -57,12 +57,6 @@ from kimi_decode.kernels.moe_experts import (V2_GROUP_LANES, V2_WARPS, VEC, Expe
 MIN_ROWS = 2        # M = 1: FC2 v2's 896 CTAs are already one wave
 BLOCKS_PER_SM = {1: 7, 2: 4}   # CTAs per SM by register buffers: ≤ 72 / ≤ 128 registers
 STEP_BUFFERS = 1    # the register buffers the fused step uses (the check times both)
-# CTAs per row by M, in place of per_row's slot formula (empty: the formula). An A/B knob
-# (`--patch 'kimi_decode.kernels.moe_fc2_rows:PER_ROW[8]=113'`): on the H100 (bench/fused_runs.md,
-# session 29) FC2 alone at M = 8 took 68.9 us with 112 CTAs per row against 60.6 with the
-# formula's 115, the same blocks per CTA at most (8) and the same bytes, so the count matters
-# beyond the waves it implies; bench/fc2_layout.py --per-row sweeps it.
-PER_ROW: dict[int, int] = {}
 
 
 @dataclass(frozen=True)
@@ -81,10 +75,8 @@ def can_implement(m: int, k: int, latent: int, inter_padded: int, dtypes: tuple[
 
 def per_row(m: int, latent: int, buffers: int, sms: int) -> int:
     """CTAs per row: as many as the SMs hold at once beside the other rows' (⌊slots / M⌋),
-    or PER_ROW[m] where set; at most one per 4-column block, at least one. The kernel needs
-    no grid-wide sync, so a count past the slots is correct (a second partial wave)."""
-    want = PER_ROW.get(m, BLOCKS_PER_SM[buffers] * sms // m)
-    return max(1, min(latent // V2_WARPS, want))
+    at most one per 4-column block, at least one."""
+    return max(1, min(latent // V2_WARPS, BLOCKS_PER_SM[buffers] * sms // m))
 
 
 class ExpertsFC2Rows:

@@ -137,23 +137,3 @@ def test_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None
         return _emulate(z, idx, torch.full_like(w, 1.0 / w.shape[1]) if rows else w, *a, **kw)
     monkeypatch.setattr(k_ex, "experts", broken)
     assert not any(r["ok"] for r in k_rows.check(timing=False, rows=(2,)))
-
-
-@pytest.mark.parametrize("count", [1, 7, 64, 112, 113, 115, 116, 128, 224, 448, 896, 1000])
-def test_per_row_override_still_covers_every_block_once(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
-    """PER_ROW[8] (the A/B knob) replaces the slot formula at M = 8 only, clamped to 1 .. L/4
-    blocks; whatever the count, even past the CTA slots (a second partial wave, which the
-    kernel allows: no grid-wide sync), the grid covers every (row, 4-column block) exactly once
-    (brute force over the kernel's formulas)."""
-    monkeypatch.setattr(k_rows, "PER_ROW", {8: count})
-    nblk = K3.latent_dim // 4
-    pr = k_rows.per_row(8, K3.latent_dim, 1, 132)
-    assert pr == min(count, nblk)
-    assert k_rows.per_row(4, K3.latent_dim, 1, 132) == k_rows.BLOCKS_PER_SM[1] * 132 // 4   # other M: the formula
-    seen: dict[tuple[int, int], int] = {}
-    for b in range(8 * pr):
-        c0, row = b // 8, b % 8
-        for n in range((nblk - c0 + pr - 1) // pr):
-            key = (row, c0 + n * pr)
-            seen[key] = seen.get(key, 0) + 1
-    assert seen == {(r, c): 1 for r in range(8) for c in range(nblk)}
