@@ -234,6 +234,16 @@ FRONT_SHARED = True
 # experts) or, False, the front streams the router and latent_down only and the whole shared
 # expert runs on the side stream after it. Read per call, so `--patch` A/Bs it.
 FRONT_MMA_SHARED = True
+# With front_mma's shared gate/up (2 ≤ M ≤ 8): the shared expert's down GEMV (gemv_mma_situ,
+# PDL-chained) on the main stream between the front and FC1, instead of on the side stream.
+# Why tried: in the H200 B = 1, k = 7 and B = 8 step-graph traces (cd24720) that GEMV runs
+# beside FC1 in each step's first layer (10.5-12.1 us), and there FC2 ends 39.1-40.8 us after
+# FC1; in every later layer it is placed behind FC1's 3,072 CTAs (FC1 launches early through
+# the chain, the side stream's GEMV only once the front has completed), runs 29.5-41.3 us
+# beside FC2's resident grid and FC2 ends 46.5-56.4 us after FC1 (bench/fused_runs.md,
+# session 29). On the main stream it costs its own few us in series instead. Read per call,
+# so `--patch` A/Bs it.
+SHARED_DOWN_ON_MAIN = False
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -929,7 +939,10 @@ class LatentMoE(stock.LatentMoE):
                     idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
                                                      self.router_counter, self._front_weights(shared_in))
             z = outs[0]
-            if shared_in:
+            if shared_in and front_mma and SHARED_DOWN_ON_MAIN:
+                with op_range("shared_expert"):                                        # in the chain
+                    sh = self._shared_down(outs[1])                                    # [M, D] partial
+            elif shared_in:
                 with _on_side(self.rt, outs[1]), op_range("shared_expert"):
                     sh = self._shared_down(outs[1])                                    # [M, D] partial
             else:   # after the front, beside the routed experts (FRONT_SHARED's note)

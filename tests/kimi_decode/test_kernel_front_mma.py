@@ -163,17 +163,42 @@ def _contract(y, w_gate, bias, top_k, scaling, counter, ws, *, warps=None, drop_
     return ids, w.float(), [(y.double() @ p.double().t()).to(y.dtype) for p in ws]
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_fused_step_runs_the_front_at_m8(monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+@pytest.mark.parametrize("shared,on_main", [(True, False), (False, False), (True, True), (False, True)])
+def test_fused_step_runs_the_front_at_m8(monkeypatch: pytest.MonkeyPatch, shared: bool, on_main: bool) -> None:
     """LatentMoE at M = 8 with front_mma on: one moe_front op per MoE layer (no router or
     latent_down op), the kernel handed [latent_down, shared gate/up] (FRONT_MMA_SHARED) or
-    [latent_down] and the shared expert op after it; the step equals stock. Off: not called."""
+    [latent_down] and the shared expert op after it; the step equals stock. Off: not called.
+    The shared expert's down GEMV is issued on the side stream, or on the main stream where
+    SHARED_DOWN_ON_MAIN is set and the front computed its gate/up (else the whole shared
+    expert stays on the side stream)."""
+    from contextlib import contextmanager
+
     from kimi_decode import fused
     from kimi_decode.config import tiny
     from kimi_decode.runner import build
     from tests.kimi_decode.test_fused import record_ops, run_close
     order = record_ops(monkeypatch)
     calls: list[tuple[int, ...]] = []
+    side_depth = [0]
+    shared_on_side: list[bool] = []
+    real_on_side, real_down = fused._on_side, fused.LatentMoE._shared_down
+
+    @contextmanager
+    def on_side(*a, **k):
+        side_depth[0] += 1
+        try:
+            with real_on_side(*a, **k) as s:
+                yield s
+        finally:
+            side_depth[0] -= 1
+
+    def shared_down(self, h):       # also the whole shared expert's (LatentMoE._shared) last step
+        shared_on_side.append(side_depth[0] > 0)
+        return real_down(self, h)
+
+    monkeypatch.setattr(fused, "_on_side", on_side)
+    monkeypatch.setattr(fused.LatentMoE, "_shared_down", shared_down)
+    monkeypatch.setattr(fused, "SHARED_DOWN_ON_MAIN", on_main)
 
     def front(y, w_gate, bias, top_k, scaling, counter, ws, **kw):
         calls.append((y.shape[0], *(p.data_ptr() for p in ws)))
@@ -193,6 +218,7 @@ def test_fused_step_runs_the_front_at_m8(monkeypatch: pytest.MonkeyPatch, shared
     assert calls == want
     ops = [o for o in order if o in ("moe_front", "router", "latent_down", "shared_expert")]
     assert ops == ["moe_front", "shared_expert"] * (2 * len(moe))
+    assert shared_on_side == [not (shared and on_main)] * (2 * len(moe))
     calls.clear()
     for layer in model.layers:
         layer.mlp.use_front_mma = False
