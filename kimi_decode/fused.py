@@ -939,7 +939,8 @@ class LatentMoE(stock.LatentMoE):
                     idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
                                                      self.router_counter, self._front_weights(shared_in))
             z = outs[0]
-            if shared_in and front_mma and SHARED_DOWN_ON_MAIN:
+            sh_on_side = not (shared_in and front_mma and SHARED_DOWN_ON_MAIN)
+            if not sh_on_side:
                 with op_range("shared_expert"):                                        # in the chain
                     sh = self._shared_down(outs[1])                                    # [M, D] partial
             elif shared_in:
@@ -949,6 +950,7 @@ class LatentMoE(stock.LatentMoE):
                 with _on_side(self.rt, y), op_range("shared_expert"):
                     sh = self._shared(y)                                               # [M, D] partial
         else:
+            sh_on_side = True
             # latent_down then the shared expert on the side stream, the router on the main one;
             # the routed experts wait for latent_down only (its event), so the shared expert's
             # SiTU and down GEMV overlap them; the tail joins the shared expert. router_mma is
@@ -992,7 +994,8 @@ class LatentMoE(stock.LatentMoE):
             with op_range("experts"):
                 self._experts(z, idx, w, out=r_buf[rank], ids_ready=sync)
             self._prefetch()
-            _join(self.rt, sh)
+            if sh_on_side:   # (a join with a side stream this capture never used breaks the graph)
+                _join(self.rt, sh)
             sh_buf = comm.rs_slots(tuple(sh.shape), sh)
             ag_buf = comm.ag_slots((y.shape[0], n), sh)
             up_args = (r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n], cfg.rms_eps)
@@ -1009,7 +1012,8 @@ class LatentMoE(stock.LatentMoE):
         with op_range("experts"):
             r = self._experts(z, idx, w, ids_ready=sync)
         self._prefetch()
-        _join(self.rt, sh)
+        if sh_on_side:
+            _join(self.rt, sh)
         with op_range("moe_tail"):
             r = comm.all_reduce(r)                                                     # [M, L]
             sh = comm.reduce_scatter_cols(sh)                                          # [M, D/tp]
