@@ -242,7 +242,9 @@ FRONT_MMA_SHARED = True
 # the chain, the side stream's GEMV only once the front has completed), runs 29.5-41.3 us
 # beside FC2's resident grid and FC2 ends 46.5-56.4 us after FC1 (bench/fused_runs.md,
 # session 29). On the main stream it costs its own few us in series instead. Read per call,
-# so `--patch` A/Bs it.
+# so `--patch` A/Bs it. Status: eager step parity passes with it (H100, B = 1, k = 7); its
+# first A/B (2920c87) wrote no graph figures, likely the join with the unused side stream that
+# 470024c removed; not yet timed.
 SHARED_DOWN_ON_MAIN = False
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused

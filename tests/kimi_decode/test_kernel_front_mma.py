@@ -196,7 +196,14 @@ def test_fused_step_runs_the_front_at_m8(monkeypatch: pytest.MonkeyPatch, shared
         shared_on_side.append(side_depth[0] > 0)
         return real_down(self, h)
 
+    joins: list[int] = []
+    real_join = fused._join
+
+    def join(rt, *outputs):
+        joins.append(len(outputs))
+        return real_join(rt, *outputs)
     monkeypatch.setattr(fused, "_on_side", on_side)
+    monkeypatch.setattr(fused, "_join", join)
     monkeypatch.setattr(fused.LatentMoE, "_shared_down", shared_down)
     monkeypatch.setattr(fused, "SHARED_DOWN_ON_MAIN", on_main)
 
@@ -219,6 +226,9 @@ def test_fused_step_runs_the_front_at_m8(monkeypatch: pytest.MonkeyPatch, shared
     ops = [o for o in order if o in ("moe_front", "router", "latent_down", "shared_expert")]
     assert ops == ["moe_front", "shared_expert"] * (2 * len(moe))
     assert shared_on_side == [not (shared and on_main)] * (2 * len(moe))
+    # a join only where the side stream was used: in a CUDA-graph capture that never used it, a
+    # join is a dependency on uncaptured work (session 29: the graph bench wrote nothing)
+    assert joins == ([] if shared and on_main else [1] * (2 * len(moe)))
     calls.clear()
     for layer in model.layers:
         layer.mlp.use_front_mma = False
