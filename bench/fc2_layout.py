@@ -1,8 +1,12 @@
 """Why FC2 of the routed experts streams below the copy rate at M = 8, measured (device only).
 
-In the H200 B = 1, k = 7 graph trace (cd24720) FC2 (moe_fc2_rows.ExpertsFC2Rows) ends 52-56
-us after FC1 for ~164 MB of distinct experts' w2 slices (~3.0 TB/s), while FC1 streams its
-~327 MB at ~4.0 TB/s and a read-only stream reaches 4.2-4.5 TB/s (bench/stream_bw.md). One
+In the H200 B = 1, k = 7 graph trace (cd24720) FC2 (moe_fc2_rows.ExpertsFC2Rows) ends up to
+56 us after FC1 for ~164 MB of distinct experts' w2 slices (~3.0 TB/s), while FC1 streams its
+~327 MB at ~4.0 TB/s and a read-only stream reaches 4.2-4.5 TB/s (bench/stream_bw.md). (Answer,
+bench/fc2_layout.md and bench/fused_runs.md session 29: none of the causes below; FC2 alone
+streams at ~90 % of the read-only rate, and in the step it is slower where the shared expert's
+down GEMV runs beside it: 39-41 us after FC1 in each step's first layer, 46.5-56.4 in the
+later ones.) One
 difference between the two kernels is the shape of what they read: FC1 reads whole 7 KB rows
 of w13, FC2 the first 192 of every 256-element (512-byte) row of w2 (the zero padding
 I..Ip-1 skipped), i.e. 384 bytes out of every 512. This script separates the candidate
