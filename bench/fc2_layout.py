@@ -32,46 +32,21 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.stream_bw import _graph_us, _read_kernel   # the graph timing and the contiguous reader
+
 MB = 1 << 20
 
 
-def _graph_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
-    """Median µs per call of a CUDA graph holding `calls` once each (warmed up first)."""
-    from kimi_decode.kernels.checks import replay_us
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    us = replay_us(g, reps, len(calls), discard=2)
-    del g
-    return us
-
-
-def _readers():
-    """Two Triton read-only streams: over a contiguous buffer, and over the first `used` of
-    every `row` fp32 of a [R, row] buffer (the padded w2's pattern with row = 128 fp32 = 512 B,
-    used = 96 = 384 B)."""
+def _row_reader():
+    """A Triton read-only stream over the first `used` of every `row` fp32 of a [R, row] buffer
+    (the padded w2's pattern with row = 128 fp32 = 512 B, used = 96 = 384 B); the contiguous
+    reader is bench/stream_bw.py's."""
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def read_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        step = tl.num_programs(0) * BLOCK
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n, step):
-            idx = start + offs
-            acc += tl.load(x_ptr + idx, mask=idx < n, other=0.0)
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     @triton.jit
     def read_rows(x_ptr, out_ptr, rows, ROW: tl.constexpr, USED: tl.constexpr, RB: tl.constexpr):
@@ -84,12 +59,12 @@ def _readers():
             acc += tl.load(x_ptr + r * ROW + c, mask=(r < rows) & (c < USED), other=0.0)
         tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
 
-    return read_sum, read_rows
+    return read_rows
 
 
 def pattern_rows(nbytes: int, sms: int) -> list[dict]:
     """Cold read-only streams of `nbytes` requested bytes: contiguous, and 3/4 of each 512 B row."""
-    read_sum, read_rows = _readers()
+    read_sum, read_rows = _read_kernel(), _row_reader()
     out = torch.empty(sms * 64, dtype=torch.float32, device="cuda")
     copies = max(4, -(-(600 * MB) // nbytes))
     res = []
