@@ -88,6 +88,23 @@ def pattern_rows(nbytes: int, sms: int) -> list[dict]:
     return res
 
 
+def _fc2_inputs(m: int) -> tuple[torch.Tensor, list, torch.Tensor, int, int]:
+    """FC2's inputs at M = m on the real K3 TP16 expert weights (moe_experts.check_weights):
+    (w2 [E, L, Ip], 4 routings as (int32 ids, fp32 weights), a [M·K, Ip] bf16 with zero
+    padding columns, I, K). Shared by fc2_rows and per_row_sweep."""
+    from kimi_decode.kernels import moe_experts as me
+    dev = torch.device("cuda")
+    cfg0, w13, w2 = me.check_weights(dev)
+    del w13
+    inter, K = cfg0.expert_local_inter, cfg0.top_k
+    _, routings = me.check_inputs(cfg0, m, 7000 + m, dev)
+    routings = [(i.to(torch.int32).contiguous(), w.float().contiguous()) for i, w in routings]
+    act = torch.randn(m * K, w2.shape[-1], generator=torch.Generator(device=dev).manual_seed(11 + m),
+                      device=dev).bfloat16()
+    act[:, inter:] = 0
+    return w2, routings, act, inter, K
+
+
 def per_row_sweep(m: int, sms: int, counts: list[int]) -> list[dict]:
     """ExpertsFC2Rows (padded w2, one buffer) at M = m with each CTAs-per-row count in
     `counts` and the formula's, cold, outputs compared bit for bit with the formula's."""
@@ -96,13 +113,8 @@ def per_row_sweep(m: int, sms: int, counts: list[int]) -> list[dict]:
     from kimi_decode.kernels import moe_fc2_rows as mr
     from kimi_decode.kernels._common import current_stream, ptr
     dev = torch.device("cuda")
-    cfg0, w13, w2 = me.check_weights(dev)
-    del w13
+    w2, routings, act, inter, K = _fc2_inputs(m)
     E, L, ip = w2.shape
-    inter, K = cfg0.expert_local_inter, cfg0.top_k
-    z, routings = me.check_inputs(cfg0, m, 7000 + m, dev)
-    routings = [(i.to(torch.int32).contiguous(), w.float().contiguous()) for i, w in routings]
-    act = torch.randn(m * K, ip, generator=torch.Generator(device=dev).manual_seed(11 + m), device=dev).bfloat16()
     kern = mr.compile_rows(mr.RowsConfig(me.ExpertsConfig(L, ip, inter, K, E, torch.int32, False), 1))
     pr0 = mr.per_row(m, L, 1, sms)
     nbytes = sum(len(set(i.flatten().tolist())) for i, _ in routings) / 4 * L * inter * 2
@@ -137,16 +149,9 @@ def fc2_rows(m: int, sms: int) -> list[dict]:
     from kimi_decode.kernels import moe_fc2_rows as mr
     from kimi_decode.kernels._common import compile_options, current_stream, dummy_ptr, ptr
     dev = torch.device("cuda")
-    cfg0, w13, w2 = me.check_weights(dev)
-    del w13
+    w2, routings, act, inter, K = _fc2_inputs(m)
     E, L, ip = w2.shape
-    inter, K = cfg0.expert_local_inter, cfg0.top_k
     w2c = w2[:, :, :inter].contiguous()
-    z, routings = me.check_inputs(cfg0, m, 7000 + m, dev)
-    routings = [(i.to(torch.int32).contiguous(), w.float().contiguous()) for i, w in routings]
-    gen = torch.Generator(device=dev).manual_seed(11 + m)
-    act = torch.randn(m * K, ip, generator=gen, device=dev).bfloat16()
-    act[:, inter:] = 0
     actc = act[:, :inter].contiguous()
     distinct = [len(set(i.flatten().tolist())) for i, _ in routings]
     res: list[dict] = []
