@@ -22,7 +22,7 @@ causes, each on cold weights (4 routings cycled, N calls in one CUDA graph, per-
 4. FC2 v2 (one CTA per (row, 4-column block)) in both layouts, and at M = 1.
 With --per-row C..: only ExpertsFC2Rows at M = 8 with those CTAs per row (and the formula's).
 
-    python3 -m bench.fc2_layout --out $OUT      (writes fc2_layout.json, prints the table)
+    python3 -m bench.fc2_layout --out $OUT      (writes fc2_layout.json, prints each row)
     python3 -m bench.fc2_layout --out $OUT --per-row 96 112 113 114   (fc2_per_row.json)
     python -m bench.fc2_layout --render bench/fc2_layout_h100.json > bench/fc2_layout.md   (here)
 """
