@@ -194,7 +194,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 # against 272.2-272.5 / 278.8-279.0 at 6ad2cfc (session 21, B = 1, k = 7 / B = 8), 271.8 /
 # 278.8 against 272.8 / 280.4 at 3354121 beside mla_attend_mma at R = 48 (session 23). It
 # makes the M = 8 MLA layer 13 kernels. Not yet re-measured on the H200 (the headline card):
-# the next H200 call A/Bs it (`--patch 'kimi_decode.fused:MAX_ROWS["gemv_mma_pair"]=1'`).
+# the next H200 call A/Bs it (`--patch 'kimi_decode.fused:MAX_ROWS["gemv_mma_pair"]=1'`). On
+# an H100 again in session 30 (8336d10, twice): off, the MLA layer took +3.6-3.9 us one-layer
+# and -0.1..+1.9 in-step at B = 1, k = 7 and B = 8 (14 kernels), KDA unchanged.
 # Verified but opt-in (kernels={..., name}), each slower in the step where it would be used:
 # - prefetch: slowed its consumer GEMV in the device check (21.8 us cold vs 70.4 us after a
 #   prefetch);
@@ -234,18 +236,13 @@ FRONT_SHARED = True
 # experts) or, False, the front streams the router and latent_down only and the whole shared
 # expert runs on the side stream after it. Read per call, so `--patch` A/Bs it.
 FRONT_MMA_SHARED = True
-# With front_mma's shared gate/up (2 ≤ M ≤ 8): the shared expert's down GEMV (gemv_mma_situ,
-# PDL-chained) on the main stream between the front and FC1, instead of on the side stream.
-# Why tried: in the H200 B = 1, k = 7 and B = 8 step-graph traces (cd24720) that GEMV runs
-# beside FC1 in each step's first layer (10.5-12.1 us), and there FC2 ends 39.1-40.8 us after
-# FC1; in every later layer it is placed behind FC1's 3,072 CTAs (FC1 launches early through
-# the chain, the side stream's GEMV only once the front has completed), runs 29.5-41.3 us
-# beside FC2's resident grid and FC2 ends 46.5-56.4 us after FC1 (bench/fused_runs.md,
-# session 29). On the main stream it costs its own few us in series instead. Read per call,
-# so `--patch` A/Bs it. Status: eager step parity passes with it (H100, B = 1, k = 7); its
-# first A/B (2920c87) wrote no graph figures, likely the join with the unused side stream that
-# 470024c removed; not yet timed.
-SHARED_DOWN_ON_MAIN = False
+# Tried and removed (session 30): the shared expert's down GEMV in the main PDL chain between
+# front_mma and FC1 (2 ≤ M ≤ 8) instead of on the side stream. Why tried: in the H200 step
+# traces (cd24720) that GEMV runs beside FC1 in each step's first layer but beside FC2's
+# resident grid in every later one, where FC2 ends 46.5-56.4 us after FC1 instead of 39.1-40.8
+# (bench/fused_runs.md, session 29). Measured on an H100 (8336d10, fused_ab twice): slower
+# at B = 1, k = 7 and B = 8, one-layer KDA / MLA +4.5-6.4 / +5.1-6.1 us, in-step +0.6-4.4 /
+# +1.9-4.4 us (bench/fused_runs.md, session 30).
 
 # The per-M table: the most rows M = B·(1 + k) at which each kernel is used, from the fused
 # step's traces on the H200 (`decodescope layers traces/k3_fused_*_graph.json.gz`; two device
@@ -941,18 +938,13 @@ class LatentMoE(stock.LatentMoE):
                     idx, w, outs = route_and_project(y, self.router, self.bias, cfg.top_k, cfg.routed_scaling,
                                                      self.router_counter, self._front_weights(shared_in))
             z = outs[0]
-            sh_on_side = not (shared_in and front_mma and SHARED_DOWN_ON_MAIN)
-            if not sh_on_side:
-                with op_range("shared_expert"):                                        # in the chain
-                    sh = self._shared_down(outs[1])                                    # [M, D] partial
-            elif shared_in:
+            if shared_in:
                 with _on_side(self.rt, outs[1]), op_range("shared_expert"):
                     sh = self._shared_down(outs[1])                                    # [M, D] partial
             else:   # after the front, beside the routed experts (FRONT_SHARED's note)
                 with _on_side(self.rt, y), op_range("shared_expert"):
                     sh = self._shared(y)                                               # [M, D] partial
         else:
-            sh_on_side = True
             # latent_down then the shared expert on the side stream, the router on the main one;
             # the routed experts wait for latent_down only (its event), so the shared expert's
             # SiTU and down GEMV overlap them; the tail joins the shared expert. router_mma is
@@ -996,8 +988,7 @@ class LatentMoE(stock.LatentMoE):
             with op_range("experts"):
                 self._experts(z, idx, w, out=r_buf[rank], ids_ready=sync)
             self._prefetch()
-            if sh_on_side:   # (a join with a side stream this capture never used breaks the graph)
-                _join(self.rt, sh)
+            _join(self.rt, sh)
             sh_buf = comm.rs_slots(tuple(sh.shape), sh)
             ag_buf = comm.ag_slots((y.shape[0], n), sh)
             up_args = (r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n], cfg.rms_eps)
@@ -1014,8 +1005,7 @@ class LatentMoE(stock.LatentMoE):
         with op_range("experts"):
             r = self._experts(z, idx, w, ids_ready=sync)
         self._prefetch()
-        if sh_on_side:
-            _join(self.rt, sh)
+        _join(self.rt, sh)
         with op_range("moe_tail"):
             r = comm.all_reduce(r)                                                     # [M, L]
             sh = comm.reduce_scatter_cols(sh)                                          # [M, D/tp]
