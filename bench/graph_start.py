@@ -1,0 +1,202 @@
+"""What a layer pays for being the first thing in its CUDA graph, measured (device only).
+
+Why: bench/decode.md's headline figures time CUDA graphs holding ONE layer. In the bundled
+H200 step-graph traces (cd24720) the fused step's first kernel (AttnRes) ends and the second
+(in_proj's GEMV) starts 3.6-4.3 us later, in every step at B = 1 (k = 0 and 7), where stock's
+step has 0.38-0.42 us between its first two kernels, as between any two of its kernels; in
+the fused step's later layers in_proj is already resident under PDL and ends 11.8-13.8 us after
+AttnRes, against 18.6-20.5 us in each step's first layer. A one-layer graph is such a first
+layer, so its figure may carry a start-up cost that the layer never pays inside a step (and
+that a real step pays once, not per layer). This script measures it, per variant and shape,
+on one KDA layer (the model's second, L5), with graphs holding:
+
+- `layer`:      the layer alone (as bench/decode.py times it);
+- `lead`:       one plain elementwise kernel (no PDL);
+- `lead+layer`: that kernel, then the layer;
+- `prev`:       the layer before it (L4), fed as in the step;
+- `prev+layer`: L4 then L5 (so `prev+layer` - `prev` is L5's in-step increment, as
+                bench/decode.prefix_increments computes it; here neither graph finishes the
+                last layer's all-gather, where both of its graphs do).
+
+For each graph: the median of `reps` CUDA-event-timed replays (us; the second of two passes
+over the five graphs), and from a profiled run
+of a few replays the median over replays of the layer's first inter-kernel gap (its second
+kernel's start minus its first kernel's end, ns; negative: the second was resident before
+the first ended, as under PDL) and of the layer's span (its first kernel's start to its last
+kernel's end, ns). Which kernels are the layer's: the graph's kernels after the lead's (the
+`lead` and `prev` graphs give their counts).
+
+    python3 -m bench.graph_start --out $OUT            (writes graph_start.json, prints rows)
+    python -m bench.graph_start --render bench/graph_start_h100.json > bench/graph_start.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
+SHAPES = ((1, 0), (1, 7))
+LAYER = 1          # index into model.layers: L5.kda of the bench's layers 4-7
+PROFILED_REPLAYS = 8
+
+
+def layer_gap_and_span(replay: list[dict[str, Any]], skip: int) -> tuple[int, int]:
+    """One graph replay's kernels (tracer.capture.kernels_with_ops rows, `ts`/`dur` in us):
+    the gap between the first and second kernel after the first `skip` ones (start of the
+    second minus end of the first) and the span of those kernels (first start to last end),
+    both in integer ns. Kernels are ordered by start; an overlap gives a negative gap."""
+    ks = sorted(replay, key=lambda k: k["ts"])[skip:]
+    if len(ks) < 2:
+        raise ValueError(f"a replay has {len(ks)} kernel(s) after the first {skip}: need 2")
+    ns = lambda us: round(us * 1000)  # noqa: E731  (Kineto's floats are us with ns digits)
+    first, second = ks[0], ks[1]
+    gap = ns(second["ts"]) - ns(first["ts"] + first["dur"])
+    span = max(ns(k["ts"] + k["dur"]) for k in ks) - ns(first["ts"])
+    return gap, span
+
+
+def summarize(replays: list[list[dict[str, Any]]], skip: int) -> dict[str, int]:
+    """Medians over replays of layer_gap_and_span (lower median: a measured value)."""
+    gaps, spans = zip(*(layer_gap_and_span(r, skip) for r in replays))
+    return {"gap_ns": int(statistics.median_low(gaps)), "span_ns": int(statistics.median_low(spans)),
+            "replays": len(replays)}
+
+
+def _graph(fn: Callable[[], Any]) -> Any:
+    import torch
+
+    from kimi_decode.runner import capture_stream
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g, stream=capture_stream()):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def measure(variant: str, batch: int, spec: int, reps: int) -> list[dict[str, Any]]:
+    """The five graphs of one (variant, B, k): CUDA-event medians and the profiled gaps."""
+    import torch
+
+    from bench.decode import time_replays
+    from kimi_decode.config import k3_tp16
+    from kimi_decode.runner import build, prepare
+    from tracer.capture import graph_replays, kernels_with_ops, profile_trace
+
+    cfg = k3_tp16(batch=batch, spec_tokens=spec, layers=(4, 5, 6, 7), tp_sim=True)
+    model, _ = build(variant, cfg, "cuda")
+    inputs = model.make_inputs()
+    m, prefix, blocks = inputs
+    prepare(model, inputs, graph=False, warmup=3)
+    lead_buf = torch.zeros(1024, device="cuda")
+    layer = model.layers[LAYER]
+
+    def lead() -> None:
+        lead_buf.add_(1.0)
+
+    def one_layer() -> None:
+        layer(m, prefix, blocks, model.pos)
+
+    def prev() -> None:
+        model.layers[LAYER - 1](m, prefix, blocks, model.pos)
+
+    def prev_and_layer() -> None:
+        out, pre = model.layers[LAYER - 1](m, prefix, blocks, model.pos)
+        layer(out, pre, blocks, model.pos)
+
+    fns = {"layer": one_layer, "lead": lead, "lead+layer": lambda: (lead(), one_layer()),
+           "prev": prev, "prev+layer": prev_and_layer}
+    graphs = {name: _graph(fns[name]) for name in GRAPHS}
+    # two timing passes over all five graphs, the second reported: the first configuration
+    # timed in a process can read slow (a warm-up effect, bench/fc2_layout.md)
+    first = {name: statistics.median(time_replays(g, reps)) for name, g in graphs.items()}
+    again = {name: statistics.median(time_replays(g, reps)) for name, g in graphs.items()}
+    rows, counts = [], {}
+    for name, g in graphs.items():
+        trace = profile_trace(lambda g=g: [g.replay() for _ in range(PROFILED_REPLAYS)], 1, True)
+        replays = [r for r in graph_replays(kernels_with_ops(trace)) if r]
+        counts[name] = statistics.median_low(len(r) for r in replays)
+        skip = {"lead+layer": counts["lead"], "prev+layer": counts["prev"]}.get(name, 0)
+        row = {"variant": variant, "batch": batch, "spec": spec, "graph": name,
+               "median_us": again[name], "first_pass_us": first[name], "kernels": counts[name], "skip": skip}
+        if counts[name] - skip >= 2:
+            row.update(summarize(replays, skip))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del graphs
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def render(run: dict[str, Any]) -> str:
+    """The markdown table of a graph_start.json, with the derived per-layer figures."""
+    meta = run["meta"]
+    lines = ["# A layer's cost as the first thing in its CUDA graph",
+             "",
+             f"Written by `bench/graph_start.py` (see its docstring for why and how). {meta['gpu']}, "
+             f"commit `{meta['commit']}`, {meta['date']}, {meta['reps']} timed replays per graph; the "
+             f"gap and span are medians over {meta['profiled_replays']} profiled replays (ns).",
+             "",
+             "| variant | B | k | graph | median us | kernels | layer's first gap ns | layer span ns |",
+             "|---|---|---|---|---|---|---|---|"]
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in run["rows"]:
+        by_key.setdefault((r["variant"], r["batch"], r["spec"]), {})[r["graph"]] = r
+        gap = "" if "gap_ns" not in r else f"{r['gap_ns']:,}"
+        span = "" if "span_ns" not in r else f"{r['span_ns']:,}"
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['spec']} | {r['graph']} | {r['median_us']:.1f} | "
+                     f"{r['kernels']} | {gap} | {span} |")
+    lines += ["", "Derived, us: the layer alone; after a plain kernel (`lead+layer` - `lead`); inside the "
+              "step (`prev+layer` - `prev`, the in-step increment).", "",
+              "| variant | B | k | alone | after a lead kernel | in-step | alone - in-step |",
+              "|---|---|---|---|---|---|---|"]
+    for (variant, b, k), g in by_key.items():
+        if not all(n in g for n in GRAPHS):
+            continue
+        alone = g["layer"]["median_us"]
+        after = g["lead+layer"]["median_us"] - g["lead"]["median_us"]
+        in_step = g["prev+layer"]["median_us"] - g["prev"]["median_us"]
+        lines.append(f"| {variant} | {b} | {k} | {alone:.1f} | {after:.1f} | {in_step:.1f} | {alone - in_step:+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="where graph_start.json goes (the device's $OUT)")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--variant", nargs="+", default=["stock", "fused"])
+    ap.add_argument("--render", type=Path, help="print the table of a graph_start.json (no GPU)")
+    a = ap.parse_args(argv)
+    if a.render:
+        try:
+            run = json.loads(a.render.read_text())
+            sys.stdout.write(render(run))
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"graph_start: {a.render}: not a graph_start.json ({e})") from None
+        return
+    if a.out is None:
+        raise SystemExit("graph_start: --out (on the GPU machine) or --render (here) is required")
+    import datetime as _dt
+
+    import torch
+
+    from tracer.capture import git_commit
+    a.out.mkdir(parents=True, exist_ok=True)
+    run = {"meta": {"gpu": torch.cuda.get_device_name(), "commit": git_commit(), "reps": a.reps,
+                    "profiled_replays": PROFILED_REPLAYS, "date": _dt.date.today().isoformat()}, "rows": []}
+    for b, k in SHAPES:
+        for variant in a.variant:
+            try:
+                run["rows"] += measure(variant, b, k, a.reps)
+            except Exception as e:   # noqa: BLE001  (a device run keeps the other rows)
+                run.setdefault("errors", []).append(f"{variant} B={b} k={k}: {type(e).__name__}: {e}")
+                print(run["errors"][-1], flush=True)
+            (a.out / "graph_start.json").write_text(json.dumps(run, indent=1))
+
+
+if __name__ == "__main__":
+    main()
