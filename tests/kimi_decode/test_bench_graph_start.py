@@ -45,8 +45,8 @@ def _run() -> dict:
 def test_render_derives_alone_after_lead_and_in_step() -> None:
     md = graph_start.render(_run())
     assert "| fused | 1 | 0 | layer | 80.0 | 10 | 3,870 | 76,543 |" in md
-    # after a lead kernel 79.5 - 3.0; in-step 155.0 - 81.0; alone - in-step 80.0 - 74.0
-    assert "| fused | 1 | 0 | 80.0 | 76.5 | 74.0 | +6.0 |" in md
+    # lead+layer - alone 79.5 - 80.0; in-step 155.0 - 81.0; alone - in-step 80.0 - 74.0
+    assert "| fused | 1 | 0 | 80.0 | -0.5 | 74.0 | +6.0 |" in md
 
 
 def test_render_of_a_bad_file_is_one_line(tmp_path: Path) -> None:
@@ -56,3 +56,9 @@ def test_render_of_a_bad_file_is_one_line(tmp_path: Path) -> None:
         graph_start.main(["--render", str(bad)])
     assert str(e.value).startswith(f"graph_start: {bad}: not a graph_start.json")
     assert "\n" not in str(e.value)
+
+
+def test_committed_table_is_the_rendered_results() -> None:
+    root = Path(__file__).resolve().parents[2]
+    run = json.loads((root / "bench" / "graph_start_h100.json").read_text())
+    assert (root / "bench" / "graph_start.md").read_text() == graph_start.render(run)
