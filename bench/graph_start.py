@@ -33,7 +33,7 @@ increment by 2.8 / 1.4 us for fused and 2.3 / 2.3 us for stock (the graph launch
 headline ratio is not biased against fused. The 3.6-4.3 us first gap stays a property of the
 H200 step-graph traces, not reproduced in these graphs.
 
-    python3 -m bench.graph_start --out $OUT            (writes graph_start.json, prints rows)
+    python3 -m bench.graph_start --out $OUT [--step]   (writes graph_start.json, prints rows)
     python -m bench.graph_start --render bench/graph_start_h100.json > bench/graph_start.md
 """
 from __future__ import annotations
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
+STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it
 SHAPES = ((1, 0), (1, 7))
 LAYER = 1          # index into model.layers: L5.kda of the bench's layers 4-7
 PROFILED_REPLAYS = 8
@@ -84,8 +85,9 @@ def _graph(fn: Callable[[], Any]) -> Any:
     return g
 
 
-def measure(variant: str, batch: int, spec: int, reps: int) -> list[dict[str, Any]]:
-    """The five graphs of one (variant, B, k): CUDA-event medians and the profiled gaps."""
+def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) -> list[dict[str, Any]]:
+    """The five graphs of one (variant, B, k): CUDA-event medians and the profiled gaps; with
+    `step`, also the whole step's graph (its first gap is the step's first two kernels')."""
     import torch
 
     from bench.decode import time_replays
@@ -118,7 +120,9 @@ def measure(variant: str, batch: int, spec: int, reps: int) -> list[dict[str, An
     fns = {"layer": one_layer, "lead": lead, "lead+layer": lambda: (lead(), one_layer()),
            "prev": prev, "prev+layer": prev_and_layer}
     graphs = {name: _graph(fns[name]) for name in GRAPHS}
-    # two timing passes over all five graphs, the second reported: the first configuration
+    if step:
+        graphs[STEP] = prepare(model, inputs, graph=True, warmup=0).graph
+    # two timing passes over all the graphs, the second reported: the first configuration
     # timed in a process can read slow (a warm-up effect, bench/fc2_layout.md)
     first = {name: statistics.median(time_replays(g, reps)) for name, g in graphs.items()}
     again = {name: statistics.median(time_replays(g, reps)) for name, g in graphs.items()}
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="where graph_start.json goes (the device's $OUT)")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--variant", nargs="+", default=["stock", "fused"])
+    ap.add_argument("--step", action="store_true", help="also time and profile the whole step's graph")
     ap.add_argument("--render", type=Path, help="print the table of a graph_start.json (no GPU)")
     a = ap.parse_args(argv)
     if a.render:
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     for b, k in SHAPES:
         for variant in a.variant:
             try:
-                run["rows"] += measure(variant, b, k, a.reps)
+                run["rows"] += measure(variant, b, k, a.reps, a.step)
             except Exception as e:   # noqa: BLE001  (a device run keeps the other rows)
                 run.setdefault("errors", []).append(f"{variant} B={b} k={k}: {type(e).__name__}: {e}")
                 print(run["errors"][-1], flush=True)

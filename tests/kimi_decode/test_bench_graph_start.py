@@ -62,3 +62,12 @@ def test_committed_table_is_the_rendered_results() -> None:
     root = Path(__file__).resolve().parents[2]
     run = json.loads((root / "bench" / "graph_start_h100.json").read_text())
     assert (root / "bench" / "graph_start.md").read_text() == graph_start.render(run)
+
+
+def test_a_step_row_is_listed_but_not_derived() -> None:
+    run = _run()
+    run["rows"].append({"variant": "fused", "batch": 1, "spec": 0, "graph": "step", "median_us": 336.0,
+                        "first_pass_us": 337.0, "kernels": 49, "skip": 0, "gap_ns": 3870, "span_ns": 330000})
+    md = graph_start.render(run)
+    assert "| fused | 1 | 0 | step | 336.0 | 49 | 3,870 | 330,000 |" in md
+    assert md.count("| fused | 1 | 0 | 80.0 |") == 1
