@@ -30,8 +30,12 @@ Answer on an H100 (bench/graph_start.md, session 30): no start-up cost of the fu
 own. In its one-layer graph in_proj is resident 3.7 us (k = 0) / 6.0 us (k = 7) before AttnRes
 ends, as behind a lead kernel or the previous layer; the one-layer figure exceeds the in-step
 increment by 2.8 / 1.4 us for fused and 2.3 / 2.3 us for stock (the graph launch), so the
-headline ratio is not biased against fused. The 3.6-4.3 us first gap stays a property of the
-H200 step-graph traces, not reproduced in these graphs.
+headline ratio is not biased against fused. The whole step's graph (`--step`, cabd309) does
+show it on the H100 too: its first two kernels 3.36 us (k = 0) / 3.33 us (k = 7) apart, where
+graphs of one or two layers have in_proj resident early. So the gap belongs to the step graph,
+not to the card, and costs the step's first layer only; which part of the step graph brings it
+(its size, or its tail) is what `--step`'s 3- and 4-layer graphs and every graph's own first
+gap (`graph_gap_ns`, added after that run) are there to tell.
 
     python3 -m bench.graph_start --out $OUT [--step]   (writes graph_start.json, prints rows)
     python -m bench.graph_start --render bench/graph_start_h100.json > bench/graph_start.md
@@ -46,7 +50,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
-STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it
+STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it,
+                   # after graphs of its first 3 and 4 layers (bench/decode.run_layers, no tail)
 SHAPES = ((1, 0), (1, 7))
 LAYER = 1          # index into model.layers: L5.kda of the bench's layers 4-7
 PROFILED_REPLAYS = 8
@@ -90,7 +95,7 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
     `step`, also the whole step's graph (its first gap is the step's first two kernels')."""
     import torch
 
-    from bench.decode import time_replays
+    from bench.decode import run_layers, time_replays
     from kimi_decode.config import k3_tp16
     from kimi_decode.runner import build, prepare
     from tracer.capture import graph_replays, kernels_with_ops, profile_trace
@@ -121,6 +126,9 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
            "prev": prev, "prev+layer": prev_and_layer}
     graphs = {name: _graph(fns[name]) for name in GRAPHS}
     if step:
+        # the step's first 3 and 4 layers (their all-gather finished, no tail), then the step
+        for n in (3, len(model.layers)):
+            graphs[f"first {n} layers"] = _graph(lambda n=n: run_layers(model, inputs, n))
         graphs[STEP] = prepare(model, inputs, graph=True, warmup=0).graph
     # two timing passes over all the graphs, the second reported: the first configuration
     # timed in a process can read slow (a warm-up effect, bench/fc2_layout.md)
@@ -137,6 +145,8 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
                "median_us": again[name], "first_pass_us": first[name], "kernels": counts[name], "skip": skip}
         if counts[name] - skip >= 2:
             row.update(summarize(replays, skip))
+        if counts[name] >= 2:
+            row["graph_gap_ns"] = summarize(replays, 0)["gap_ns"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     del graphs
@@ -145,24 +155,38 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
     return rows
 
 
-def render(run: dict[str, Any]) -> str:
-    """The markdown table of a graph_start.json, with the derived per-layer figures."""
+def render(runs: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """The markdown of a graph_start.json (one run, or a list of runs: a section each), with
+    the derived per-layer figures."""
+    runs = runs if isinstance(runs, list) else [runs]
+    lines = ["# A layer's cost as the first thing in its CUDA graph", "",
+             "Written by `bench/graph_start.py` (see its docstring for why and how). Gaps and spans "
+             "in ns, medians over the profiled replays; the graph's own first gap is that of its "
+             "first two kernels (the layer's, for the graphs without a lead)."]
+    for run in runs:
+        lines += [""] + _run_lines(run)
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_ns(r: dict[str, Any], key: str) -> str:
+    return "" if key not in r else f"{r[key]:,}"
+
+
+def _run_lines(run: dict[str, Any]) -> list[str]:
     meta = run["meta"]
-    lines = ["# A layer's cost as the first thing in its CUDA graph",
+    lines = [f"## {meta['gpu']}, commit `{meta['commit']}`, {meta['date']}",
              "",
-             f"Written by `bench/graph_start.py` (see its docstring for why and how). {meta['gpu']}, "
-             f"commit `{meta['commit']}`, {meta['date']}, {meta['reps']} timed replays per graph; the "
-             f"gap and span are medians over {meta['profiled_replays']} profiled replays (ns).",
+             f"{meta['reps']} timed replays per graph, {meta['profiled_replays']} profiled.",
              "",
-             "| variant | B | k | graph | median us | kernels | layer's first gap ns | layer span ns |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | B | k | graph | median us | kernels | layer's first gap ns | layer span ns | "
+             "graph's first gap ns |",
+             "|---|---|---|---|---|---|---|---|---|"]
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in run["rows"]:
         by_key.setdefault((r["variant"], r["batch"], r["spec"]), {})[r["graph"]] = r
-        gap = "" if "gap_ns" not in r else f"{r['gap_ns']:,}"
-        span = "" if "span_ns" not in r else f"{r['span_ns']:,}"
         lines.append(f"| {r['variant']} | {r['batch']} | {r['spec']} | {r['graph']} | {r['median_us']:.1f} | "
-                     f"{r['kernels']} | {gap} | {span} |")
+                     f"{r['kernels']} | {_fmt_ns(r, 'gap_ns')} | {_fmt_ns(r, 'span_ns')} | "
+                     f"{_fmt_ns(r, 'graph_gap_ns')} |")
     lines += ["", "Derived, us: the layer alone; what a plain kernel in front of it adds (`lead+layer` - "
               "`layer`: about that kernel's own time if the layer pays no start-up cost a predecessor "
               "could hide); the layer inside the step (`prev+layer` - `prev`, the in-step increment). "
@@ -177,7 +201,7 @@ def render(run: dict[str, Any]) -> str:
         in_step = g["prev+layer"]["median_us"] - g["prev"]["median_us"]
         lines.append(f"| {variant} | {b} | {k} | {alone:.1f} | {lead_adds:+.1f} | {in_step:.1f} | "
                      f"{alone - in_step:+.1f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             run = json.loads(a.render.read_text())
             sys.stdout.write(render(run))
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"graph_start: {a.render}: not a graph_start.json ({e})") from None
         return
     if a.out is None:

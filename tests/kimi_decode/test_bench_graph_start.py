@@ -44,7 +44,8 @@ def _run() -> dict:
 
 def test_render_derives_alone_after_lead_and_in_step() -> None:
     md = graph_start.render(_run())
-    assert "| fused | 1 | 0 | layer | 80.0 | 10 | 3,870 | 76,543 |" in md
+    assert "## GPU X, commit `abc`, 2026-01-01" in md
+    assert "| fused | 1 | 0 | layer | 80.0 | 10 | 3,870 | 76,543 |  |" in md
     # lead+layer - alone 79.5 - 80.0; in-step 155.0 - 81.0; alone - in-step 80.0 - 74.0
     assert "| fused | 1 | 0 | 80.0 | -0.5 | 74.0 | +6.0 |" in md
 
@@ -67,7 +68,11 @@ def test_committed_table_is_the_rendered_results() -> None:
 def test_a_step_row_is_listed_but_not_derived() -> None:
     run = _run()
     run["rows"].append({"variant": "fused", "batch": 1, "spec": 0, "graph": "step", "median_us": 336.0,
-                        "first_pass_us": 337.0, "kernels": 49, "skip": 0, "gap_ns": 3870, "span_ns": 330000})
-    md = graph_start.render(run)
-    assert "| fused | 1 | 0 | step | 336.0 | 49 | 3,870 | 330,000 |" in md
-    assert md.count("| fused | 1 | 0 | 80.0 |") == 1
+                        "first_pass_us": 337.0, "kernels": 49, "skip": 0, "gap_ns": 3870, "span_ns": 330000,
+                        "graph_gap_ns": 3870})
+    other = _run()
+    other["meta"]["gpu"] = "GPU Y"
+    md = graph_start.render([run, other])
+    assert "| fused | 1 | 0 | step | 336.0 | 49 | 3,870 | 330,000 | 3,870 |" in md
+    assert md.count("| fused | 1 | 0 | 80.0 |") == 2          # one derived row per run
+    assert md.index("## GPU X") < md.index("## GPU Y")
