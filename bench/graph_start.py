@@ -35,7 +35,8 @@ show it on the H100 too: its first two kernels 3.36 us (k = 0) / 3.33 us (k = 7)
 graphs of one or two layers have in_proj resident early. So the gap belongs to the step graph,
 not to the card, and costs the step's first layer only; which part of the step graph brings it
 (its size, or its tail) is what `--step`'s 3- and 4-layer graphs and every graph's own first
-gap (`graph_gap_ns`, added after that run) are there to tell.
+gap (`graph_gap_ns`, added after that run) are there to tell, with the fused step captured
+once more with fused.POS_UPDATE_IN_PLACE (its tail without the memcpy node).
 
     python3 -m bench.graph_start --out $OUT [--step]   (writes graph_start.json, prints rows)
     python -m bench.graph_start --render bench/graph_start_h100.json > bench/graph_start.md
@@ -52,6 +53,7 @@ from typing import Any, Callable
 GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
 STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it,
                    # after graphs of its first 3 and 4 layers (bench/decode.run_layers, no tail)
+STEP_IN_PLACE = "step, pos in place"   # fused only: fused.POS_UPDATE_IN_PLACE (no memcpy node)
 SHAPES = ((1, 0), (1, 7))
 LAYER = 1          # index into model.layers: L5.kda of the bench's layers 4-7
 PROFILED_REPLAYS = 8
@@ -130,6 +132,13 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
         for n in (3, len(model.layers)):
             graphs[f"first {n} layers"] = _graph(lambda n=n: run_layers(model, inputs, n))
         graphs[STEP] = prepare(model, inputs, graph=True, warmup=0).graph
+        if variant == "fused":   # the step again with its tail's position update in place (no memcpy node)
+            import kimi_decode.fused as fused_mod
+            saved, fused_mod.POS_UPDATE_IN_PLACE = fused_mod.POS_UPDATE_IN_PLACE, True
+            try:
+                graphs[STEP_IN_PLACE] = prepare(model, inputs, graph=True, warmup=0).graph
+            finally:
+                fused_mod.POS_UPDATE_IN_PLACE = saved
     # two timing passes over all the graphs, the second reported: the first configuration
     # timed in a process can read slow (a warm-up effect, bench/fc2_layout.md)
     first = {name: statistics.median(time_replays(g, reps)) for name, g in graphs.items()}

@@ -236,6 +236,16 @@ FRONT_SHARED = True
 # experts) or, False, the front streams the router and latent_down only and the whole shared
 # expert runs on the side stream after it. Read per call, so `--patch` A/Bs it.
 FRONT_MMA_SHARED = True
+# The step's tail advances the MLA positions in place (add_, then masked_fill_ at the cache
+# wrap) instead of StockDecoder's `pos.copy_(torch.where(..))`, whose copy is a device-to-device
+# memcpy node in the step's CUDA graph. Why tried: the whole step graph starts with its first
+# two kernels 3.3 us apart (H100) to 4.3 us (H200 traces) where graphs of one or two layers,
+# which have no such tail, have in_proj resident under PDL 3-7 us before AttnRes ends
+# (bench/graph_start.md, session 30); the memcpy node is one difference between the two. Same
+# positions (tests/kimi_decode/test_fused.py). Not yet measured: `graph_start --step` times
+# the step graph both ways. Read per call, so `--patch` A/Bs it.
+POS_UPDATE_IN_PLACE = False
+
 # Tried and removed (session 30): the shared expert's down GEMV in the main PDL chain between
 # front_mma and FC1 (2 ≤ M ≤ 8) instead of on the side stream. Why tried: in the H200 step
 # traces (cd24720) that GEMV runs beside FC1 in each step's first layer but beside FC2's
@@ -1143,8 +1153,12 @@ class FusedDecoder(StockDecoder):
                     m = m.gather()
             if any(layer.kind == "mla" for layer in self.layers):
                 T = cfg.tokens_per_seq
-                nxt = self.pos + T
-                self.pos.copy_(torch.where(nxt + T > cfg.cache_len, cfg.context_len, nxt))
+                if POS_UPDATE_IN_PLACE:   # the same positions, no copy (no memcpy node in a graph)
+                    self.pos.add_(T)
+                    self.pos.masked_fill_(self.pos + T > cfg.cache_len, cfg.context_len)
+                else:
+                    nxt = self.pos + T
+                    self.pos.copy_(torch.where(nxt + T > cfg.cache_len, cfg.context_len, nxt))
                 if self.mla_last is not None:    # the next step's query positions, for every MLA layer
                     torch.add(self.pos, self.mla_t_off, out=self.mla_last)
         return m, prefix

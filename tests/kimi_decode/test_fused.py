@@ -939,3 +939,28 @@ def test_fc1_early_ids_wiring_on_cpu(monkeypatch, early: bool, enabled: set, exp
     else:
         assert all(not p and c.numel() == 1 for c, p in fronts)
         assert all(r is None or r == "one" for r in ready) and len(ready) == 2 * len(moe)
+
+
+def test_in_place_position_update_gives_the_same_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused.POS_UPDATE_IN_PLACE (add_ + masked_fill_ instead of copy_(where(..))): the same
+    positions, MLA query positions and outputs as the default, step by step past a cache wrap."""
+    import kimi_decode.fused as fused_mod
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=7)
+    stock = StockDecoder(cfg)
+    base, in_place = FusedDecoder.from_stock(stock), FusedDecoder.from_stock(stock)
+    steps = (cfg.cache_len - cfg.context_len) // cfg.tokens_per_seq + 2     # past one wrap
+    wrapped = False
+    for s in range(steps):
+        m, prefix, blocks = stock.make_inputs(seed=120 + s)
+        with torch.no_grad():
+            monkeypatch.setattr(fused_mod, "POS_UPDATE_IN_PLACE", False)
+            before = base.pos.clone()
+            out_b = base(m, prefix, blocks.clone())
+            monkeypatch.setattr(fused_mod, "POS_UPDATE_IN_PLACE", True)
+            out_i = in_place(m, prefix, blocks.clone())
+        wrapped |= bool((base.pos < before).any())
+        assert torch.equal(in_place.pos, base.pos), s
+        assert torch.equal(in_place.mla_last, base.mla_last), s
+        for a, b in zip(out_b, out_i):
+            assert torch.equal(a, b), s
+    assert wrapped
