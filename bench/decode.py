@@ -26,7 +26,7 @@ import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -69,6 +69,19 @@ def time_replays(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5,
     return [a.elapsed_time(b) * 1e3 for a, b in evs]
 
 
+def capture_graph(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn` (no autograd) captured on the step's capture stream, as
+    runner.prepare captures the step: the bench's one-layer and prefix graphs and
+    bench/graph_start's graphs are all made here."""
+    from kimi_decode.runner import capture_stream
+
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g, stream=capture_stream()):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def run_layers(model: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's first `n` layers as the step runs them: each layer's output feeds the next,
@@ -95,16 +108,11 @@ def prefix_increments(model: Any, inputs: tuple[torch.Tensor, torch.Tensor, torc
     first kernel cannot overlap the previous layer's last (the PDL chain crosses layers inside
     the step). The increment is what a layer adds to the step a deployment replays. Each figure
     is a difference of two medians, so it carries both graphs' run-to-run noise."""
-    from kimi_decode.runner import capture_stream
-
     totals = []
-    with torch.no_grad():
-        for n in range(1, len(model.layers) + 1):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=capture_stream()):
-                run_layers(model, inputs, n)
-            totals.append(statistics.median(time_replays(g, reps)))
-            del g
+    for n in range(1, len(model.layers) + 1):
+        g = capture_graph(lambda: run_layers(model, inputs, n))  # noqa: B023  (called at once)
+        totals.append(statistics.median(time_replays(g, reps)))
+        del g
     return increments(totals)
 
 
@@ -143,7 +151,7 @@ def layer_bytes(layer: torch.nn.Module, cfg: Any) -> dict[str, int]:
 
 
 def bench_config(variant: str, cfg: Any, reps: int) -> dict[str, Any]:
-    from kimi_decode.runner import build, capture_stream, eager_step, prepare
+    from kimi_decode.runner import build, eager_step, prepare
     from tracer.capture import kernels_with_ops, profile_trace
 
     model, _ = build(variant, cfg, "cuda")
@@ -155,17 +163,14 @@ def bench_config(variant: str, cfg: Any, reps: int) -> dict[str, Any]:
         if k["layer"]:
             per_layer_kernels[k["layer"]] += 1
     layers = []
-    with torch.no_grad():
-        for layer in model.layers:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=capture_stream()):   # as the step's graph (runner.prepare)
-                layer(m, prefix, blocks, model.pos)
-            us = time_replays(g, reps)
-            name = f"L{layer.idx}.{layer.kind}"
-            layers.append({"layer": name, "kind": layer.kind, "median_us": statistics.median(us),
-                           "p10_us": pct(us, 0.1), "p90_us": pct(us, 0.9),
-                           "kernels": per_layer_kernels.get(name, 0), **layer_bytes(layer, cfg)})
-            del g
+    for layer in model.layers:
+        g = capture_graph(lambda: layer(m, prefix, blocks, model.pos))  # noqa: B023  (called at once)
+        us = time_replays(g, reps)
+        name = f"L{layer.idx}.{layer.kind}"
+        layers.append({"layer": name, "kind": layer.kind, "median_us": statistics.median(us),
+                       "p10_us": pct(us, 0.1), "p90_us": pct(us, 0.9),
+                       "kernels": per_layer_kernels.get(name, 0), **layer_bytes(layer, cfg)})
+        del g
     for row, inc in zip(layers, prefix_increments(model, (m, prefix, blocks), reps)):
         row["in_step_us"] = inc
     step = prepare(model, (m, prefix, blocks), graph=True, warmup=0)

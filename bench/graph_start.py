@@ -48,7 +48,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
 STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it,
@@ -81,23 +81,12 @@ def summarize(replays: list[list[dict[str, Any]]], skip: int) -> dict[str, int]:
             "replays": len(replays)}
 
 
-def _graph(fn: Callable[[], Any]) -> Any:
-    import torch
-
-    from kimi_decode.runner import capture_stream
-    g = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(g, stream=capture_stream()):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) -> list[dict[str, Any]]:
     """The five graphs of one (variant, B, k): CUDA-event medians and the profiled gaps; with
     `step`, also the whole step's graph (its first gap is the step's first two kernels')."""
     import torch
 
-    from bench.decode import run_layers, time_replays
+    from bench.decode import capture_graph, run_layers, time_replays
     from kimi_decode.config import k3_tp16
     from kimi_decode.runner import build, prepare
     from tracer.capture import graph_replays, kernels_with_ops, profile_trace
@@ -126,11 +115,11 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
 
     fns = {"layer": one_layer, "lead": lead, "lead+layer": lambda: (lead(), one_layer()),
            "prev": prev, "prev+layer": prev_and_layer}
-    graphs = {name: _graph(fns[name]) for name in GRAPHS}
+    graphs = {name: capture_graph(fns[name]) for name in GRAPHS}
     if step:
         # the step's first 3 and 4 layers (their all-gather finished, no tail), then the step
         for n in (3, len(model.layers)):
-            graphs[f"first {n} layers"] = _graph(lambda n=n: run_layers(model, inputs, n))
+            graphs[f"first {n} layers"] = capture_graph(lambda n=n: run_layers(model, inputs, n))
         graphs[STEP] = prepare(model, inputs, graph=True, warmup=0).graph
         if variant == "fused":   # the step again with its tail's position update in place (no memcpy node)
             import kimi_decode.fused as fused_mod
