@@ -36,7 +36,14 @@ graphs of one or two layers have in_proj resident early. So the gap belongs to t
 not to the card, and costs the step's first layer only; which part of the step graph brings it
 (its size, or its tail) is what `--step`'s 3- and 4-layer graphs and every graph's own first
 gap (`graph_gap_ns`, added after that run) are there to tell, with the fused step captured
-once more with fused.POS_UPDATE_IN_PLACE (its tail without the memcpy node).
+once more with fused.POS_UPDATE_IN_PLACE flipped (its tail with or without the memcpy node).
+
+The answer (5a0a1f9, an H100, session 31): the size. A graph's own first gap (AttnRes's end
+to in_proj's start) is -3.2 us with one layer, -0.8 with two, +1.3 with three, +3.6 / +3.2
+(k = 0 / 7) with four and +3.4 / +3.6 in the step; the step with its positions updated in
+place has the same gap (+3.4 / +3.6) but is 2.9 us faster (no memcpy node; now the default,
+fused.POS_UPDATE_IN_PLACE). So the graph executor releases the first PDL successor later the
+more nodes the graph has; a one-layer graph is not charged it, and a step pays it once.
 
     python3 -m bench.graph_start --out $OUT [--step]   (writes graph_start.json, prints rows)
     python -m bench.graph_start --render bench/graph_start_h100.json > bench/graph_start.md
@@ -53,7 +60,9 @@ from typing import Any
 GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
 STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it,
                    # after graphs of its first 3 and 4 layers (bench/decode.run_layers, no tail)
-STEP_IN_PLACE = "step, pos in place"   # fused only: fused.POS_UPDATE_IN_PLACE (no memcpy node)
+# fused only: the step once more with fused.POS_UPDATE_IN_PLACE flipped, named by that setting
+# (in place: add_ + masked_fill_; by copy: StockDecoder's copy_(where(..)), a memcpy node)
+STEP_POS = {True: "step, pos in place", False: "step, pos by copy"}
 SHAPES = ((1, 0), (1, 7))
 LAYER = 1          # index into model.layers: L5.kda of the bench's layers 4-7
 PROFILED_REPLAYS = 8
@@ -121,11 +130,12 @@ def measure(variant: str, batch: int, spec: int, reps: int, step: bool = False) 
         for n in (3, len(model.layers)):
             graphs[f"first {n} layers"] = capture_graph(lambda n=n: run_layers(model, inputs, n))
         graphs[STEP] = prepare(model, inputs, graph=True, warmup=0).graph
-        if variant == "fused":   # the step again with its tail's position update in place (no memcpy node)
+        if variant == "fused":   # the step again with the other position update in its tail
             import kimi_decode.fused as fused_mod
-            saved, fused_mod.POS_UPDATE_IN_PLACE = fused_mod.POS_UPDATE_IN_PLACE, True
+            saved = fused_mod.POS_UPDATE_IN_PLACE
+            fused_mod.POS_UPDATE_IN_PLACE = not saved
             try:
-                graphs[STEP_IN_PLACE] = prepare(model, inputs, graph=True, warmup=0).graph
+                graphs[STEP_POS[not saved]] = prepare(model, inputs, graph=True, warmup=0).graph
             finally:
                 fused_mod.POS_UPDATE_IN_PLACE = saved
     # two timing passes over all the graphs, the second reported: the first configuration

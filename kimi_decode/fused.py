@@ -238,13 +238,15 @@ FRONT_SHARED = True
 FRONT_MMA_SHARED = True
 # The step's tail advances the MLA positions in place (add_, then masked_fill_ at the cache
 # wrap) instead of StockDecoder's `pos.copy_(torch.where(..))`, whose copy is a device-to-device
-# memcpy node in the step's CUDA graph. Why tried: the whole step graph starts with its first
-# two kernels 3.3 us apart (H100) to 4.3 us (H200 traces) where graphs of one or two layers,
-# which have no such tail, have in_proj resident under PDL 3-7 us before AttnRes ends
-# (bench/graph_start.md, session 30); the memcpy node is one difference between the two. Same
-# positions (tests/kimi_decode/test_fused.py). Not yet measured: `graph_start --step` times
-# the step graph both ways. Read per call, so `--patch` A/Bs it.
-POS_UPDATE_IN_PLACE = False
+# memcpy node in the step's CUDA graph. Same positions (tests/kimi_decode/test_fused.py).
+# Measured (H100, 5a0a1f9, bench/fused_runs.md session 31): the step graph's median drops
+# 2.0-2.5 us at B = 1, k = 0 (414.4 / 414.9 -> 412.4 / 412.4) and 3.6-5.3 us at k = 7, in two
+# pairs of processes (fused_ab); step parity with it on passes at B = 1, 8, 64, k = 0, 7 (own
+# routing at B = 1, k = 7 not compared, as in every run); the one-layer figures do not move
+# (their graphs have no tail). It was tried for the step graph's 3.3 us first gap and
+# does not remove it: that gap grows with the graph's size (bench/graph_start.md). Read per
+# call, so `--patch` A/Bs it.
+POS_UPDATE_IN_PLACE = True
 
 # Tried and removed (session 30): the shared expert's down GEMV in the main PDL chain between
 # front_mma and FC1 (2 ≤ M ≤ 8) instead of on the side stream. Why tried: in the H200 step
@@ -1142,7 +1144,8 @@ class FusedDecoder(StockDecoder):
 
     def forward(self, m: torch.Tensor, prefix: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """StockDecoder.forward, plus: a `Gathered` output of the last layer (its all-gather
-        left for a next layer that is not there) is concatenated here, inside the step."""
+        left for a next layer that is not there) is concatenated here, inside the step; the
+        positions advance in place (POS_UPDATE_IN_PLACE: no memcpy node in the step graph)."""
         cfg = self.cfg
         self._apply_modes()
         with step_range():
