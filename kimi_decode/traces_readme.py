@@ -135,6 +135,14 @@ def fused_section(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bundled_rows(variant: str) -> list[dict]:
+    """describe() of the bundled traces of one variant ('stock' or 'fused'), in the README's
+    order: by k, then B, eager before graph."""
+    rows = [describe(p) for p in sorted(TRACES.glob(f"k3_{variant}_*.json.gz"))]
+    rows.sort(key=lambda r: (r["cfg"]["spec_tokens"], r["cfg"]["batch"], r["meta"]["graph_mode"]))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--extra", type=Path, help="markdown appended (notes, checks)")
@@ -142,16 +150,12 @@ def main() -> None:
                     help="only (re)write the fused traces' section of the existing README")
     args = ap.parse_args()
     if args.fused:
-        rows = [describe(p) for p in sorted(TRACES.glob("k3_fused_*.json.gz"))]
-        rows.sort(key=lambda r: (r["cfg"]["spec_tokens"], r["cfg"]["batch"], r["meta"]["graph_mode"]))
         readme = (TRACES / "README.md").read_text()
         keep = readme.split(FUSED_HEADING)[0].rstrip() + "\n\n"
-        (TRACES / "README.md").write_text(keep + fused_section(rows))
+        (TRACES / "README.md").write_text(keep + fused_section(bundled_rows("fused")))
         return
-    rows = [describe(p) for p in sorted(TRACES.glob("k3_stock_*.json.gz"))]
-    rows.sort(key=lambda r: (r["cfg"]["spec_tokens"], r["cfg"]["batch"], r["meta"]["graph_mode"]))
     extra = args.extra.read_text() if args.extra else ""
-    (TRACES / "README.md").write_text(render(rows, extra))
+    (TRACES / "README.md").write_text(render(bundled_rows("stock"), extra))
 
 
 if __name__ == "__main__":
