@@ -236,6 +236,22 @@ FRONT_SHARED = True
 # experts) or, False, the front streams the router and latent_down only and the whole shared
 # expert runs on the side stream after it. Read per call, so `--patch` A/Bs it.
 FRONT_MMA_SHARED = True
+# Where no CuTe experts kernel runs (above their rows, M > 8 or M·K > 128: B = 64, or B = 8 with
+# k = 7) the routed experts are stock's four Triton kernels (sort, FC1, FC2, finalize). True:
+# called with the fused path's
+# byte rule and sort (stock_triton.expert_outputs' `inter` and `fast_align`): FC1 and FC2 skip
+# the zero padding (192 of 256 intermediate rows, a quarter of ~3.3 GB per B = 64 layer: stock's
+# FC1 + FC2 took 479 + 282 µs in the bundled H200 B = 64 trace) and the sort is O(P) (stock's
+# stable one took 85-97 µs there at P = 1024), and the finalize writes the all-reduce slot
+# itself (no copy). The same numbers bit for bit (tests/kimi_decode/test_stock_triton.py).
+# False: stock's call. Read per call, so `--patch` A/Bs it.
+LARGE_M_EXPERTS = True
+# The projections no CuTe kernel takes (M > 8: B = 64) run stock's GEMM op, the skinny Triton
+# GEMM up to M = 64 (vLLM's low-latency GEMM). In the bundled H200 B = 64 fused trace it took
+# 28.9 µs for in_proj (46 MB) and 39.7 µs for latent_down (51 MB), 1.6-1.9 TB/s. An int here:
+# from that many rows on, `_linear` calls cuBLAS (torch.mm) instead. None (stock's GEMM) until
+# measured on the device; read per call, so `--patch` A/Bs it.
+LINEAR_CUBLAS_MIN_ROWS: int | None = None
 # The step's tail advances the MLA positions in place (add_, then masked_fill_ at the cache
 # wrap) instead of StockDecoder's `pos.copy_(torch.where(..))`, whose copy is a device-to-device
 # memcpy node in the step's CUDA graph. Same positions (tests/kimi_decode/test_fused.py).
@@ -417,6 +433,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, use_gemv: bool, k: object,
                     and k_mma.can_implement(x.shape[0], w.shape[0], w.shape[1], (x.dtype, w.dtype))):
                 return k_mma.gemv_mma(x, w, out=out)
     if out is None:
+        if LINEAR_CUBLAS_MIN_ROWS is not None and x.shape[0] >= LINEAR_CUBLAS_MIN_ROWS:
+            return torch.mm(x, w.t())
         return k.linear(x, w)
     return torch.mm(x, w.t(), out=out)
 
@@ -923,6 +941,9 @@ class LatentMoE(stock.LatentMoE):
                                inter=inter, pdl=z.shape[0] <= MAX_ROWS["experts_pdl"], v2=v2,
                                stage_async=v2 and self.use_experts_async and not rows, rows=rows,
                                ids_ready=ids_ready)
+        if LARGE_M_EXPERTS:
+            return self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta,
+                                      inter=cfg.expert_local_inter, fast_align=True, out=out)
         r = self.fx["experts"](z, idx, w, self.w13, self.w2, cfg.situ_beta, cfg.situ_linear_beta)
         return r if out is None else out.copy_(r)
 

@@ -265,11 +265,18 @@ class OpSet:
     def situ(self, h, inter: int, beta: float, lin_beta: float) -> torch.Tensor:
         return self.fn["situ_glu"](h, inter, beta, lin_beta)
 
-    def experts(self, z, idx, w, w13, w2, beta: float, lin_beta: float) -> torch.Tensor:
+    def experts(self, z, idx, w, w13, w2, beta: float, lin_beta: float, inter: int | None = None,
+                fast_align: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts. `inter`, `fast_align` and `out` are the fused path's call above
+        its CuTe kernels' rows (stock_triton.experts: skip the zero padding, the O(P) sort,
+        write into an all-reduce slot); stock passes none of them. The torch functions read
+        the padding (zeros: the same numbers) and copy into `out`."""
         k = self._kernels("experts", z)
         if k is not None:
-            return k.experts(z, idx.contiguous(), w, w13, w2, beta, lin_beta)
-        return self.experts_fn(z, idx, w, w13, w2, beta, lin_beta)
+            return k.experts(z, idx.contiguous(), w, w13, w2, beta, lin_beta, inter=inter,
+                             fast_align=fast_align, out=out)
+        r = self.experts_fn(z, idx, w, w13, w2, beta, lin_beta)
+        return r if out is None else out.copy_(r)
 
     def up(self, r, norm, up_rows, shared, eps: float) -> torch.Tensor:
         """latent_up: one skinny GEMM with the RMSNorm as prologue and the shared add as epilogue."""

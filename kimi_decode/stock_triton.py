@@ -335,16 +335,46 @@ def _moe_align_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
 
 
 @triton.jit
+def _moe_align_atomic_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
+                             BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_moe_align_kernel's outputs in O(P): the same counts and segments, but each pair's
+    place inside its expert's run comes from an atomic add on the run's next free position
+    (start_ptr), not from counting the equal ids before it (O(P²): 85-97 µs at P = 1024 on the
+    H200 in the bundled B = 64 traces). The order inside a run is then not stable; FC1 and FC2
+    compute every pair's row on its own and write it back to the pair's place, so their
+    outputs do not depend on it."""
+    p = tl.arange(0, BLOCK_P)
+    pm = p < P
+    ids = tl.load(idx_ptr + p, mask=pm, other=E).to(tl.int32)
+    ev = tl.arange(0, BLOCK_E)
+    counts = tl.histogram(ids, BLOCK_E)
+    counts = tl.where(ev < E, counts, 0)
+    starts = tl.cumsum(counts, 0) - counts
+    used = counts > 0
+    slot = tl.cumsum(used.to(tl.int32), 0) - 1
+    tl.store(seg_ptr + slot * 3, ev, mask=used)
+    tl.store(seg_ptr + slot * 3 + 1, starts, mask=used)
+    tl.store(seg_ptr + slot * 3 + 2, counts, mask=used)
+    tl.store(nseg_ptr, tl.sum(used.to(tl.int32), 0))
+    tl.store(start_ptr + ev, starts, mask=ev < E)
+    tl.debug_barrier()
+    place = tl.atomic_add(start_ptr + ids, 1, mask=pm)
+    tl.store(sorted_ptr + place, p, mask=pm)
+
+
+@triton.jit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
-def _moe_fc1_kernel(z_ptr, w13_ptr, sorted_ptr, seg_ptr, nseg_ptr, act_ptr, TOPK, L, I,
+def _moe_fc1_kernel(z_ptr, w13_ptr, sorted_ptr, seg_ptr, nseg_ptr, act_ptr, TOPK, L, I, UP,
                     stride_zm, stride_we, stride_wn, beta, lin_beta,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Grid (segment, I blocks): gate and up columns of one expert for its rows, rounded to the
-    weight dtype as a GEMM output is, then SiTU in fp32; act rows in sorted order."""
+    weight dtype as a GEMM output is, then SiTU in fp32; act rows in sorted order. Gate rows
+    0..I-1 and up rows UP..UP+I-1 of w13[e] (UP = I, or the padded half with expert_outputs'
+    `inter`)."""
     a = tl.program_id(0)
     if a < tl.load(nseg_ptr):
         e = tl.load(seg_ptr + a * 3).to(tl.int64)
@@ -367,7 +397,7 @@ def _moe_fc1_kernel(z_ptr, w13_ptr, sorted_ptr, seg_ptr, nseg_ptr, act_ptr, TOPK
                 wp = w13_ptr + e * stride_we + rn[:, None] * stride_wn + rk[None, :]
                 wm = nmask[:, None] & kmask[None, :]
                 accg += tl.dot(tl.load(wp, mask=wm, other=0.0), tl.trans(x))
-                accu += tl.dot(tl.load(wp + I * stride_wn, mask=wm, other=0.0), tl.trans(x))
+                accu += tl.dot(tl.load(wp + UP * stride_wn, mask=wm, other=0.0), tl.trans(x))
             g = accg.to(wdt).to(tl.float32)
             u = accu.to(wdt).to(tl.float32)
             y = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (lin_beta * _tanh(u / lin_beta))
@@ -418,11 +448,21 @@ def _moe_finalize_kernel(e_ptr, w_ptr, out_ptr, L, K: tl.constexpr, BLOCK: tl.co
 
 
 def expert_outputs(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   beta: float, lin_beta: float) -> torch.Tensor:
-    """stock_ops.expert_outputs_grouped in three kernels (align, FC1 + SiTU, FC2): [M, K, L]."""
+                   beta: float, lin_beta: float, inter: int | None = None,
+                   fast_align: bool = False) -> torch.Tensor:
+    """stock_ops.expert_outputs_grouped in three kernels (align, FC1 + SiTU, FC2): [M, K, L].
+
+    `inter` (the fused path's byte rule, as kernels/moe_experts.py): w13's rows inter..Ip-1 of
+    each half and w2's columns inter..Ip-1 are zero padding (stock.LatentMoE), so FC1 computes
+    the first `inter` columns only and FC2 sums over them only: a quarter fewer expert bytes
+    at K3 TP16 (192 of 256), the same numbers (each skipped term is an exact zero, and FC2's
+    K blocks are the same). `fast_align`: _moe_align_atomic_kernel instead of the stable sort
+    (same segments; see its docstring). Stock runs neither: it reads what vLLM would."""
     M, K = idx.shape
     E, I2, L = w13.shape
-    I = I2 // 2
+    Ip = I2 // 2
+    I = Ip if inter is None else inter
+    assert 0 < I <= Ip and w2.shape[-1] == Ip
     P = M * K
     assert z.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous() and idx.is_contiguous()
     dev = z.device
@@ -431,12 +471,16 @@ def expert_outputs(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: to
     seg = torch.empty(nseg_max, 3, dtype=torch.int32, device=dev)
     nseg = torch.empty(1, dtype=torch.int32, device=dev)
     starts = torch.empty(E, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](idx, sorted_pairs, seg, nseg, starts, P, E, BLOCK_P=_pow2(P),
-                            BLOCK_E=_pow2(E + 1), CHUNK=16, num_warps=8)
+    if fast_align:
+        _moe_align_atomic_kernel[(1,)](idx, sorted_pairs, seg, nseg, starts, P, E, BLOCK_P=_pow2(P),
+                                       BLOCK_E=_pow2(E + 1), num_warps=8)
+    else:
+        _moe_align_kernel[(1,)](idx, sorted_pairs, seg, nseg, starts, P, E, BLOCK_P=_pow2(P),
+                                BLOCK_E=_pow2(E + 1), CHUNK=16, num_warps=8)
     act = torch.empty(P, I, dtype=w13.dtype, device=dev)
     bm = 16
     bn1 = 32 if I >= 32 else 16
-    _moe_fc1_kernel[(nseg_max, triton.cdiv(I, bn1))](z, w13, sorted_pairs, seg, nseg, act, K, L, I, z.stride(0),
+    _moe_fc1_kernel[(nseg_max, triton.cdiv(I, bn1))](z, w13, sorted_pairs, seg, nseg, act, K, L, I, Ip, z.stride(0),
                                                      w13.stride(0), w13.stride(1), beta, lin_beta,
                                                      BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=128, num_warps=4,
                                                      num_stages=3)
@@ -444,17 +488,21 @@ def expert_outputs(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: to
     bn2 = 64 if L >= 64 else 16
     _moe_fc2_kernel[(nseg_max, triton.cdiv(L, bn2))](act, w2, sorted_pairs, seg, nseg, out, L, I, w2.stride(0),
                                                      w2.stride(1), BLOCK_M=bm, BLOCK_N=bn2,
-                                                     BLOCK_K=min(128, _pow2(I)), num_warps=4, num_stages=3)
+                                                     BLOCK_K=min(128, _pow2(Ip)), num_warps=4, num_stages=3)
     return out.reshape(M, K, L)
 
 
 def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-            beta: float, lin_beta: float) -> torch.Tensor:
-    """stock_ops.experts_grouped in four kernels: expert_outputs, then the top-k finalize."""
+            beta: float, lin_beta: float, inter: int | None = None, fast_align: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """stock_ops.experts_grouped in four kernels: expert_outputs, then the top-k finalize
+    (written into `out`, a contiguous [M, L] view such as an all-reduce slot, when given)."""
     M, K = idx.shape
-    e = expert_outputs(z, idx, w13, w2, beta, lin_beta)
+    e = expert_outputs(z, idx, w13, w2, beta, lin_beta, inter=inter, fast_align=fast_align)
     L = e.shape[-1]
-    out = torch.empty(M, L, dtype=z.dtype, device=z.device)
+    if out is None:
+        out = torch.empty(M, L, dtype=z.dtype, device=z.device)
+    assert out.shape == (M, L) and out.is_contiguous()
     _moe_finalize_kernel[(M, triton.cdiv(L, 512))](e, w.contiguous(), out, L, K=K, BLOCK=512, num_warps=4)
     return out
 

@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+# Triton kernels in tests run in Triton's CPU interpreter; the switch must be set before anything
+# (torch.compile included) imports triton, so here, not in the test module.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=60)
 settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")

@@ -964,3 +964,76 @@ def test_in_place_position_update_gives_the_same_positions(monkeypatch: pytest.M
         for a, b in zip(out_b, out_i):
             assert torch.equal(a, b), s
     assert wrapped
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_large_m_experts_call_on_cpu(monkeypatch, large: bool) -> None:
+    """Where no CuTe experts kernel runs, fused.LatentMoE._experts calls the stock op with the
+    fused byte rule (`inter` = the unpadded intermediate width, the O(P) sort) when
+    fused.LARGE_M_EXPERTS is on, and as stock does when it is off; stock never passes them. On
+    the CPU the op's torch path reads the zero padding, so the step stays bit-identical to
+    stock either way (the Triton kernels' equality with and without the rule is
+    test_stock_triton's)."""
+    import kimi_decode.fused as fused_mod
+    from kimi_decode import stock_ops
+    calls: list[dict] = []
+    original = stock_ops.OpSet.experts
+
+    def recording(self, *args, **kw):
+        calls.append(dict(kw))
+        return original(self, *args, **kw)
+    monkeypatch.setattr(stock_ops.OpSet, "experts", recording)
+    monkeypatch.setattr(fused_mod, "LARGE_M_EXPERTS", large)
+    cfg = tiny(layers=(3, 4, 5), batch=2, spec_tokens=7)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    m, prefix, blocks = stock.make_inputs(seed=7)
+    blocks_f = blocks.clone()
+    with torch.no_grad():
+        out_s = stock(m, prefix, blocks)
+        n_stock = len(calls)
+        out_f = fused(m, prefix, blocks_f)
+    for a, b in zip(out_s, out_f):
+        assert torch.equal(a, b)
+    assert n_stock == 3 and all(c == {} for c in calls[:n_stock])
+    fused_calls = calls[n_stock:]
+    assert len(fused_calls) == 3
+    for c in fused_calls:
+        if large:
+            assert c["inter"] == cfg.expert_local_inter and c["fast_align"] is True
+        else:
+            assert "inter" not in c and "fast_align" not in c
+
+
+@pytest.mark.parametrize("min_rows", [None, 8, 9])
+def test_linear_cublas_rows_on_cpu(monkeypatch, min_rows: int | None) -> None:
+    """fused.LINEAR_CUBLAS_MIN_ROWS: from that many rows on, the projections `_linear` serves
+    (in_proj, the MoE down-projection, ...) skip stock's GEMM op for torch.mm; below it, and
+    when None, they call it. Oracle: which weights reach OpSet.linear (recorded), and the step
+    against stock (the same products, float32 summation order only)."""
+    import kimi_decode.fused as fused_mod
+    from kimi_decode import stock_ops
+    seen: list[int] = []
+    original = stock_ops.OpSet.linear
+
+    def recording(self, x, w, out_dtype=None):
+        seen.append(w.data_ptr())
+        return original(self, x, w, out_dtype)
+    monkeypatch.setattr(stock_ops.OpSet, "linear", recording)
+    monkeypatch.setattr(fused_mod, "LINEAR_CUBLAS_MIN_ROWS", min_rows)
+    cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)          # M = 8 rows
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    m, prefix, blocks = stock.make_inputs(seed=3)
+    with torch.no_grad():
+        out_s = stock(m, prefix, blocks.clone())
+        seen.clear()
+        out_f = fused(m, prefix, blocks.clone())
+    for a, b in zip(out_s, out_f):
+        assert float((a - b).norm() / a.norm()) < 1e-5
+    # with no kernel on, the attention modules run stock's forward; the MoE's projections go
+    # through _linear in every mode
+    for layer in fused.layers:
+        down, gate_up = layer.mlp.down.data_ptr(), layer.mlp.shared_gate_up.data_ptr()
+        cublas = min_rows is not None and cfg.rows >= min_rows
+        assert (down in seen) == (not cublas) and (gate_up in seen) == (not cublas)

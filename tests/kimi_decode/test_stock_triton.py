@@ -2,9 +2,10 @@
 
 Oracle: each torch function of stock_ops is the definition; the kernel must give the same
 numbers on random inputs of small shapes (odd sizes, padding, several rows per expert). Runs
-on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), so
-it needs the `triton` package: skipped where it is not installed (the device job runs the same
-comparison on the GPU at the real shapes). Tolerances: fp32 inputs, so differences are summation
+on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before
+triton is imported), so it needs the `triton` package (a test dependency): skipped where it is
+not installed, except under CI (the device job runs the same comparison on the GPU at the real
+shapes). Tolerances: fp32 inputs, so differences are summation
 order only (1e-5 relative); the bf16 AttnRes case allows one bf16 rounding of the output (1e-2).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("CI"):
+    import triton  # noqa: F401  (a test dependency: CI must run these, not skip them)
 triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":  # imported earlier without the interpreter
     pytest.skip("triton already imported without TRITON_INTERPRET=1", allow_module_level=True)
@@ -110,6 +113,66 @@ def test_experts(M):
     ref_e = ops.expert_outputs_gathered(z, idx, w13, w2, 4.0, 25.0)
     close(kt.expert_outputs(z, idx, w13, w2, 4.0, 25.0), ref_e, 1e-5)
     close(kt.experts(z, idx, w, w13, w2, 4.0, 25.0), ops.experts_gathered(z, idx, w, w13, w2, 4.0, 25.0), 1e-5)
+
+
+def padded_experts(g: torch.Generator, E: int, L: int, I: int, Ip: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2·Ip, L] and w2 [E, L, Ip] with zero rows / columns I..Ip-1, as stock.LatentMoE
+    pads them at TP16."""
+    w13, w2 = torch.zeros(E, 2 * Ip, L), torch.zeros(E, L, Ip)
+    w13[:, :I] = torch.randn(E, I, L, generator=g) * 0.3
+    w13[:, Ip:Ip + I] = torch.randn(E, I, L, generator=g) * 0.3
+    w2[:, :, :I] = torch.randn(E, L, I, generator=g) * 0.3
+    return w13, w2
+
+
+@pytest.mark.parametrize("M", [1, 9])
+def test_experts_unpadded_and_fast_align(M):
+    """The fused path's large-M experts: `inter` skips the zero padding and `fast_align` sorts
+    with atomics. Oracle: the same kernels reading the padding with the stable sort, bit for
+    bit (every skipped term is an exact zero; a row's result does not depend on its place in
+    its expert's run), and the torch definition. 9 rows x top-4 of 7 experts: runs of several
+    rows, one unused expert. A wrong up-row offset (the unpadded width instead of the padded
+    half) reads gate padding and fails both."""
+    g = torch.Generator().manual_seed(20 + M)
+    E, K, L, I, Ip = 7, 4, 40, 24, 32
+    z = torch.randn(M, L, generator=g)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(M)])
+    w = torch.rand(M, K, generator=g)
+    w13, w2 = padded_experts(g, E, L, I, Ip)
+    base = kt.experts(z, idx, w, w13, w2, 4.0, 25.0)
+    close(base, ops.experts_gathered(z, idx, w, w13, w2, 4.0, 25.0), 1e-5)
+    for inter, fast in [(I, False), (None, True), (I, True)]:
+        got = kt.experts(z, idx, w, w13, w2, 4.0, 25.0, inter=inter, fast_align=fast)
+        assert torch.equal(got, base), (inter, fast)
+    out = torch.full((M, L), float("nan"))
+    assert kt.experts(z, idx, w, w13, w2, 4.0, 25.0, inter=I, fast_align=True, out=out) is out
+    assert torch.equal(out, base)
+
+
+def test_align_atomic_segments():
+    """_moe_align_atomic_kernel against a brute-force grouping of the pairs by expert: the same
+    segments (expert, first place, count) in expert order, and each run holding exactly that
+    expert's pairs (in any order)."""
+    g = torch.Generator().manual_seed(5)
+    M, K, E = 13, 5, 11
+    idx = torch.stack([torch.randperm(E - 2, generator=g)[:K] for _ in range(M)]).to(torch.int64).contiguous()
+    P = M * K
+    sorted_pairs = torch.empty(P, dtype=torch.int32)
+    seg = torch.empty(min(E, P), 3, dtype=torch.int32)
+    nseg, starts = torch.empty(1, dtype=torch.int32), torch.empty(E, dtype=torch.int32)
+    kt._moe_align_atomic_kernel[(1,)](idx, sorted_pairs, seg, nseg, starts, P, E, BLOCK_P=kt._pow2(P),
+                                      BLOCK_E=kt._pow2(E + 1), num_warps=8)
+    flat = idx.flatten().tolist()
+    want, first = [], 0
+    for e in range(E):
+        pairs = [p for p, x in enumerate(flat) if x == e]
+        if pairs:
+            want.append((e, first, len(pairs), sorted(pairs)))
+            first += len(pairs)
+    assert int(nseg) == len(want)
+    for (e, f, c, pairs), row in zip(want, seg[:len(want)].tolist()):
+        assert row == [e, f, c]
+        assert sorted(sorted_pairs[f:f + c].tolist()) == pairs
 
 
 def test_mla_norms():
