@@ -252,6 +252,10 @@ LARGE_M_EXPERTS = True
 # from that many rows on, `_linear` calls cuBLAS (torch.mm) instead. None (stock's GEMM) until
 # measured on the device; read per call, so `--patch` A/Bs it.
 LINEAR_CUBLAS_MIN_ROWS: int | None = None
+# The same for the router's fp32 logits (bf16 operands, fp32 accumulation and output:
+# torch.mm's out_dtype, CUDA only): stock's skinny GEMM gives N = 896 columns 28 CTAs of 32 at
+# M = 64, ~40 µs in the bundled H200 B = 64 trace for a 6.4 MB weight.
+ROUTER_CUBLAS_MIN_ROWS: int | None = None
 # The step's tail advances the MLA positions in place (add_, then masked_fill_ at the cache
 # wrap) instead of StockDecoder's `pos.copy_(torch.where(..))`, whose copy is a device-to-device
 # memcpy node in the step's CUDA graph. Same positions (tests/kimi_decode/test_fused.py).
@@ -886,6 +890,8 @@ class LatentMoE(stock.LatentMoE):
             if k_mma.enabled() and k_mma.can_implement(y.shape[0], self.router.shape[0], self.router.shape[1],
                                                        (y.dtype, self.router.dtype)):
                 return k_mma.gemv_mma(y, self.router, out_dtype=torch.float32)
+        if (ROUTER_CUBLAS_MIN_ROWS is not None and y.is_cuda and y.shape[0] >= ROUTER_CUBLAS_MIN_ROWS):
+            return torch.mm(y, self.router.t(), out_dtype=torch.float32)               # cuBLAS, fp32 out
         return self.k.linear(y, self.router, torch.float32)                           # stock ops
 
     def _shared(self, y: torch.Tensor) -> torch.Tensor:
