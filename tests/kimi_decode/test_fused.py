@@ -1008,8 +1008,9 @@ def test_large_m_experts_call_on_cpu(monkeypatch, large: bool) -> None:
 @pytest.mark.parametrize("min_rows", [None, 8, 9])
 def test_linear_cublas_rows_on_cpu(monkeypatch, min_rows: int | None) -> None:
     """fused.LINEAR_CUBLAS_MIN_ROWS: from that many rows on, the projections `_linear` serves
-    (in_proj, the MoE down-projection, ...) skip stock's GEMM op for torch.mm; below it, and
-    when None, they call it. Oracle: which weights reach OpSet.linear (recorded), and the step
+    (in_proj, the MoE down-projection, ...) skip stock's GEMM op for torch.mm, and the latent
+    up-projection stock's fused op for the norm + addmm; below it, and when None, they call
+    stock's ops. Oracle: which weights reach OpSet.linear (recorded), and the step
     against stock (the same products, float32 summation order only)."""
     import kimi_decode.fused as fused_mod
     from kimi_decode import stock_ops
@@ -1020,6 +1021,13 @@ def test_linear_cublas_rows_on_cpu(monkeypatch, min_rows: int | None) -> None:
         seen.append(w.data_ptr())
         return original(self, x, w, out_dtype)
     monkeypatch.setattr(stock_ops.OpSet, "linear", recording)
+    ups: list[int] = []
+    original_up = stock_ops.OpSet.up
+
+    def recording_up(self, *args):
+        ups.append(1)
+        return original_up(self, *args)
+    monkeypatch.setattr(stock_ops.OpSet, "up", recording_up)
     monkeypatch.setattr(fused_mod, "LINEAR_CUBLAS_MIN_ROWS", min_rows)
     cfg = tiny(layers=(3, 4), batch=2, spec_tokens=3)          # M = 8 rows
     stock = StockDecoder(cfg)
@@ -1028,6 +1036,7 @@ def test_linear_cublas_rows_on_cpu(monkeypatch, min_rows: int | None) -> None:
     with torch.no_grad():
         out_s = stock(m, prefix, blocks.clone())
         seen.clear()
+        ups.clear()
         out_f = fused(m, prefix, blocks.clone())
     for a, b in zip(out_s, out_f):
         assert float((a - b).norm() / a.norm()) < 1e-5
@@ -1037,3 +1046,4 @@ def test_linear_cublas_rows_on_cpu(monkeypatch, min_rows: int | None) -> None:
         down, gate_up = layer.mlp.down.data_ptr(), layer.mlp.shared_gate_up.data_ptr()
         cublas = min_rows is not None and cfg.rows >= min_rows
         assert (down in seen) == (not cublas) and (gate_up in seen) == (not cublas)
+    assert len(ups) == (0 if cublas else len(fused.layers))      # the latent up-projection too
