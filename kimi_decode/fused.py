@@ -124,7 +124,10 @@ and the kernel is in `VERIFIED`):
 
 Still stock ops: the dense layer-0 MLP; the MLA q/kv RMSNorms (`qkv_norm`) where neither
 `mla_norm_fold` (M = 1) nor `mla_norm_fold_mma` (2 ≤ M ≤ 8) applies; and every op at shapes a
-kernel's `can_implement` refuses (large M).
+kernel's `can_implement` refuses (large M). Of those, at large M (B = 64) the routed experts run
+stock's Triton kernels with the fused byte rule and an O(P) sort (LARGE_M_EXPERTS), and the
+projections can take cuBLAS instead of stock's skinny GEMM (LINEAR_CUBLAS_MIN_ROWS,
+ROUTER_CUBLAS_MIN_ROWS); a CuTe DSL grouped-experts kernel for M > 8 is not written yet.
 
 On the CPU (no kernels) every op falls back to the stock ops, so fused equals stock exactly.
 """
