@@ -242,24 +242,32 @@ FRONT_SHARED = True
 FRONT_MMA_SHARED = True
 # Where no CuTe experts kernel runs (above their rows, M > 8 or M·K > 128: B = 64, or B = 8 with
 # k = 7) the routed experts are stock's four Triton kernels (sort, FC1, FC2, finalize). True:
-# called with the fused path's
-# byte rule and sort (stock_triton.expert_outputs' `inter` and `fast_align`): FC1 and FC2 skip
-# the zero padding (192 of 256 intermediate rows, a quarter of ~3.3 GB per B = 64 layer: stock's
-# FC1 + FC2 took 479 + 282 µs in the bundled H200 B = 64 trace) and the sort is O(P) (stock's
-# stable one took 85-97 µs there at P = 1024), and the finalize writes the all-reduce slot
-# itself (no copy). The same numbers bit for bit (tests/kimi_decode/test_stock_triton.py).
-# False: stock's call. Read per call, so `--patch` A/Bs it.
+# called with the fused path's byte rule and sort (stock_triton.expert_outputs' `inter` and
+# `fast_align`): FC1 and FC2 skip the zero padding (192 of 256 intermediate rows; stock's FC1 +
+# FC2 took 479 + 282 µs in the bundled H200 B = 64 trace) and the sort's places come from atomics
+# (stock's stable O(P²) sort took 85-97 µs there at P = 1024), and the finalize writes the
+# all-reduce slot itself (no copy). Bit-identical outputs (tests/kimi_decode/test_stock_triton.py;
+# on an H100 in bench/large_m_experts.md at M = 8, 16, 64). Measured (session 32, H100, 9eea7b9,
+# bench/fused_runs.md): the call at M = 64 1220 -> 894 µs (sort 86 -> 19 µs); the B = 64 layers
+# 1339-1388 / 1462 µs (KDA range / MLA) with False against 1023-1061 / 1148-1150 with True.
+# Read per call, so `--patch` A/Bs it.
 LARGE_M_EXPERTS = True
-# The projections no CuTe kernel takes (M > 8: B = 64) run stock's GEMM op, the skinny Triton
-# GEMM up to M = 64 (vLLM's low-latency GEMM). In the bundled H200 B = 64 fused trace it took
-# 28.9 µs for in_proj (46 MB) and 39.7 µs for latent_down (51 MB), 1.6-1.9 TB/s. An int here:
-# from that many rows on, `_linear` calls cuBLAS (torch.mm) instead. None (stock's GEMM) until
-# measured on the device; read per call, so `--patch` A/Bs it.
-LINEAR_CUBLAS_MIN_ROWS: int | None = None
-# The same for the router's fp32 logits (bf16 operands, fp32 accumulation and output:
-# torch.mm's out_dtype, CUDA only): stock's skinny GEMM gives N = 896 columns 28 CTAs of 32 at
-# M = 64, ~40 µs in the bundled H200 B = 64 trace for a 6.4 MB weight.
-ROUTER_CUBLAS_MIN_ROWS: int | None = None
+# The projections no CuTe kernel takes (M > 8) run stock's GEMM op, the skinny Triton GEMM up to
+# M = 64 (vLLM's low-latency GEMM); past 16 rows its configuration is 32-wide column blocks
+# (skinny_mm_config), so the router's N = 896 gets 28 CTAs (~40 µs in the bundled H200 B = 64
+# trace for 6.4 MB) and the up-projection's 448-row shard 14 (42 µs busy); in_proj took 28.9 µs
+# for 46 MB, latent_down 39.7 for 51 MB. From LINEAR_CUBLAS_MIN_ROWS rows on, `_linear` calls
+# cuBLAS (torch.mm) and the latent up-projection is the norm + addmm; from ROUTER_CUBLAS_MIN_ROWS
+# on the router's fp32 logits are cuBLAS with an fp32 output (torch.mm's out_dtype, CUDA only).
+# Measured at B = 64 (session 32, H100, 9eea7b9, two A/Bs, bench/fused_runs.md): both on
+# 980-1012 / 1097-1103 µs per layer (KDA range / MLA) against 1023-1061 / 1148-1150 (28/35
+# kernels against 23/28); the projections alone 1020-1056 / 1144, the router alone 1018-1061 /
+# 1140: the two paths of the MoE front run beside each other, so only both together shorten
+# it. Step parity at B = 64 passes with both (own and forced routing, max rel 8.0e-3). 17: the
+# first M of skinny_mm's past-16-rows configuration, the regime measured (M = 64 only). None:
+# stock's ops at every M. Read per call, so `--patch` A/Bs them.
+LINEAR_CUBLAS_MIN_ROWS: int | None = 17
+ROUTER_CUBLAS_MIN_ROWS: int | None = 17
 # The step's tail advances the MLA positions in place (add_, then masked_fill_ at the cache
 # wrap) instead of StockDecoder's `pos.copy_(torch.where(..))`, whose copy is a device-to-device
 # memcpy node in the step's CUDA graph. Same positions (tests/kimi_decode/test_fused.py).
