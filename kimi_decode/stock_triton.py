@@ -305,11 +305,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float) 
 # --- routed experts: align (counting sort), FC1 + SiTU, FC2, top-k finalize ------------------
 
 @triton.jit
-def _moe_align_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
-                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    """One CTA: per-expert counts, a stable counting sort of the (row, slot) pairs by expert
-    (sorted_ptr: pair ids), and one segment (expert, first sorted position, count) per expert
-    in use, in expert order (seg_ptr), with their number (nseg_ptr)."""
+def _moe_segments(idx_ptr, seg_ptr, nseg_ptr, start_ptr, P, E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The part both sorts share: per-expert counts of the (row, slot) pairs, one segment
+    (expert, first sorted position, count) per expert in use, in expert order (seg_ptr), their
+    number (nseg_ptr) and each expert's first position (start_ptr). Returns the pair indices
+    and their experts (E past P)."""
     p = tl.arange(0, BLOCK_P)
     ids = tl.load(idx_ptr + p, mask=p < P, other=E).to(tl.int32)
     ev = tl.arange(0, BLOCK_E)
@@ -323,6 +323,16 @@ def _moe_align_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
     tl.store(seg_ptr + slot * 3 + 2, counts, mask=used)
     tl.store(nseg_ptr, tl.sum(used.to(tl.int32), 0))
     tl.store(start_ptr + ev, starts, mask=ev < E)
+    return p, ids
+
+
+@triton.jit
+def _moe_align_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
+                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One CTA: _moe_segments, then a stable counting sort of the (row, slot) pairs by expert
+    (sorted_ptr: pair ids): a pair's place is its expert's start plus the number of equal ids
+    before it."""
+    p, ids = _moe_segments(idx_ptr, seg_ptr, nseg_ptr, start_ptr, P, E, BLOCK_P, BLOCK_E)
     tl.debug_barrier()
     for c0 in range(0, P, CHUNK):
         pc = c0 + tl.arange(0, CHUNK)
@@ -337,27 +347,16 @@ def _moe_align_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
 @triton.jit
 def _moe_align_atomic_kernel(idx_ptr, sorted_ptr, seg_ptr, nseg_ptr, start_ptr, P, E,
                              BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """_moe_align_kernel's outputs in O(P): the same counts and segments, but each pair's
+    """_moe_align_kernel's outputs in O(P): the same segments (_moe_segments), but each pair's
     place inside its expert's run comes from an atomic add on the run's next free position
     (start_ptr), not from counting the equal ids before it (O(P²): 85-97 µs at P = 1024 on the
-    H200 in the bundled B = 64 traces). The order inside a run is then not stable; FC1 and FC2
-    compute every pair's row on its own and write it back to the pair's place, so their
-    outputs do not depend on it."""
-    p = tl.arange(0, BLOCK_P)
-    pm = p < P
-    ids = tl.load(idx_ptr + p, mask=pm, other=E).to(tl.int32)
-    ev = tl.arange(0, BLOCK_E)
-    counts = tl.histogram(ids, BLOCK_E)
-    counts = tl.where(ev < E, counts, 0)
-    starts = tl.cumsum(counts, 0) - counts
-    used = counts > 0
-    slot = tl.cumsum(used.to(tl.int32), 0) - 1
-    tl.store(seg_ptr + slot * 3, ev, mask=used)
-    tl.store(seg_ptr + slot * 3 + 1, starts, mask=used)
-    tl.store(seg_ptr + slot * 3 + 2, counts, mask=used)
-    tl.store(nseg_ptr, tl.sum(used.to(tl.int32), 0))
-    tl.store(start_ptr + ev, starts, mask=ev < E)
+    H200 in the bundled B = 64 traces; 86.1 against 18.8 µs here on an H100,
+    bench/large_m_experts.md). The order inside a run is then not stable; FC1 and FC2 compute
+    every pair's row on its own and write it back to the pair's place, so their outputs do
+    not depend on it."""
+    p, ids = _moe_segments(idx_ptr, seg_ptr, nseg_ptr, start_ptr, P, E, BLOCK_P, BLOCK_E)
     tl.debug_barrier()
+    pm = p < P
     place = tl.atomic_add(start_ptr + ids, 1, mask=pm)
     tl.store(sorted_ptr + place, p, mask=pm)
 
