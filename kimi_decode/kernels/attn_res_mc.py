@@ -491,18 +491,19 @@ def _stock_delta(mode: str, x: dict) -> torch.Tensor | None:
     return x.get("delta")
 
 
-def check(timing: bool = True, rows: tuple[int, ...] = (1, 2, 8), nbs: tuple[int, ...] = (1, 8),
+def check(timing: bool = True, rows: tuple[int, ...] = (1, 2, 8, 64), nbs: tuple[int, ...] = (1, 8),
           world: int = 16) -> list[dict]:
     """attn_res_mc vs the one-CTA kernel (attn_res.attn_res_rmsnorm, verified) and vs stock
     AttnRes.update_and_mix, every mode the fused step uses: prefix only (has_delta False),
     plain delta, ar (16 slots, reset False/True, fills zero/random), ag (gather 448, fills
-    zero/random), each with and without a block write (nb < 8), at K3 width, M = 1, 2 and 8.
+    zero/random), each with and without a block write (nb < 8), at K3 width, M = 1, 2, 8 and 64
+    (64: B = 64, where the one-CTA kernel puts each row's 16 slot rows, 229 KB, on one SM).
     Stock gets the collective's result (_stock_delta) and the block write is done after it,
     as the fused fallback does. Pass: prefix' and blocks bit-equal to the one-CTA kernel's
     (same rounding points) and to stock's; out rel L2 ≤ 1e-2 vs stock and vs the one-CTA
     kernel (only the fp32 order of the row sums differs), ≤ 1.5 × stock's + 1e-3 vs float64.
     `out_mismatch_vs_one_cta`: the fraction of bf16 outputs not bit-equal to the one-CTA
-    kernel's (reported, not gated). Timing (M = 1 and 8, no write, fill zero): stock, the one-CTA
+    kernel's (reported, not gated). Timing (M = 1, 8 and 64, no write, fill zero): stock, the one-CTA
     kernel and this kernel, CUDA-graph replays (checks.time_us)."""
     import kimi_decode.kernels.attn_res as k_ar
     from kimi_decode.config import k3_tp16
@@ -552,7 +553,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (1, 2, 8), nbs: tuple[int
                                  "rel_vs_one_cta": e_k1, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
                                  "prefix_blocks_equal": exact,
                                  "out_mismatch_vs_one_cta": float((x_k != x_1).double().mean()), "ok": ok}
-                            if timing and m in (1, 8) and slot is None and fill == ("zero" if mode in ("ar", "ag") else "random"):
+                            if timing and m in (1, 8, 64) and slot is None and fill == ("zero" if mode in ("ar", "ag") else "random"):
                                 def stock_call() -> None:
                                     if delta is None:
                                         mod(x["prefix"], b_s, nb)
