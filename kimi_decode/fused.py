@@ -13,7 +13,7 @@ and the kernel is in `VERIFIED`):
 - `attn_res_ag` (tp_sim, with `moe_up`): the MoE block's all-gather is finished by the next
   layer's attention AttnRes kernel, which reads the all-gather slots in place (`Gathered`);
   the concatenation kernel disappears (the last layer's output is concatenated in forward).
-- `attn_res_mc` (M ≤ 64, every mode above; MAX_ROWS): the same AttnRes kernel with one row spread over a
+- `attn_res_mc` (M ≤ 8, every mode above; MAX_ROWS): the same AttnRes kernel with one row spread over a
   cluster of 7 CTAs (kernels/attn_res_mc.py) instead of one CTA on one SM; the one-CTA kernel
   stays the fallback (AttnRes._kernel).
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
@@ -333,11 +333,12 @@ POS_UPDATE_IN_PLACE = True
 #   also the AttnRes kernel in the PDL chain (the one-CTA kernel is not). Until 9e42f27 it ran
 #   at M = 1 only ("the one-CTA kernel already has M CTAs on M SMs"); the bench in one device
 #   call, one process each: B = 1, k = 7 KDA / MLA 218.2 / 235.0 us at M ≤ 1, 216.4 / 225.2
-#   at M ≤ 8; B = 8 215.8 / 243.8 vs 210.7 / 234.4 (bench/fused_runs.md). Since session 33
-#   M ≤ 64 (B = 64): there the one-CTA kernel puts each row on one SM, and mlp_res (16
-#   all-reduce slot rows, 229 KB per row) took 17.0 us and attn_res 5.2 us in the cd24720 B = 64
-#   H200 trace for 14.7 MB of slots; the cluster grid (7, 64) spreads them over 448 CTAs. Its
-#   check covers M = 64; the A/B against M ≤ 8 is in bench/fused_runs.md (session 33).
+#   at M ≤ 8; B = 8 215.8 / 243.8 vs 210.7 / 234.4 (bench/fused_runs.md). Candidate, not yet
+#   measured: M ≤ 64 (B = 64), where the one-CTA kernel puts each row on one SM (mlp_res, 16
+#   all-reduce slot rows, 229 KB per row, took 17.0 us and attn_res 5.2 us in the cd24720 B = 64
+#   H200 trace for 14.7 MB of slots; the cluster grid (7, 64) would spread them over 448 CTAs).
+#   Its check covers M = 64; the A/B is `--patch 'kimi_decode.fused:MAX_ROWS["attn_res_mc"]=64'`
+#   (bench/fused_runs.md, session 33).
 # - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
 #   23.7 vs 26.2 us at M = 1, 141.9 vs 155.4 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
@@ -404,7 +405,7 @@ POS_UPDATE_IN_PLACE = True
 MLA_MMA_MAX_ROWS = 6
 MLA_MMA_MAX_ROWS_ONE_SEQ = 48
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
-            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 64, "mla_norm_fold": 1, "experts_one": 1,
+            "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
 
 

@@ -383,14 +383,17 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])
 
 
-@pytest.mark.parametrize("batch,k,mc", [(1, 0, True), (2, 0, True), (3, 2, True), (64, 0, True), (9, 7, True),
-                                        (1, 0, False)])
-def test_attn_res_cluster_kernel_up_to_m64_on_cpu(monkeypatch, batch: int, k: int, mc: bool) -> None:
+@pytest.mark.parametrize("batch,k,mc,limit", [(1, 0, True, None), (2, 0, True, None), (3, 2, True, None),
+                                              (64, 0, True, None), (64, 0, True, 64), (9, 7, True, 64),
+                                              (1, 0, False, None)])
+def test_attn_res_cluster_kernel_up_to_max_rows_on_cpu(monkeypatch, batch: int, k: int, mc: bool,
+                                                       limit: int | None) -> None:
     """AttnRes._kernel: with `use_mc` (kernel "attn_res_mc") every AttnRes call of a step of
-    M ≤ MAX_ROWS["attn_res_mc"] = 64 rows goes to the cluster kernel (kernels/attn_res_mc.py)
-    in all its modes (plain, block start, all-reduce slots, all-gather slots), at M = 72 (B = 9, k = 7: above
-    it) or with the kernel off every call goes to the one-CTA kernel; the step equals stock's within
-    float32 rounding, other ranks' slots zero and holding data. Both kernels are the same torch
+    M ≤ MAX_ROWS["attn_res_mc"] rows goes to the cluster kernel (kernels/attn_res_mc.py) in
+    all its modes (plain, block start, all-reduce slots, all-gather slots), above it or with the
+    kernel off every call goes to the one-CTA kernel: at the default 8 (M = 9 and 64 above it),
+    and with the table at 64 (the B = 64 candidate: M = 64 in, M = 72 = B 9, k 7 above); the
+    step equals stock's within float32 rounding, other ranks' slots zero and holding data. Both kernels are the same torch
     emulation of their shared contract: this checks the dispatch and the arguments passed."""
     pytest.importorskip("cutlass")
     import kimi_decode.fused as fused_mod
@@ -398,6 +401,11 @@ def test_attn_res_cluster_kernel_up_to_m64_on_cpu(monkeypatch, batch: int, k: in
     import kimi_decode.kernels.attn_res_mc as k_mc
     from kimi_decode.runner import build
     monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 128)   # the wiring at every M, not the per-M table
+    assert fused_mod.MAX_ROWS["attn_res_mc"] == 8                    # the measured default
+    if limit is None:
+        limit = 8
+    else:
+        monkeypatch.setitem(fused_mod.MAX_ROWS, "attn_res_mc", limit)
     kinds: list[str] = []
     modes: set[str] = set()
 
@@ -425,8 +433,7 @@ def test_attn_res_cluster_kernel_up_to_m64_on_cpu(monkeypatch, batch: int, k: in
         layer.mlp.gather_out = True
     run_with_filled_slots(stock, fused, rt, seed=90)
     assert len(kinds) == 2 * len(cfg.layers) * 3                      # attn_res + mlp_res, 3 steps
-    assert fused_mod.MAX_ROWS["attn_res_mc"] == 64
-    assert set(kinds) == {"mc" if mc and cfg.rows <= 64 else "one"}
+    assert set(kinds) == {"mc" if mc and cfg.rows <= limit else "one"}
     assert {"ar", "ag"} <= modes
 
 
