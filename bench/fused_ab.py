@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.render_cli import print_rendered
+
 KINDS = ("kda", "mla")
 MAX_CAPTURE_VARIANTS = 6   # a tar each, plus ab.json and ab.md: the 8 files a device call returns
 
@@ -169,10 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", type=Path, help="print the table of an ab.json (no GPU)")
     a = ap.parse_args(argv)
     if a.render is not None:
-        try:
-            print(render(json.loads(a.render.read_text())), end="")
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"fused_ab: {a.render}: not an ab.json ({e})") from None
+        print_rendered(a.render, render, "fused_ab", "an ab.json")
         return
     if a.out is None or not a.variant:
         raise SystemExit("fused_ab: --out and at least one --variant are needed (or --render FILE)")

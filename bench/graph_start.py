@@ -53,9 +53,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
+
+from bench.render_cli import print_rendered
 
 GRAPHS = ("layer", "lead", "lead+layer", "prev", "prev+layer")
 STEP = "step"      # with --step: the model's whole step graph (runner.prepare), as the traces hold it,
@@ -221,11 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", type=Path, help="print the table of a graph_start.json (no GPU)")
     a = ap.parse_args(argv)
     if a.render:
-        try:
-            run = json.loads(a.render.read_text())
-            sys.stdout.write(render(run))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"graph_start: {a.render}: not a graph_start.json ({e})") from None
+        print_rendered(a.render, render, "graph_start", "a graph_start.json")
         return
     if a.out is None:
         raise SystemExit("graph_start: --out (on the GPU machine) or --render (here) is required")

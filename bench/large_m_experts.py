@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.render_cli import print_rendered
+
 E, K, L, I, IP = 896, 16, 3584, 192, 256
 ROWS = (8, 16, 64)
 
@@ -128,10 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", type=Path, help="print the table of a large_m_experts.json (no GPU)")
     a = ap.parse_args(argv)
     if a.render is not None:
-        try:
-            print(render(json.loads(a.render.read_text())), end="")
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"large_m_experts: {a.render}: not a large_m_experts.json ({e})") from None
+        print_rendered(a.render, render, "large_m_experts", "a large_m_experts.json")
         return
     if a.out is None:
         raise SystemExit("large_m_experts: --out (on the GPU machine) or --render FILE")
