@@ -13,7 +13,7 @@ and the kernel is in `VERIFIED`):
 - `attn_res_ag` (tp_sim, with `moe_up`): the MoE block's all-gather is finished by the next
   layer's attention AttnRes kernel, which reads the all-gather slots in place (`Gathered`);
   the concatenation kernel disappears (the last layer's output is concatenated in forward).
-- `attn_res_mc` (M ≤ 8, every mode above; MAX_ROWS): the same AttnRes kernel with one row spread over a
+- `attn_res_mc` (M ≤ 8, and M ≤ 64 where the mix reads one block; every mode above): the same AttnRes kernel with one row spread over a
   cluster of 7 CTAs (kernels/attn_res_mc.py) instead of one CTA on one SM; the one-CTA kernel
   stays the fallback (AttnRes._kernel).
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
@@ -334,11 +334,17 @@ POS_UPDATE_IN_PLACE = True
 #   at M = 1 only ("the one-CTA kernel already has M CTAs on M SMs"); the bench in one device
 #   call, one process each: B = 1, k = 7 KDA / MLA 218.2 / 235.0 us at M ≤ 1, 216.4 / 225.2
 #   at M ≤ 8; B = 8 215.8 / 243.8 vs 210.7 / 234.4 (bench/fused_runs.md). Candidate, not yet
-#   measured: M ≤ 64 (B = 64), where the one-CTA kernel puts each row on one SM (mlp_res, 16
+#   Above M = 8 (B = 64), where the one-CTA kernel puts each row on one SM (mlp_res, 16
 #   all-reduce slot rows, 229 KB per row, took 17.0 us and attn_res 5.2 us in the cd24720 B = 64
-#   H200 trace for 14.7 MB of slots; the cluster grid (7, 64) would spread them over 448 CTAs).
-#   Its check covers M = 64; the A/B is `--patch 'kimi_decode.fused:MAX_ROWS["attn_res_mc"]=64'`
-#   (bench/fused_runs.md, session 33).
+#   H200 trace for 14.7 MB of slots; the cluster grid (7, 64) spreads them over 448 CTAs): up
+#   to ATTN_RES_MC_WIDE_ROWS rows while the mix reads at most ATTN_RES_MC_WIDE_MAX_NB blocks.
+#   In the step (fa8c778, H100, layers 4-7 where nb = 1; bench/fused_runs.md session 34) every
+#   AttnRes on the cluster kernel at B = 64: KDA layers 948.4-977.8 us against the default's
+#   954.6-984.7, MLA 1062.5-1070.9 against 1075.9-1078.0 (three runs, two of the default,
+#   interleaved; 4-7 us per KDA layer, 5-13 per MLA layer); its isolated check at M = 64 had
+#   the cluster kernel 2.5-4.4 us SLOWER than the one-CTA one at nb = 8 in every mode (11.5-13.9
+#   vs 7.1-9.9 us: 448 CTAs in clusters of 7, several waves, each reading 8 block rows), so the
+#   deep layers (nb up to 8) keep the one-CTA kernel until nb 2..7 are measured in the step.
 # - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
 #   23.7 vs 26.2 us at M = 1, 141.9 vs 155.4 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
@@ -407,6 +413,8 @@ MLA_MMA_MAX_ROWS_ONE_SEQ = 48
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
+ATTN_RES_MC_WIDE_ROWS = 64     # attn_res_mc above MAX_ROWS["attn_res_mc"], up to this M ...
+ATTN_RES_MC_WIDE_MAX_NB = 1    # ... while the mix reads at most this many blocks (the note above)
 
 
 def _mla_mma_scratch(cfg: KimiConfig, on: frozenset[str], dev: torch.device) -> object | None:
@@ -581,6 +589,12 @@ def _wait_mark(ev: torch.cuda.Event | None, *outputs: torch.Tensor) -> None:
         t.record_stream(main)
 
 
+def _attn_res_mc_rows(rows: int, nb: int) -> bool:
+    """Whether an AttnRes call of `rows` rows mixing `nb` blocks goes to the cluster kernel
+    (the per-M table above: always up to MAX_ROWS["attn_res_mc"], wider only at small nb)."""
+    return rows <= MAX_ROWS["attn_res_mc"] or (rows <= ATTN_RES_MC_WIDE_ROWS and nb <= ATTN_RES_MC_WIDE_MAX_NB)
+
+
 class AttnRes(stock.AttnRes):
     """prefix = delta or base + delta, optional block write, mix, RMSNorm: one kernel."""
 
@@ -591,10 +605,11 @@ class AttnRes(stock.AttnRes):
 
     def _kernel(self, blocks: torch.Tensor, nb: int, world: int = 0, gather: int = 0) -> Callable:
         """The kernel wrapper for this call (both take attn_res_rmsnorm's arguments): the
-        cluster kernel (kernels/attn_res_mc.py) when on, at M ≤ MAX_ROWS["attn_res_mc"] and
-        where it can run; the one-CTA kernel (kernels/attn_res.py) otherwise."""
+        cluster kernel (kernels/attn_res_mc.py) when on, at M ≤ MAX_ROWS["attn_res_mc"] (or
+        M ≤ ATTN_RES_MC_WIDE_ROWS with nb ≤ ATTN_RES_MC_WIDE_MAX_NB) and where it can run; the
+        one-CTA kernel (kernels/attn_res.py) otherwise."""
         m, slots, d = blocks.shape
-        if self.use_mc and m <= MAX_ROWS["attn_res_mc"]:
+        if self.use_mc and _attn_res_mc_rows(m, nb):
             from kimi_decode.kernels import attn_res_mc as k_mc
             if k_mc.can_implement(d, nb, slots, (blocks.dtype, self.norm.dtype), k_mc.pick_ctas(d),
                                   world=world, gather=gather):

@@ -383,38 +383,47 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])
 
 
-@pytest.mark.parametrize("batch,k,mc,limit", [(1, 0, True, None), (2, 0, True, None), (3, 2, True, None),
-                                              (64, 0, True, None), (64, 0, True, 64), (9, 7, True, 64),
-                                              (1, 0, False, None)])
-def test_attn_res_cluster_kernel_up_to_max_rows_on_cpu(monkeypatch, batch: int, k: int, mc: bool,
-                                                       limit: int | None) -> None:
-    """AttnRes._kernel: with `use_mc` (kernel "attn_res_mc") every AttnRes call of a step of
-    M ≤ MAX_ROWS["attn_res_mc"] rows goes to the cluster kernel (kernels/attn_res_mc.py) in
-    all its modes (plain, block start, all-reduce slots, all-gather slots), above it or with the
-    kernel off every call goes to the one-CTA kernel: at the default 8 (M = 9 and 64 above it),
-    and with the table at 64 (the B = 64 candidate: M = 64 in, M = 72 = B 9, k 7 above); the
-    step equals stock's within float32 rounding, other ranks' slots zero and holding data. Both kernels are the same torch
-    emulation of their shared contract: this checks the dispatch and the arguments passed."""
+@pytest.mark.parametrize("batch,k,mc,limit,wide", [(1, 0, True, None, None), (2, 0, True, None, None),
+                                                   (3, 2, True, None, None), (64, 0, True, None, None),
+                                                   (64, 0, True, 64, 0), (9, 7, True, None, None),
+                                                   (9, 7, True, 64, 0), (64, 0, True, None, 2),
+                                                   (1, 0, False, None, None), (64, 0, False, None, None)])
+def test_attn_res_cluster_kernel_by_rows_and_blocks_on_cpu(monkeypatch, batch: int, k: int, mc: bool,
+                                                           limit: int | None, wide: int | None) -> None:
+    """AttnRes._kernel: with `use_mc` (kernel "attn_res_mc") an AttnRes call of M rows mixing
+    nb blocks goes to the cluster kernel (kernels/attn_res_mc.py) in all its modes (plain,
+    block start, all-reduce slots, all-gather slots) when M ≤ MAX_ROWS["attn_res_mc"] (8), or
+    M ≤ ATTN_RES_MC_WIDE_ROWS (64) with nb ≤ ATTN_RES_MC_WIDE_MAX_NB (1); every other call,
+    and every call with the kernel off, goes to the one-CTA kernel. Layers 3..8 of tiny
+    (blocks of 4) mix nb = 1, 2 and 3 blocks, so at M = 64 some calls take each kernel; M = 72
+    (B 9, k 7) is above both limits; `limit` / `wide` set the table (64 rows for every nb;
+    the wide rule up to nb = 2 or off). The step equals stock's within float32 rounding, other
+    ranks' slots zero and holding data. Both kernels are the same torch emulation of their
+    shared contract: this checks the dispatch and the arguments passed."""
     pytest.importorskip("cutlass")
     import kimi_decode.fused as fused_mod
     import kimi_decode.kernels.attn_res as k_ar
     import kimi_decode.kernels.attn_res_mc as k_mc
     from kimi_decode.runner import build
     monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 128)   # the wiring at every M, not the per-M table
-    assert fused_mod.MAX_ROWS["attn_res_mc"] == 8                    # the measured default
-    if limit is None:
-        limit = 8
-    else:
+    # the measured defaults (the note above MAX_ROWS in fused.py)
+    assert (fused_mod.MAX_ROWS["attn_res_mc"], fused_mod.ATTN_RES_MC_WIDE_ROWS,
+            fused_mod.ATTN_RES_MC_WIDE_MAX_NB) == (8, 64, 1)
+    if limit is not None:
         monkeypatch.setitem(fused_mod.MAX_ROWS, "attn_res_mc", limit)
-    kinds: list[str] = []
+    if wide is not None:
+        monkeypatch.setattr(fused_mod, "ATTN_RES_MC_WIDE_MAX_NB", wide)
+    limit = fused_mod.MAX_ROWS["attn_res_mc"]
+    max_nb = fused_mod.ATTN_RES_MC_WIDE_MAX_NB
+    calls: list[tuple[str, int]] = []
     modes: set[str] = set()
 
     def emulated(kind: str):
-        def run(*a, **kw):
-            kinds.append(kind)
+        def run(blocks, nb, *a, **kw):
+            calls.append((kind, nb))
             modes.add("ar" if kw.get("delta_slots") is not None else "ag" if kw.get("delta_gather") is not None
                       else "plain" if kw.get("delta") is not None else "prefix")
-            return _emulate_attn_res_ag([], *a, **kw)
+            return _emulate_attn_res_ag([], blocks, nb, *a, **kw)
         return run
     monkeypatch.setattr(k_ar, "attn_res_rmsnorm", emulated("one"))
     monkeypatch.setattr(k_mc, "attn_res_mc", emulated("mc"))
@@ -432,8 +441,14 @@ def test_attn_res_cluster_kernel_up_to_max_rows_on_cpu(monkeypatch, batch: int, 
         layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = True
         layer.mlp.gather_out = True
     run_with_filled_slots(stock, fused, rt, seed=90)
-    assert len(kinds) == 2 * len(cfg.layers) * 3                      # attn_res + mlp_res, 3 steps
-    assert set(kinds) == {"mc" if mc and cfg.rows <= limit else "one"}
+    # layer idx mixes ceil(idx / 4) blocks before its attention, one more after it at a block start
+    want_nb = [nb for layer in fused.layers for nb in (layer.nb_attn, layer.nb_mlp)] * 3
+    assert [nb for _, nb in calls] == want_nb and sorted(set(want_nb)) == [1, 2, 3]
+    rows = cfg.rows
+    want = ["mc" if mc and (rows <= limit or (rows <= 64 and nb <= max_nb)) else "one" for nb in want_nb]
+    assert [kind for kind, _ in calls] == want
+    if mc and rows == 64:                     # the wide rule splits the step between the kernels
+        assert set(want) == ({"mc"} if limit == 64 or max_nb >= 3 else {"mc", "one"})
     assert {"ar", "ag"} <= modes
 
 
