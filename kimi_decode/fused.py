@@ -13,7 +13,7 @@ and the kernel is in `VERIFIED`):
 - `attn_res_ag` (tp_sim, with `moe_up`): the MoE block's all-gather is finished by the next
   layer's attention AttnRes kernel, which reads the all-gather slots in place (`Gathered`);
   the concatenation kernel disappears (the last layer's output is concatenated in forward).
-- `attn_res_mc` (M ≤ 8, and M ≤ 64 where the mix reads one block; every mode above): the same AttnRes kernel with one row spread over a
+- `attn_res_mc` (M ≤ 8, and M ≤ 64 where the mix reads ≤ 4 blocks; every mode above): the same AttnRes kernel with one row spread over a
   cluster of 7 CTAs (kernels/attn_res_mc.py) instead of one CTA on one SM; the one-CTA kernel
   stays the fallback (AttnRes._kernel).
 - KDA: f_b projection + conv update + SiLU + gate + β + L2 norms + delta-rule recurrence +
@@ -338,13 +338,16 @@ POS_UPDATE_IN_PLACE = True
 #   all-reduce slot rows, 229 KB per row, took 17.0 us and attn_res 5.2 us in the cd24720 B = 64
 #   H200 trace for 14.7 MB of slots; the cluster grid (7, 64) spreads them over 448 CTAs): up
 #   to ATTN_RES_MC_WIDE_ROWS rows while the mix reads at most ATTN_RES_MC_WIDE_MAX_NB blocks.
-#   In the step (fa8c778, H100, layers 4-7 where nb = 1; bench/fused_runs.md session 34) every
-#   AttnRes on the cluster kernel at B = 64: KDA layers 948.4-977.8 us against the default's
-#   954.6-984.7, MLA 1062.5-1070.9 against 1075.9-1078.0 (three runs, two of the default,
-#   interleaved; 4-7 us per KDA layer, 5-13 per MLA layer); its isolated check at M = 64 had
-#   the cluster kernel 2.5-4.4 us SLOWER than the one-CTA one at nb = 8 in every mode (11.5-13.9
-#   vs 7.1-9.9 us: 448 CTAs in clusters of 7, several waves, each reading 8 block rows), so the
-#   deep layers (nb up to 8) keep the one-CTA kernel until nb 2..7 are measured in the step.
+#   In the step (H100, bench/fused_runs.md session 34), B = 64, one-layer graphs, every
+#   AttnRes on the cluster kernel against the one-CTA one: layers 4-7 (nb = 1; fa8c778, three
+#   runs against two, interleaved) KDA 948.4-977.8 vs 954.6-984.7 us, MLA 1062.5-1070.9 vs
+#   1075.9-1078.0; layers 40-43 (nb = 4; 5bac28a, one pair) every layer 0.6-3.1 us faster
+#   (KDA 948.4-973.3 vs 950.9-976.4, MLA 1082.0 vs 1083.9); layers 88-91 (nb = 8, two pairs)
+#   every layer 2.4-3.4 us SLOWER (KDA 974.0-985.9 vs 971.6-983.3, MLA 1072.5 / 1081.3 vs
+#   1070.0 / 1077.9). The isolated check at M = 64, nb = 8 agrees (cluster 11.5-13.9 vs 7.1-9.9
+#   us in every mode: 448 CTAs in clusters of 7, several waves, each reading 8 block rows).
+#   So nb ≤ 4 (K3's first 48 layers); nb 5-7 are unmeasured and keep the one-CTA kernel, and
+#   9 ≤ M ≤ 63 take the same rule as M = 64, not measured apart.
 # - experts_v2 (FC2 in one wave): every M the kernel takes (≤ 8; cold weights, with PDL:
 #   23.7 vs 26.2 us at M = 1, 141.9 vs 155.4 us at M = 8).
 # - mla_attend_uv (uv_gate inside mla_attend's launch, B = 1, k = 0 where mla_attend runs):
@@ -414,7 +417,7 @@ MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_at
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
 ATTN_RES_MC_WIDE_ROWS = 64     # attn_res_mc above MAX_ROWS["attn_res_mc"], up to this M ...
-ATTN_RES_MC_WIDE_MAX_NB = 1    # ... while the mix reads at most this many blocks (the note above)
+ATTN_RES_MC_WIDE_MAX_NB = 4    # ... while the mix reads at most this many blocks (the note above)
 
 
 def _mla_mma_scratch(cfg: KimiConfig, on: frozenset[str], dev: torch.device) -> object | None:

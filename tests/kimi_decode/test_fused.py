@@ -387,17 +387,18 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
                                                    (3, 2, True, None, None), (64, 0, True, None, None),
                                                    (64, 0, True, 64, 0), (9, 7, True, None, None),
                                                    (9, 7, True, 64, 0), (64, 0, True, None, 2),
+                                                   (64, 0, True, None, 1),
                                                    (1, 0, False, None, None), (64, 0, False, None, None)])
 def test_attn_res_cluster_kernel_by_rows_and_blocks_on_cpu(monkeypatch, batch: int, k: int, mc: bool,
                                                            limit: int | None, wide: int | None) -> None:
     """AttnRes._kernel: with `use_mc` (kernel "attn_res_mc") an AttnRes call of M rows mixing
     nb blocks goes to the cluster kernel (kernels/attn_res_mc.py) in all its modes (plain,
     block start, all-reduce slots, all-gather slots) when M ≤ MAX_ROWS["attn_res_mc"] (8), or
-    M ≤ ATTN_RES_MC_WIDE_ROWS (64) with nb ≤ ATTN_RES_MC_WIDE_MAX_NB (1); every other call,
+    M ≤ ATTN_RES_MC_WIDE_ROWS (64) with nb ≤ ATTN_RES_MC_WIDE_MAX_NB (4); every other call,
     and every call with the kernel off, goes to the one-CTA kernel. Layers 3..8 of tiny
     (blocks of 4) mix nb = 1, 2 and 3 blocks, so at M = 64 some calls take each kernel; M = 72
     (B 9, k 7) is above both limits; `limit` / `wide` set the table (64 rows for every nb;
-    the wide rule up to nb = 2 or off). The step equals stock's within float32 rounding, other
+    the wide rule up to nb = 1 or 2, splitting the step, or off). The step equals stock's within float32 rounding, other
     ranks' slots zero and holding data. Both kernels are the same torch emulation of their
     shared contract: this checks the dispatch and the arguments passed."""
     pytest.importorskip("cutlass")
@@ -408,7 +409,7 @@ def test_attn_res_cluster_kernel_by_rows_and_blocks_on_cpu(monkeypatch, batch: i
     monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 128)   # the wiring at every M, not the per-M table
     # the measured defaults (the note above MAX_ROWS in fused.py)
     assert (fused_mod.MAX_ROWS["attn_res_mc"], fused_mod.ATTN_RES_MC_WIDE_ROWS,
-            fused_mod.ATTN_RES_MC_WIDE_MAX_NB) == (8, 64, 1)
+            fused_mod.ATTN_RES_MC_WIDE_MAX_NB) == (8, 64, 4)
     if limit is not None:
         monkeypatch.setitem(fused_mod.MAX_ROWS, "attn_res_mc", limit)
     if wide is not None:
