@@ -195,22 +195,6 @@ FC1_GROUP_MIN_BLOCKS = 3
 # PDL chain's bit-equality check and step parity (B = 1, k = 0 and 7) pass with it.
 # fused.LatentMoE passes the buffer only when on.
 FC1_EARLY_IDS = True
-# FC1 at M = 1 (its load groups) pulls FC2's weights into L2 (off until measured; session
-# 33): each warp's lanes issue one `cp.async.bulk.prefetch.L2` each for the used 2·I bytes of
-# one w2 row of its pair's expert (lane l of column c's warp: row 32·c + l, rows < L), the 16
-# experts' 22 MB in all. Where: PREFETCH_AFTER_LOADS (1) once the warp's last group has been
-# summed (every FC1 byte of the warp has arrived; before its butterflies), PREFETCH_BEFORE_LAST
-# (2) before the last group's loads (the w2 bytes queue ahead of FC1's last 22 MB). Not right
-# after the last group's loads: the prefetch then sits between those loads and their first
-# conversion, ptxas must issue all 21 loads first, and at 80 registers it spilled ~0.9 KB per
-# thread (ptxas 13.0). Why at all: FC2 v2's CTAs (72 registers) cannot sit beside
-# FC1's three 80-register CTAs per SM, so its own w2 loads (issued before its PDL wait) start
-# only as FC1's CTAs retire; in the H200 B = 1, k = 0 graph trace (cd24720) FC2 ends 7.6 us
-# after FC1 for 22 MB (5.2 us at the copy rate), HBM idle at the boundary. With the prefetch
-# FC2 reads L2. A hint only: no result can change (FC2 reads the same bytes either way).
-PREFETCH_AFTER_LOADS = 1
-PREFETCH_BEFORE_LAST = 2
-FC1_PREFETCH_W2 = 0        # 0: off, else one of the two places above
 V2_WARPS = 4         # FC2 v2: warps per CTA (one output column each)
 V2_GROUPS = 4        # FC2 v2: 8-lane groups per warp (each a quarter of the K experts)
 V2_GROUP_LANES = 8
@@ -248,9 +232,7 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
              beta: Float32, lin_beta: Float32, g: Int32, lane: Int32, Ip: cutlass.Constexpr[int],
              I: cutlass.Constexpr[int], K: cutlass.Constexpr[int], E: cutlass.Constexpr[int],
              slices: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int],
-             group: cutlass.Constexpr[int] = 0, pre_wait: cutlass.Constexpr[bool] = False,
-             mW2: cute.Tensor | None = None, L: cutlass.Constexpr[int] = 0,
-             prefetch_at: cutlass.Constexpr[int] = 0):
+             group: cutlass.Constexpr[int] = 0, pre_wait: cutlass.Constexpr[bool] = False):
     """FC1's warp g: a[p, c] for pair p = g // I, column c = g % I (gate row c and up row
     Ip + c of the pair's expert, `slices` 128-bit slices per lane, a 32-lane butterfly each,
     bf16 h, then the gate/up activation). Shared by ExpertsFC1.kernel and
@@ -259,9 +241,7 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
     are summed in the same order either way (bit-equal). `pre_wait` (with a group; the ids
     already published, FC1_EARLY_IDS): the first group's weight loads are issued, then the
     PDL chain's wait and release (chain.enter), then its z loads: the same loads, products and
-    order, only z's loads move after the wait. `mW2` (with a group and `prefetch_at`, one of
-    FC1_PREFETCH_W2's places: the flat w2 [E·L·Ip], L its rows per expert): lane l prefetches
-    the first I columns of w2[e] row 32·c + l into L2 (rows < L), a hint that changes no value."""
+    order, only z's loads move after the wait."""
     p = g // I                           # pair
     c = g - p * I                        # output column (gate row c, up row Ip + c)
     # Every lane reaches the shuffles below: out-of-range warps (none: the grid is exact)
@@ -291,9 +271,6 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
             chain.enter()                        # every thread: z is read after the wait
         if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
             for gi in cutlass.range_constexpr((slices + group - 1) // group):
-                if cutlass.const_expr(mW2 is not None and prefetch_at == PREFETCH_BEFORE_LAST
-                                      and gi == (slices + group - 1) // group - 1):
-                    fc1_prefetch_w2(mW2, e, c, lane, L, Ip, I)
                 i0 = gi * group
                 n = min(group, slices - i0)
                 zs = cute.make_rmem_tensor(cute.make_layout((n, VEC), stride=(VEC, 1)), mZ.element_type)
@@ -308,8 +285,6 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
                         zf = zs[t, v].to(Float32)
                         acc[0] = acc[0] + gw[i0 + t, v].to(Float32) * zf
                         acc[1] = acc[1] + uw[i0 + t, v].to(Float32) * zf
-            if cutlass.const_expr(mW2 is not None and prefetch_at == PREFETCH_AFTER_LOADS):
-                fc1_prefetch_w2(mW2, e, c, lane, L, Ip, I)
     else:
         if p < pairs and e >= 0 and e < E:   # warp-uniform; loads only (no shuffles inside)
             for i in cutlass.range(slices, unroll=unroll):
@@ -328,17 +303,6 @@ def fc1_warp(mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tenso
     a = gate * up
     if lane == 0 and p < pairs:
         mA[p, c] = a.to(mA.element_type)
-
-
-@cute.jit
-def fc1_prefetch_w2(mW2: cute.Tensor, e: Int32, c: Int32, lane: Int32, L: cutlass.Constexpr[int],
-                    Ip: cutlass.Constexpr[int], I: cutlass.Constexpr[int]):
-    """FC1_PREFETCH_W2: lane `lane` of FC1's column-c warp for expert e pulls the first I
-    columns (2·I bytes) of w2[e] row 32·c + lane into L2, rows < L (I ≥ L / 32 warps cover
-    every row)."""
-    w2row = c * 32 + lane
-    if w2row < L:
-        chain.prefetch(mW2.iterator + (e * L + w2row) * Ip, I * 2)
 
 
 def fc2_views(cfg: ExpertsConfig, act: cute.Pointer, idx: cute.Pointer, w: cute.Pointer,
@@ -370,16 +334,14 @@ class ExpertsFC1:
     """Kernel 1: a[p, c] = bf16(SiTU(bf16(w13[e, c] · z[m]), bf16(w13[e, Ip + c] · z[m])))."""
 
     def __init__(self, cfg: ExpertsConfig, unroll: int = FC1_UNROLL, column_major: bool | None = None,
-                 group: int | None = None, early_ids: bool = False, prefetch_w2: int = 0) -> None:
+                 group: int | None = None, early_ids: bool = False) -> None:
         """`unroll`: slices of the L loop per trip (FC1_UNROLL; experts_one builds its FC1
         items at its own depth and compares them with this kernel at that depth).
         `column_major`: the CTA order (FC1_COLUMN_MAJOR when None); it needs I % 8 == 0
         (a CTA's 8 columns within one pair), which can_implement's I % VEC == 0 gives.
         `group`: FC1_LOADS_GROUP when None (0: the loop). `early_ids` (with a group:
         FC1_EARLY_IDS): the ids are read once the front's top-k has published them (the
-        routing sync buffer `sync`), and the first load group's weights before the wait.
-        `prefetch_w2` (with a group: FC1_PREFETCH_W2's place, 0 none): FC2's w2 rows pulled
-        into L2 there (fc1_warp's mW2)."""
+        routing sync buffer `sync`), and the first load group's weights before the wait."""
         self.cfg = cfg
         self.slices = cfg.latent // (VEC * 32)
         self.unroll = unroll if self.slices % unroll == 0 else 1
@@ -387,17 +349,12 @@ class ExpertsFC1:
         self.column_major = bool(cm) and cfg.inter % WARPS == 0
         self.group = max(0, min(int(FC1_LOADS_GROUP if group is None else group), self.slices))
         self.early_ids = bool(early_ids) and self.group > 0
-        self.prefetch_w2 = int(prefetch_w2) if self.group > 0 else 0
-        if self.prefetch_w2 not in (0, PREFETCH_AFTER_LOADS, PREFETCH_BEFORE_LAST):
-            raise ValueError(f"prefetch_w2 must be 0, {PREFETCH_AFTER_LOADS} or {PREFETCH_BEFORE_LAST}, got {prefetch_w2}")
 
     @cute.jit
     def __call__(self, z: cute.Pointer, idx: cute.Pointer, w13: cute.Pointer, act: cute.Pointer,
-                 sync: cute.Pointer, w2: cute.Pointer, m: Int32, beta: Float32, lin_beta: Float32,
-                 stream: cuda.CUstream):
+                 sync: cute.Pointer, m: Int32, beta: Float32, lin_beta: Float32, stream: cuda.CUstream):
         """`sync`: the front's routing sync buffer (int32, router_fast.SYNC_WORDS) with
-        early_ids, else never read (any int32 pointer). `w2`: FC2's [E, L, Ip] bf16 weights
-        with prefetch_w2, else never read (any bf16 pointer)."""
+        early_ids, else never read (any int32 pointer)."""
         L, Ip, I, K, E = self.cfg.latent, self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
         nv = L // VEC
         mZ = cute.make_tensor(z, cute.make_layout((m, nv, VEC), stride=(L, VEC, 1)))
@@ -405,20 +362,19 @@ class ExpertsFC1:
         mW = cute.make_tensor(w13, cute.make_layout((E, 2 * Ip, nv, VEC), stride=(2 * Ip * L, L, VEC, 1)))
         mA = cute.make_tensor(act, cute.make_layout((m * K, Ip), stride=(Ip, 1)))
         mS = cute.make_tensor(sync, cute.make_layout(SYNC_WORDS))
-        mW2 = cute.make_tensor(w2, cute.make_layout(E * L * Ip))
         if cutlass.const_expr(self.group > 0):
             # explicit carveout (-1: the driver's default): no device query at compile time
-            self.kernel(mZ, mIdx, mW, mA, mS, mW2, m, beta, lin_beta).launch(
+            self.kernel(mZ, mIdx, mW, mA, mS, m, beta, lin_beta).launch(
                 grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
                 use_pdl=chain.chain_on(), min_blocks_per_mp=FC1_GROUP_MIN_BLOCKS, preferred_smem_carveout=-1)
         else:
-            self.kernel(mZ, mIdx, mW, mA, mS, mW2, m, beta, lin_beta).launch(
+            self.kernel(mZ, mIdx, mW, mA, mS, m, beta, lin_beta).launch(
                 grid=[m * (K * I // WARPS), 1, 1], block=[WARPS * 32, 1, 1], stream=stream,
                 use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mIdx: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor,
-               mS: cute.Tensor, mW2: cute.Tensor, m: Int32, beta: Float32, lin_beta: Float32):
+               mS: cute.Tensor, m: Int32, beta: Float32, lin_beta: Float32):
         Ip, I, K, E = self.cfg.inter_padded, self.cfg.inter, self.cfg.top_k, self.cfg.experts
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()          # all 32 lanes, outside any branch
@@ -440,8 +396,7 @@ class ExpertsFC1:
             cute.arch.griddepcontrol_launch_dependents()
         g = fc1_warp_index(bidx, warp, m * K, I, self.column_major)
         fc1_warp(mZ, mIdx, mW, mA, m, beta, lin_beta, g, lane, Ip, I, K, E, self.slices, self.unroll,
-                 self.group, self.early_ids, mW2 if self.prefetch_w2 else None, self.cfg.latent,
-                 self.prefetch_w2)
+                 self.group, self.early_ids)
 
 
 @cute.jit
@@ -792,7 +747,7 @@ def fc1_group(m: int) -> int:
 
 
 def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int | None = None,
-                early_ids: bool = False, prefetch_w2: int = 0) -> object:
+                early_ids: bool = False) -> object:
     """FC1 compiled for `cfg` in the given CTA order (FC1_COLUMN_MAJOR when None), load
     group (FC1_LOADS_GROUP when None) and ids mode (early_ids: ExpertsFC1's; only with a
     group); cached per order, group and mode, so flipping a module constant in a process
@@ -800,16 +755,14 @@ def compile_fc1(cfg: ExpertsConfig, column_major: bool | None = None, group: int
     cm = FC1_COLUMN_MAJOR if column_major is None else column_major
     grp = FC1_LOADS_GROUP if group is None else group
     early_ids = bool(early_ids) and grp > 0
-    prefetch_w2 = int(prefetch_w2) if grp > 0 else 0
     cfg1 = dataclasses.replace(cfg, pdl=False, stage_async=False)   # FC1 does not depend on them
 
     def build() -> object:
         bf = dummy_ptr(torch.bfloat16)
-        return cute.compile(ExpertsFC1(cfg1, column_major=cm, group=grp, early_ids=early_ids,
-                                       prefetch_w2=prefetch_w2), bf,
-                            dummy_ptr(cfg.idx_dtype), bf, bf, dummy_ptr(torch.int32), bf, Int32(1), Float32(4.0),
+        return cute.compile(ExpertsFC1(cfg1, column_major=cm, group=grp, early_ids=early_ids), bf,
+                            dummy_ptr(cfg.idx_dtype), bf, bf, dummy_ptr(torch.int32), Int32(1), Float32(4.0),
                             Float32(25.0), current_stream(), options=compile_options())
-    return compiled(("experts_fc1", cfg1, bool(cm), int(grp), early_ids, prefetch_w2), build)
+    return compiled(("experts_fc1", cfg1, bool(cm), int(grp), early_ids), build)
 
 
 def compile_for(cfg: ExpertsConfig, v2: bool, m: int, early_ids: bool = False) -> tuple[object, object]:
@@ -822,8 +775,7 @@ def compile_for(cfg: ExpertsConfig, v2: bool, m: int, early_ids: bool = False) -
         return cute.compile((ExpertsFC2v2 if v2 else ExpertsFC2)(cfg), bf, dummy_ptr(cfg.idx_dtype),
                             dummy_ptr(torch.float32), bf, bf, Int32(1), current_stream(), options=compile_options())
     # FC1 does not depend on `pdl` (its launch_dependents hint is always there): one compile
-    fc1 = compile_fc1(cfg, group=fc1_group(m), early_ids=early_ids, prefetch_w2=FC1_PREFETCH_W2 if v2 else 0)
-    return fc1, compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
+    return compile_fc1(cfg, group=fc1_group(m), early_ids=early_ids), compiled(("experts_fc2_v2" if v2 else "experts_fc2", cfg), build2)
 
 
 def prepare(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -882,8 +834,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w13: torch.Tens
         raise ValueError(f"experts ids_ready must be a contiguous int32 [{SYNC_WORDS}] routing sync buffer")
     fc1, fc2 = compile_for(ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl, stage_async and v2), v2, m, early)
     stream = current_stream()
-    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), ptr(ids_ready) if early else dummy_ptr(torch.int32), ptr(w2),
-        Int32(m), Float32(beta), Float32(lin_beta), stream)
+    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), ptr(ids_ready) if early else dummy_ptr(torch.int32), Int32(m),
+        Float32(beta), Float32(lin_beta), stream)
     if rows and v2 and not stage_async and m >= 2:
         from kimi_decode.kernels import moe_fc2_rows
         moe_fc2_rows.launch_fc2(act, idx, w, w2, out, ExpertsConfig(L, ip, i, k, E, idx.dtype, pdl), m, rows)
@@ -1037,8 +989,8 @@ def fc1_launch(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, act: torch
     E, two_ip, L = w13.shape
     grp = fc1_group(m) if group is None else group
     fc1 = compile_fc1(ExpertsConfig(L, two_ip // 2, inter, k, E, idx.dtype), column_major, grp)
-    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), dummy_ptr(torch.int32), dummy_ptr(torch.bfloat16), Int32(m),
-        Float32(beta), Float32(lin_beta), current_stream())
+    fc1(ptr(z), ptr(idx), ptr(w13), ptr(act), dummy_ptr(torch.int32), Int32(m), Float32(beta), Float32(lin_beta),
+        current_stream())
 
 
 def check_fc1_order(timing: bool = True, rows: tuple[int, ...] = (2, 8)) -> list[dict]:

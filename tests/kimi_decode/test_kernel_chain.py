@@ -95,7 +95,7 @@ KERNELS: dict[str, Callable[[Path], str]] = {
     "kda_fast": lambda d: kda_ptx(d, k3_kcfg(0), 16, KDAFast),
     "moe_up": lambda d: ptx_of(d, k_up.MoeUp(k_up.MoeUpConfig(1, K3.latent_dim, K3.hidden // K3.tp, K3.tp, 8)),
                                P(bf), P(bf), P(bf), P(bf), P(bf), P(bf), Int32(0), Float32(1e-5)),
-    "experts_fc1": lambda d: ptx_of(d, ExpertsFC1(experts_cfg()), P(bf), P(i64), P(bf), P(bf), P(torch.int32), P(bf), Int32(1),
+    "experts_fc1": lambda d: ptx_of(d, ExpertsFC1(experts_cfg()), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(1),
                                     Float32(4.0), Float32(25.0)),
     "experts_fc2_v2": lambda d: ptx_of(d, ExpertsFC2v2(experts_cfg()), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1)),
     "mla_attend_uv": lambda d: mla_ptx(d, mla_config(uv_rows=1)),

@@ -107,7 +107,7 @@ def test_divergent_shuffles_helper_can_fail() -> None:
 
 
 def test_fc1_compiles(tmp_path: Path) -> None:
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), P(torch.int32), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert ptx.count("ld.global.v4") == 3 * 14       # gate, up, z per slice; all 14 slices in one trip
     assert ptx.count("shfl.sync.bfly") == 2 * 5      # two butterflies (gate, up)
@@ -125,7 +125,7 @@ def test_fc1_load_groups_issue_each_groups_loads_first(tmp_path: Path, group: in
     ptxas's (cuobjdump of this build with ptxas 13.0): the first group's loads ~15 back to
     back, the later ones as registers freed, where the loop's build kept 3-5 in flight."""
     from tests.kimi_decode.test_kernels_compile import load_convert_order
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=group), P(bf), P(i64), P(bf), P(bf), P(torch.int32), P(bf), Int32(1),
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=group), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(1),
                  Float32(4.0), Float32(25.0))
     common_checks(ptx)
     slices = K3.latent_dim // 256
@@ -165,7 +165,7 @@ def test_fc1_orders_compile_the_same_loads(tmp_path: Path, column_major: bool) -
     """Both CTA orders of the loop build (M >= 2: fc1_group 0): the same loads, butterflies
     and store (only the warp's index math differs), no local memory, registers at the
     pair-major build's level."""
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major, group=0), P(bf), P(i64), P(bf), P(bf), P(torch.int32), P(bf), Int32(8),
+    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, column_major=column_major, group=0), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(8),
                  Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert ptx.count("ld.global.v4") == 3 * 14 and ptx.count("shfl.sync.bfly") == 2 * 5
@@ -273,7 +273,7 @@ def test_fc2_v2_registers_with_ptxas(tmp_path: Path) -> None:
 
 def test_fc1_int32_idx_compiles(tmp_path: Path) -> None:
     cfg = ExpertsConfig(3584, 256, 256, 16, 896, torch.int32)    # no padding skip, int32 ids
-    ptx = ptx_of(tmp_path, ExpertsFC1(cfg), P(bf), P(torch.int32), P(bf), P(bf), P(torch.int32), P(bf), Int32(8), Float32(4.0), Float32(25.0))
+    ptx = ptx_of(tmp_path, ExpertsFC1(cfg), P(bf), P(torch.int32), P(bf), P(bf), P(torch.int32), Int32(8), Float32(4.0), Float32(25.0))
     common_checks(ptx)
     assert "ld.global.v4" in ptx
 
@@ -581,10 +581,10 @@ def test_fc1_early_ids_protocol_in_ptx(tmp_path: Path, chained: bool) -> None:
     chain.set_chain(chained)
     try:
         ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, group=7, early_ids=True), P(bf), P(i64), P(bf), P(bf),
-                     P(torch.int32), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+                     P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
         (tmp_path / "plain").mkdir()
         plain = ptx_of(tmp_path / "plain", ExpertsFC1(K3_CFG, group=7), P(bf), P(i64), P(bf), P(bf),
-                       P(torch.int32), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+                       P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
     finally:
         chain.set_chain(False)
     common_checks(ptx)
@@ -599,63 +599,3 @@ def test_fc1_early_ids_protocol_in_ptx(tmp_path: Path, chained: bool) -> None:
     plain_ev = _ordered_events(plain)
     assert "A" not in plain_ev and "T" not in plain_ev
     assert not ExpertsFC1(K3_CFG, group=0, early_ids=True).early_ids      # the loop build never polls
-
-
-@pytest.mark.parametrize("place,early", [(1, False), (1, True), (2, False), (2, True)])
-def test_fc1_prefetch_w2_in_ptx(tmp_path: Path, place: int, early: bool) -> None:
-    """FC1_PREFETCH_W2 (the M = 1 load-group build): one `cp.async.bulk.prefetch.L2` per lane
-    (the used 2·I = 384 bytes of one w2 row) under a row < L guard, at its place: (1) after
-    the last group's products (every weight and z load and their conversions before it, only
-    the rounded h's two conversions after), (2) before the last group's loads (the first
-    group's loads and products before it). The loads, conversions and butterflies are the
-    plain build's in the same order, so no value can change, and ptxas (when installed)
-    keeps the plain build's 80 registers and its one spilled word (two at place 2; the place
-    right after the last loads spilled ~0.9 KB). Off (the default build) there is no prefetch; the loop build never
-    prefetches, and an unknown place is refused."""
-    from tests.kimi_decode.test_kernels_compile import ptx_events
-    kw = {"group": 7, "early_ids": early}
-    ptx = ptx_of(tmp_path, ExpertsFC1(K3_CFG, prefetch_w2=place, **kw), P(bf), P(i64), P(bf), P(bf),
-                 P(torch.int32), P(bf), Int32(1), Float32(4.0), Float32(25.0))
-    if ptxas_path() is not None:
-        regs, spill_st, spill_ld = ptxas_usage(tmp_path)
-        spill = 4 if place == 1 else 8     # the plain build's word, or two (ptxas 13.0)
-        assert regs <= 85 and spill_st <= spill and spill_ld <= spill, (regs, spill_st, spill_ld)
-    (tmp_path / "plain").mkdir()
-    plain = ptx_of(tmp_path / "plain", ExpertsFC1(K3_CFG, **kw), P(bf), P(i64), P(bf), P(bf),
-                   P(torch.int32), P(bf), Int32(1), Float32(4.0), Float32(25.0))
-    common_checks(ptx)
-    rules = [(lambda s: s.startswith("cp.async.bulk.prefetch.L2"), "P"),
-             (lambda s: s.startswith("ld.global") and ".v4" in s, "V"),
-             (lambda s: s.startswith("cvt.f32.bf16"), "C")]
-    ev, plain_ev = ptx_events(ptx, rules), ptx_events(plain, rules)
-    assert ev.count("P") == 1 and "P" not in plain_ev
-    assert ev.replace("P", "") == plain_ev
-    size_reg = re.search(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", ptx).group(1)
-    assert re.search(rf"mov\.(u32|b32)\s+{re.escape(size_reg)}, {2 * K3.expert_local_inter};", ptx)   # 384 bytes
-    slices = K3.latent_dim // 256
-    head, tail = ev.split("P")
-    if place == 1:
-        assert head.count("V") == 3 * slices and head.count("C") == 24 * slices and tail == "CC", ev
-    else:
-        assert head.count("V") == 3 * 7 and head.count("C") == 24 * 7 and tail.startswith("V" * 3 * 7), ev
-    assert not ExpertsFC1(K3_CFG, group=0, prefetch_w2=place).prefetch_w2
-    with pytest.raises(ValueError, match="prefetch_w2"):
-        ExpertsFC1(K3_CFG, group=7, prefetch_w2=3)
-
-
-def test_fc1_prefetch_w2_follows_the_module_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """experts() builds FC1 with the prefetch only where FC1_PREFETCH_W2 is on, FC2 is v2 and
-    FC1 runs its load groups (M = 1); the compile cache keys on the place."""
-    import kimi_decode.kernels.moe_experts as mx
-    seen = []
-    monkeypatch.setattr(mx, "compiled", lambda key, build: seen.append(key))
-    mx.compile_for(K3_CFG, True, 1)
-    monkeypatch.setattr(mx, "FC1_PREFETCH_W2", mx.PREFETCH_AFTER_LOADS)
-    mx.compile_for(K3_CFG, True, 1)
-    mx.compile_for(K3_CFG, False, 1)
-    mx.compile_for(K3_CFG, True, 8)
-    monkeypatch.setattr(mx, "FC1_PREFETCH_W2", mx.PREFETCH_BEFORE_LAST)
-    mx.compile_for(K3_CFG, True, 1)
-    fc1_keys = seen[0::2]
-    assert [k[-1] for k in fc1_keys] == [0, 1, 0, 0, 2]
-    assert len({fc1_keys[0], fc1_keys[1], fc1_keys[4]}) == 3

@@ -203,7 +203,7 @@ def test_items_run_the_two_kernels_arithmetic(tmp_path: Path) -> None:
         d.mkdir()
         cute.compile(kernel, *args, _common.current_stream(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {d}")
         return [s.strip() for s in next(d.glob("*.ptx")).read_text().splitlines()]
-    fc1 = kernel_ptx("fc1", ExpertsFC1(K3_CFG, unroll=ONE_FC1_UNROLL, group=0), P(bf), P(i64), P(bf), P(bf), P(torch.int32), P(bf), Int32(1), Float32(4.0), Float32(25.0))
+    fc1 = kernel_ptx("fc1", ExpertsFC1(K3_CFG, unroll=ONE_FC1_UNROLL, group=0), P(bf), P(i64), P(bf), P(bf), P(torch.int32), Int32(1), Float32(4.0), Float32(25.0))
     fc2 = kernel_ptx("fc2", ExpertsFC2v2(K3_CFG), P(bf), P(i64), P(f32), P(bf), P(bf), Int32(1))
     atom = [i for i, s in enumerate(one) if s.startswith("atom.")]
     wait = next(i for i, s in enumerate(one) if s.startswith("griddepcontrol.wait"))
