@@ -4,7 +4,9 @@ Why: at M > 8 (M·K > 128) no CuTe experts kernel runs, and in the bundled H200 
 trace the four Triton kernels took ~860 µs of a ~1,050 µs KDA layer: the stable counting sort
 85-97 µs (O(P²) at P = 1024 pairs), FC1 479 µs and FC2 282 µs reading the zero-padded 256
 intermediate rows of which 192 are real. fused.LARGE_M_EXPERTS calls the same kernels with
-`inter` (skip the padding) and `fast_align` (an O(P) sort with atomic places). This measures
+`inter` (skip the padding) and `fast_align` (an O(P) sort with atomic places; stock's own call
+has taken that sort too since session 34, stock_ops.STOCK_FAST_ALIGN, so the "stock" column
+here is stock before it and "padded + fast sort" stock after it). This measures
 both calls, and each sort alone, at the K3 TP16 rank shapes (E = 896 experts, top-16,
 L = 3584, 192 of 256), and checks on the GPU that the outputs are bit-identical (the CPU
 interpreter test's claim, tests/kimi_decode/test_stock_triton.py).
@@ -109,8 +111,9 @@ def render(res: dict) -> str:
              f"- GPU: {m['gpu']}, torch {m['torch']}; commit {m['commit']}, {m['date']}; {m['reps']} replays",
              "- K3 TP16 rank shapes: E = 896, top-16, L = 3584, 192 of 256 intermediate rows real; random",
              "  routing (top-16 uniform per row), seeded bf16 weights with the padding zero (4.9 GB: cold)",
-             "- stock: align (stable sort) + FC1 + FC2 + finalize reading the padding; fused: `inter` = 192 and",
-             "  the atomic sort (fused.LARGE_M_EXPERTS); padded + fast sort: the sort alone changed",
+             "- stock: align (stable sort) + FC1 + FC2 + finalize reading the padding, as stock ran until",
+             "  session 34; fused: `inter` = 192 and the atomic sort (fused.LARGE_M_EXPERTS); padded + fast",
+             "  sort: the sort alone changed, which is stock's call since session 34 (stock_ops.STOCK_FAST_ALIGN)",
              "- bytes: distinct experts x (w13 + w2) slices; TB/s = bytes / the call's time", "",
              "| M | pairs | distinct experts | stock µs | stock TB/s (padded bytes) | fused µs | fused TB/s (unpadded) "
              "| padded + fast sort µs | sort stable µs | sort atomic µs | bit-equal |",

@@ -250,6 +250,8 @@ FRONT_MMA_SHARED = True
 # on an H100 in bench/large_m_experts.md at M = 8, 16, 64). Measured (session 32, H100, 9eea7b9,
 # bench/fused_runs.md): the call at M = 64 1220 -> 894 µs (sort 86 -> 19 µs); the B = 64 layers
 # 1339-1388 / 1462 µs (KDA range / MLA) with False against 1023-1061 / 1148-1150 with True.
+# Since session 34 stock's own call sorts the same way (stock_ops.STOCK_FAST_ALIGN, vLLM's
+# method), so the padding skip and the slot write are what remain different.
 # Read per call, so `--patch` A/Bs it.
 LARGE_M_EXPERTS = True
 # The projections no CuTe kernel takes (M > 8) run stock's GEMM op, the skinny Triton GEMM up to

@@ -187,6 +187,16 @@ def latent_up(r: torch.Tensor, norm: torch.Tensor, up_rows: torch.Tensor, shared
 # Op groups that have a Triton kernel (stock_triton.py); config.triton_off names any to skip.
 TRITON_OPS = ("mm", "attn_res", "conv", "kda", "route", "experts", "up", "mla_norms", "kv_insert")
 SKINNY_MAX_M = 64   # rows up to which a GEMM is one skinny-GEMM kernel (vLLM's low-latency GEMM)
+# The routed experts' sort (Triton op group "experts"): each (row, slot) pair's place in its
+# expert's run from an atomic add on the run's next free position, O(P) (stock_triton's
+# _moe_align_atomic_kernel), as vLLM places them (count_and_sort_expert_tokens_kernel:
+# atomicAdd on the expert's cumsum). Until session 34 stock ran a stable counting sort that
+# counts the equal ids before each pair, O(P²): 86.1 against 18.8 µs at P = 1024 (B = 64) and
+# 18.3 against 15.2 at P = 128 (M = 8) on an H100 (bench/large_m_experts.md), 85-97 µs per
+# layer in the bundled H200 B = 64 stock trace: time vLLM does not spend. The outputs are
+# bit-identical (tests/kimi_decode/test_stock_triton.py). The stock figures committed before
+# this (bench/decode.md, decode_h100.md, the bundled traces) include the slower sort.
+STOCK_FAST_ALIGN = True
 
 
 class OpSet:
@@ -266,15 +276,16 @@ class OpSet:
         return self.fn["situ_glu"](h, inter, beta, lin_beta)
 
     def experts(self, z, idx, w, w13, w2, beta: float, lin_beta: float, inter: int | None = None,
-                fast_align: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                fast_align: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts. `inter`, `fast_align` and `out` are the fused path's call above
         its CuTe kernels' rows (stock_triton.experts: skip the zero padding, the O(P) sort,
-        write into an all-reduce slot); stock passes none of them. The torch functions read
-        the padding (zeros: the same numbers) and copy into `out`."""
+        write into an all-reduce slot); stock passes none of them, so it reads the padding as
+        vLLM does and sorts as STOCK_FAST_ALIGN says. The torch functions read the padding
+        (zeros: the same numbers) and copy into `out`."""
         k = self._kernels("experts", z)
         if k is not None:
             return k.experts(z, idx.contiguous(), w, w13, w2, beta, lin_beta, inter=inter,
-                             fast_align=fast_align, out=out)
+                             fast_align=STOCK_FAST_ALIGN if fast_align is None else fast_align, out=out)
         r = self.experts_fn(z, idx, w, w13, w2, beta, lin_beta)
         return r if out is None else out.copy_(r)
 

@@ -456,7 +456,8 @@ def expert_outputs(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: to
     the first `inter` columns only and FC2 sums over them only: a quarter fewer expert bytes
     at K3 TP16 (192 of 256), the same numbers (each skipped term is an exact zero, and FC2's
     K blocks are the same). `fast_align`: _moe_align_atomic_kernel instead of the stable sort
-    (same segments; see its docstring). Stock runs neither: it reads what vLLM would."""
+    (same segments; see its docstring). Stock reads the padding, as vLLM does, and sorts as
+    stock_ops.STOCK_FAST_ALIGN says (the O(P) sort, vLLM's method)."""
     M, K = idx.shape
     E, I2, L = w13.shape
     Ip = I2 // 2

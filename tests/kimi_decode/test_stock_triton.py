@@ -226,3 +226,31 @@ def test_tiny_model_with_kernels_matches_reference(monkeypatch, spec):
     for layer, (_, _, _, st) in zip(model.layers, ref.layers):
         for name, buf in layer.named_buffers():
             close(buf, st[name], 1e-4)
+
+
+@pytest.mark.parametrize("given", [None, False, True])
+def test_stock_experts_sort_as_vllm(monkeypatch, given):
+    """stock_ops.OpSet.experts: stock's call (no keyword) takes the O(P) sort with atomic places
+    (STOCK_FAST_ALIGN, vLLM's count_and_sort method), a caller's explicit choice is passed
+    through; and the outputs are the stable sort's bit for bit, so only the time changes."""
+    from kimi_decode.config import tiny
+    monkeypatch.setattr(ops.OpSet, "force_triton", True)
+    opset = ops.OpSet(tiny(batch=3))
+    assert "experts" in opset.triton and ops.STOCK_FAST_ALIGN is True
+    seen: list[bool] = []
+    original = kt.experts
+
+    def recording(*a, **kw):
+        seen.append(kw["fast_align"])
+        return original(*a, **kw)
+    monkeypatch.setattr(kt, "experts", recording)
+    g = torch.Generator().manual_seed(31)
+    E, K, L, I, Ip, M = 7, 4, 40, 24, 32, 9
+    z = torch.randn(M, L, generator=g)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(M)])
+    w = torch.rand(M, K, generator=g)
+    w13, w2 = padded_experts(g, E, L, I, Ip)
+    got = opset.experts(z, idx, w, w13, w2, 4.0, 25.0) if given is None else \
+        opset.experts(z, idx, w, w13, w2, 4.0, 25.0, fast_align=given)
+    assert seen == [True if given is None else given]
+    assert torch.equal(got, original(z, idx, w, w13, w2, 4.0, 25.0, fast_align=False))
