@@ -482,7 +482,8 @@ def expert_outputs(z: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor, w2: to
     # the column tile from the stored width, not `inter`: both calls then multiply the same
     # tiles (the masked columns load as the padding's zeros), which keeps them bit-identical
     # on the CPU interpreter too, whose numpy matmul may sum a 16-wide tile in another order
-    # than a 32-wide one (numpy 2.4.6 does); at K3 (192 of 256) both give 32
+    # than a 32-wide one (OpenBLAS picks its kernel by the CPU at run time: on an AMD EPYC
+    # runner numpy 2.4.6 did, where earlier runs had passed); at K3 (192 of 256) both give 32
     bn1 = 32 if Ip >= 32 else 16
     _moe_fc1_kernel[(nseg_max, triton.cdiv(I, bn1))](z, w13, sorted_pairs, seg, nseg, act, K, L, I, Ip, z.stride(0),
                                                      w13.stride(0), w13.stride(1), beta, lin_beta,
