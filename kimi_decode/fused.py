@@ -335,7 +335,7 @@ POS_UPDATE_IN_PLACE = True
 #   also the AttnRes kernel in the PDL chain (the one-CTA kernel is not). Until 9e42f27 it ran
 #   at M = 1 only ("the one-CTA kernel already has M CTAs on M SMs"); the bench in one device
 #   call, one process each: B = 1, k = 7 KDA / MLA 218.2 / 235.0 us at M ≤ 1, 216.4 / 225.2
-#   at M ≤ 8; B = 8 215.8 / 243.8 vs 210.7 / 234.4 (bench/fused_runs.md). Candidate, not yet
+#   at M ≤ 8; B = 8 215.8 / 243.8 vs 210.7 / 234.4 (bench/fused_runs.md).
 #   Above M = 8 (B = 64), where the one-CTA kernel puts each row on one SM (mlp_res, 16
 #   all-reduce slot rows, 229 KB per row, took 17.0 us and attn_res 5.2 us in the cd24720 B = 64
 #   H200 trace for 14.7 MB of slots; the cluster grid (7, 64) spreads them over 448 CTAs): up
