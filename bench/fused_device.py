@@ -306,14 +306,17 @@ def apply_patch(spec: str) -> str:
 
 def bench(out: Path, kernels: frozenset[str], impl: str, reps: int, compile_ops: bool,
           batches: tuple[int, ...] = (1, 8, 64), specs: tuple[int, ...] = (0, 7),
-          copy_bw: float | None = None, variants: tuple[str, ...] = ("stock", "fused")) -> None:
-    """bench/decode.py for `variants` (B in `batches` at k = 0, k in `specs` at B = 1);
-    `copy_bw`: the copy bandwidth measured at this process's start (the floor's divisor)."""
+          copy_bw: float | None = None, variants: tuple[str, ...] = ("stock", "fused"),
+          layers: str = "4-7") -> None:
+    """bench/decode.py for `variants` (B in `batches` at k = 0, k in `specs` at B = 1) over
+    `layers` (the committed tables: 4-7; deeper layers mix more AttnRes blocks, which some
+    per-M rules depend on, fused.ATTN_RES_MC_WIDE_MAX_NB); `copy_bw`: the copy bandwidth
+    measured at this process's start (the floor's divisor)."""
     import kimi_decode.fused as fused_mod
     from bench.decode import main as bench_main
     fused_mod.VERIFIED = fused_mod.DEFAULT_KERNELS = kernels   # this run's verdict, all on
     bench_main(["--variant", *variants, "--batch", *map(str, batches), "--spec", *map(str, specs),
-                "--reps", str(reps), "--expert-impl", impl, "--json", str(out / "bench.json")]
+                "--layers", layers, "--reps", str(reps), "--expert-impl", impl, "--json", str(out / "bench.json")]
                + ([] if compile_ops else ["--eager-ops"]), copy_bw=copy_bw)
 
 
@@ -450,6 +453,7 @@ def main() -> None:
     ap.add_argument("--kernels-from", type=Path, help="skip the kernel checks: read the passing set from this file")
     ap.add_argument("--bench-batch", type=int, nargs="+", default=[1, 8, 64], help="bench: B at k = 0 (only when --bench-spec includes 0)")
     ap.add_argument("--bench-spec", type=int, nargs="+", default=[0, 7], help="bench: k (k > 0 at B = 1)")
+    ap.add_argument("--bench-layers", default="4-7", help="bench: the layers (bench/decode.py --layers)")
     ap.add_argument("--step-shapes", nargs="+", help="step parity only at these B:k (default: all)")
     ap.add_argument("--bench-variants", nargs="+", default=["stock", "fused"], choices=["stock", "fused"],
                     help="bench: the variants timed (an A/B of fused settings needs fused only)")
@@ -531,7 +535,8 @@ def main() -> None:
     if "bench" not in args.skip and time.time() - T0 < args.budget_s - args.bench_s:
         try:
             bench(args.out, timed_kernels, impl, args.reps, timed["compile_ops"],
-                  tuple(args.bench_batch), tuple(args.bench_spec), copy_bw, tuple(args.bench_variants))
+                  tuple(args.bench_batch), tuple(args.bench_spec), copy_bw, tuple(args.bench_variants),
+                  args.bench_layers)
         except Exception:
             traceback.print_exc()
         log("bench done")

@@ -190,3 +190,26 @@ def test_patches_reach_the_isolated_checks(tmp_path, monkeypatch) -> None:
     calls.clear()
     fd.isolated_checks(tmp_path, ("router",))
     assert "--patch" not in calls[0]
+
+
+@pytest.mark.parametrize("layers", [None, "88-91"])
+def test_bench_layers_reach_the_bench(tmp_path, monkeypatch, layers: str | None) -> None:
+    """--bench-layers: the bench times the layers named (bench/decode.py --layers), the
+    committed tables' 4-7 by default; session 34's deeper-layer A/B of attn_res_mc's block
+    rule ran layers 40-43 and 88-91 this way."""
+    import bench.decode
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench.decode, "main", lambda argv, copy_bw=None: seen.append(list(argv)))
+    monkeypatch.setattr(fd.torch.cuda, "get_device_name", lambda *a: "cpu")   # the log line only
+    monkeypatch.setattr(bench.decode, "copy_bandwidth", lambda: 1e12)           # no GPU to copy on
+    monkeypatch.setattr(fd, "RESULTS", {})
+    import kimi_decode.fused as fused_mod          # the job sets both; restored after
+    monkeypatch.setattr(fused_mod, "VERIFIED", fused_mod.VERIFIED)
+    monkeypatch.setattr(fused_mod, "DEFAULT_KERNELS", fused_mod.DEFAULT_KERNELS)
+    args = ["--bench-layers", layers] if layers else []
+    monkeypatch.setattr("sys.argv", ["fused_device", "--out", str(tmp_path / "o"), "--kernels", "gemv",
+                                     "--skip", "step", "ref", "capture", *args])
+    fd.main()
+    assert len(seen) == 1
+    argv = seen[0]
+    assert argv[argv.index("--layers") + 1] == (layers or "4-7")
