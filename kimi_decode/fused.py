@@ -1381,9 +1381,14 @@ class FusedDecoder(StockDecoder):
                     if k_upg.can_implement(cfg.rows, cfg.latent_dim, cfg.row_shard, self.rt.comm.world,
                                            (cfg.torch_dtype, cfg.torch_dtype)):
                         layer.mlp.up_grid_scratch = k_upg.make_scratch(cfg.rows, cfg.latent_dim, dev)
-                # the last layer's output is the step's: gathered by forward (kept in its step
-                # range), so only layers with a next layer hand their slots on
-                layer.mlp.gather_out = ag_slots and i + 1 < len(self.layers)
+                # every layer hands its slots on, the last one too: its all-gather is the
+                # step's output, concatenated by forward in the step's range outside the layer
+                # ranges (as the module docstring says). Why: the bench's slice (layers 4-7)
+                # ends on an MLA layer, and a gather inside L7's range counted a kernel and its
+                # launch that 23 of K3's 24 MLA layers (followed by a KDA layer's AttnRes,
+                # which reads the slots) do not run; bench/decode.py's in-step figures already
+                # left it out (run_layers gathers after the last layer)
+                layer.mlp.gather_out = ag_slots
                 if ({"router", "router_fast", "gemv_multi", "router_mma", "front_mma"} & on) and not hasattr(layer.mlp, "router_counter"):
                     # grid-completion counter of the one-kernel router; the kernel re-zeroes it
                     layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))

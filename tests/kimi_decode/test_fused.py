@@ -11,6 +11,8 @@ are checked against the stock modules they replace.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -381,6 +383,62 @@ def test_all_gather_finished_in_attn_res_on_cpu(monkeypatch, ag_kernel: bool) ->
     # layers 4..8 read layer 3..7's all-gather slots, each step
     n = cfg.hidden // cfg.sim_world
     assert calls == ([(cfg.sim_world, cfg.rows, n)] * 5 * 3 if ag_kernel else [])
+
+
+def test_the_last_layers_gather_is_the_steps_on_cpu(monkeypatch) -> None:
+    """enable() lets every layer hand its all-gather slots on, the last one too (gather_out),
+    and the step concatenates the last layer's slots in its own range, outside every layer
+    range: the slice's last layer (L7.mla in the bench) must not count a gather kernel that
+    K3's MLA layers followed by a KDA layer do not run. Oracle: the ranges actually open
+    when the concatenation runs (a recorder in place of the profiler ranges), and the output
+    equal to stock's."""
+    pytest.importorskip("cutlass")
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels
+    import kimi_decode.kernels.attn_res as k_ar
+    import kimi_decode.ranges as ranges
+    from kimi_decode.runner import build
+    monkeypatch.setitem(fused_mod.MAX_ROWS, "moe_up", 64)
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels, "applicable", lambda name, cfg: True)
+    monkeypatch.setattr(k_ar, "can_implement", lambda *a, **kw: True)
+    cfg = tiny(layers=(3, 4, 5, 6, 7), batch=1, tp=2, weight_chunks=2, tp_sim=True, sim_world=2)
+    stock, rt = build("stock", cfg, "cpu")
+    fused = FusedDecoder.from_stock(stock)
+    on = fused.enable(frozenset({"attn_res", "attn_res_ag", "moe_up"}) & fused_mod.VERIFIED)
+    assert {"attn_res", "attn_res_ag", "moe_up"} <= on
+    assert [layer.mlp.gather_out for layer in fused.layers] == [True] * len(fused.layers)
+    # without the all-gather slots nothing is handed on
+    fused.enable(frozenset({"attn_res", "moe_up"}))
+    assert not any(layer.mlp.gather_out for layer in fused.layers)
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(k_ar, "attn_res_rmsnorm", lambda *a, **k: _emulate_attn_res_ag(calls, *a, **k))
+    emulate_moe_kernels(monkeypatch)
+    for layer in fused.layers:
+        layer.attn_res.use_kernel = layer.mlp_res.use_kernel = True
+        layer.attn_res.use_gather = layer.mlp_res.use_gather = True
+        layer.mlp.use_up_kernel = layer.mlp.use_experts_kernel = True
+        layer.mlp.gather_out = True
+    stack: list[str] = []
+    gathers: list[list[str]] = []
+    real_gather = fused_mod.Gathered.gather
+
+    @contextlib.contextmanager
+    def recorder(name: str):
+        stack.append(name)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def gather(self):
+        gathers.append(list(stack))
+        return real_gather(self)
+    monkeypatch.setattr(ranges, "annotate", recorder)
+    monkeypatch.setattr(fused_mod.Gathered, "gather", gather)
+    run_with_filled_slots(stock, fused, rt, seed=70)
+    assert gathers == [["step", "moe_gather"]] * 3     # one per step, under no layer range
 
 
 @pytest.mark.parametrize("batch,k,mc,limit,wide", [(1, 0, True, None, None), (2, 0, True, None, None),
