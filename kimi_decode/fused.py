@@ -84,6 +84,9 @@ and the kernel is in `VERIFIED`):
   the stock op's six. At 2 ≤ M ≤ 8 `moe_up_grid` (kernels/moe_up_grid.py) does the same with
   the slot sums shared by the whole grid (a grid barrier), so the M = 8 step keeps the
   collectives in kernels too (5 launches fewer per layer than stock's tail).
+  `moe_up_cluster` (kernels/moe_up_cluster.py, opt-in: OPT_IN) does it at every M ≤ 8 with
+  the slot sums shared inside clusters of 8 CTAs through distributed shared memory (no grid
+  barrier, no scratch, 1/8 of moe_up's slot reads per CTA).
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
@@ -214,7 +217,12 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   141.3 at M = 8) but slower in the chained step: FC2 took 90-95 us at B = 1, k = 7 (72 with
 #   the rolled staging) and the layers 271.3 / 280.9 us (KDA / MLA) against 247.2 / 256.7
 #   (bench/fused_runs.md); why is not known.
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
+# moe_up_cluster (kernels/moe_up_cluster.py, session 36): the MoE tail at every M ≤ 8 with its
+# slot sums shared over clusters of 8 CTAs instead of moe_up's per-CTA sums (M ≤ 2) and
+# moe_up_grid's grid barrier (M ≥ 3). Written on the CPU; opt-in (and not in VERIFIED) until
+# its device check and a step A/B: `fused_device --check moe_up_cluster --kernels-ok <the
+# default set>` (the step parity then runs it), `fused_ab` with `--opt-in moe_up_cluster`.
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "moe_up_cluster"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
@@ -873,6 +881,7 @@ class LatentMoE(stock.LatentMoE):
     use_experts_one = False      # FC1 + FC2 v2 in one persistent launch (kernels/moe_experts_one.py)
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     up_grid_scratch = None       # kernels/moe_up_grid.py at 2 ≤ M ≤ 8 (made by enable())
+    use_up_cluster = False       # kernels/moe_up_cluster.py at 1 ≤ M ≤ 8 in place of both (opt-in)
     # the routing sync buffer (kernels/router_fast.py SYNC_WORDS) where FC1 takes the ids from
     # the M = 1 front's flag (moe_experts.FC1_EARLY_IDS; made by enable(), else None)
     routing_sync: torch.Tensor | None = None
@@ -1069,7 +1078,10 @@ class LatentMoE(stock.LatentMoE):
             ag_buf = comm.ag_slots((y.shape[0], n), sh)
             up_args = (r_buf, sh_buf, sh, rank, self.latent_norm, self.up[rank * n:(rank + 1) * n], cfg.rms_eps)
             with op_range("up_proj"):
-                if y.shape[0] <= MAX_ROWS["moe_up"]:
+                if self._up_cluster_applies(y):   # the slot sums shared over clusters of CTAs
+                    from kimi_decode.kernels.moe_up_cluster import moe_up_cluster
+                    moe_up_cluster(*up_args, out=ag_buf[rank])
+                elif y.shape[0] <= MAX_ROWS["moe_up"]:
                     moe_up(*up_args, out=ag_buf[rank])
                 else:   # 2 ≤ M ≤ 8: the slot sums once per grid (kernels/moe_up_grid.py)
                     from kimi_decode.kernels.moe_up_grid import moe_up_grid
@@ -1137,9 +1149,21 @@ class LatentMoE(stock.LatentMoE):
                 and k_mx.can_implement_v2(y.shape[0], cfg.top_k, cfg.latent_dim, self.w2.shape[-1], (y.dtype,),
                                           inter=cfg.expert_local_inter))
 
+    def _up_cluster_applies(self, y: torch.Tensor) -> bool:
+        """moe_up_cluster in place of moe_up / moe_up_grid: the kernel on and the shape one it
+        takes (1 ≤ M ≤ 8, whole clusters)."""
+        if not self.use_up_cluster:
+            return False
+        from kimi_decode.kernels.moe_up_cluster import can_implement
+        return can_implement(y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world,
+                             (y.dtype, self.up.dtype))
+
     def _up_applies(self, y: torch.Tensor) -> bool:
-        """The MoE tail in one kernel: moe_up at M ≤ MAX_ROWS["moe_up"], moe_up_grid above it
-        where that kernel is on (its scratch made by enable() for this M) and can run."""
+        """The MoE tail in one kernel: moe_up_cluster where on and it can run; else moe_up at
+        M ≤ MAX_ROWS["moe_up"], moe_up_grid above it where that kernel is on (its scratch
+        made by enable() for this M) and can run."""
+        if self._up_cluster_applies(y):
+            return True
         shape = (y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world, (y.dtype, self.up.dtype))
         if y.shape[0] <= MAX_ROWS["moe_up"]:
             from kimi_decode.kernels.moe_up import can_implement
@@ -1376,6 +1400,7 @@ class FusedDecoder(StockDecoder):
                         layer.mlp.routing_sync = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=dev)
                 layer.mlp.use_up_kernel = sim and "moe_up" in on
                 layer.mlp.up_grid_scratch = None
+                layer.mlp.use_up_cluster = layer.mlp.use_up_kernel and "moe_up_cluster" in on
                 if layer.mlp.use_up_kernel and "moe_up_grid" in on and cfg.rows > MAX_ROWS["moe_up"]:
                     from kimi_decode.kernels import moe_up_grid as k_upg
                     if k_upg.can_implement(cfg.rows, cfg.latent_dim, cfg.row_shard, self.rt.comm.world,

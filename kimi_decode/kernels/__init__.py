@@ -55,7 +55,10 @@ KERNELS = ("attn_res", "kda", "router", "gemv", "prefetch",
            "gemv_mma_tuned",
            # fifteenth round (M = 2..8): the MoE front (router + top-k, latent_down, shared
            # gate/up) in one gemv_mma grid, as gemv_multi is at M = 1
-           "front_mma")
+           "front_mma",
+           # the MoE tail at 1 ≤ M ≤ 8 with the slot sums shared over clusters of 8 CTAs through
+           # distributed shared memory (no grid barrier, no scratch); opt-in until measured
+           "moe_up_cluster")
 # Kernel name -> the module whose `check(timing)` is its GPU check (second-round kernels; the
 # first five live in checks.py).
 CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fast": "router_fast",
@@ -69,7 +72,7 @@ CHECK_MODULES = {"kda_split": "kda_split", "experts": "moe_experts", "router_fas
                  "experts_rows": "moe_fc2_rows", "router_topk": "router_topk",
                  "mla_attend_mma": "mla_attend_mma", "gemv_mma_pair": "gemv_mma_pair",
                  "mla_norm_fold_mma": "mla_norm_fold", "gemv_mma_tuned": "gemv_mma",
-                 "front_mma": "front_mma"}
+                 "front_mma": "front_mma", "moe_up_cluster": "moe_up_cluster"}
 
 
 def applicable(name: str, cfg: object) -> bool:

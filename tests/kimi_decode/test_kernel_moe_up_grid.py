@@ -198,7 +198,8 @@ def test_fused_tail_picks_the_grid_kernel_between_2_and_8_rows() -> None:
 
     def applies(m: int, scratch_rows: int | None) -> bool:
         sc = None if scratch_rows is None else g.make_scratch(scratch_rows, K3.latent_dim, "cpu")
-        moe = SimpleNamespace(cfg=K3, rt=rt, up=up, up_grid_scratch=sc)
+        moe = SimpleNamespace(cfg=K3, rt=rt, up=up, up_grid_scratch=sc, use_up_cluster=False)
+        moe._up_cluster_applies = lambda y: fused.LatentMoE._up_cluster_applies(moe, y)
         return fused.LatentMoE._up_applies(moe, torch.zeros(m, K3.hidden, dtype=bf))
     assert fused.MAX_ROWS["moe_up"] == 2
     assert applies(1, None) and applies(2, None)
