@@ -51,6 +51,7 @@ from __future__ import annotations
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 from dataclasses import dataclass
+from typing import Callable
 
 import cuda.bindings.driver as cuda
 import torch
@@ -264,6 +265,42 @@ def compile_for(cfg: MoeUpConfig) -> object:
     return compiled(("moe_up", cfg, SLOT_LOADS_FIRST), build)
 
 
+def checked_args(name: str, can: Callable[..., bool], r_slots: torch.Tensor, sh_slots: torch.Tensor,
+                 sh_full: torch.Tensor, rank: int, latent_norm: torch.Tensor, up_rows: torch.Tensor,
+                 out: torch.Tensor | None, warps: int) -> tuple[int, int, int, int, torch.Tensor]:
+    """(M, L, n, world, out) of a MoE-tail launch (moe_up, moe_up_grid, moe_up_cluster: same
+    arguments), `out` allocated where None; ValueError naming kernel `name` where the shapes
+    do not match each other or `can` (that kernel's can_implement) refuses them."""
+    world, m, L = r_slots.shape
+    n = up_rows.shape[0]
+    dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
+    if (tuple(sh_slots.shape) != (world, m, n) or tuple(sh_full.shape) != (m, world * n)
+            or tuple(latent_norm.shape) != (L,) or tuple(up_rows.shape) != (n, L)
+            or not 0 <= rank < world or not can(m, L, n, world, dtypes, warps)):
+        raise ValueError(f"{name} kernel cannot run M={m} L={L} n={n} world={world} rank={rank}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
+        raise ValueError("out must be [M, n] bf16")
+    return m, L, n, world, out
+
+
+def emulate_tail(r: torch.Tensor, ss: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor,
+                 rank: int, latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """The rounding points after Σ r² (the CPU emulations of moe_up_grid and moe_up_cluster,
+    which differ only in that sum's order): rstd from ss [M], xn = bf16(r · rstd · norm),
+    y = bf16(fp32 dot), shared = bf16(fp32 slot sum, slot `rank` from sh_full), out =
+    bf16(y + shared)."""
+    n = up_rows.shape[0]
+    L = r.shape[-1]
+    rstd = torch.rsqrt(ss / L + eps)
+    xn = (r * rstd[:, None] * latent_norm.float()).bfloat16().float()
+    y = (xn @ up_rows.float().t()).bfloat16().float()
+    sl = sh_slots.float().clone()
+    sl[rank] = sh_full[:, rank * n:(rank + 1) * n].float()      # slot `rank` is never read
+    return (y + sl.sum(0).bfloat16().float()).bfloat16()
+
+
 def moe_up(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor, rank: int,
            latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float,
            out: torch.Tensor | None = None, *, warps: int = WARPS) -> torch.Tensor:
@@ -271,17 +308,8 @@ def moe_up(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor,
     sh_full [M, world·n] (this rank's full shared partial), latent_norm [L], up_rows [n, L]
     (rows rank·n:(rank+1)·n of up); all contiguous bf16. Writes and returns part [M, n] (into
     `out` when given: contiguous [M, n] bf16, e.g. slot `rank` of the all-gather buffer)."""
-    world, m, L = r_slots.shape
-    n = up_rows.shape[0]
-    dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
-    if (tuple(sh_slots.shape) != (world, m, n) or tuple(sh_full.shape) != (m, world * n)
-            or tuple(latent_norm.shape) != (L,) or tuple(up_rows.shape) != (n, L)
-            or not 0 <= rank < world or not can_implement(m, L, n, world, dtypes, warps)):
-        raise ValueError(f"moe_up kernel cannot run M={m} L={L} n={n} world={world} rank={rank}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
-        raise ValueError("out must be [M, n] bf16")
+    m, L, n, world, out = checked_args("moe_up", can_implement, r_slots, sh_slots, sh_full, rank,
+                                       latent_norm, up_rows, out, warps)
     compile_for(MoeUpConfig(m, L, n, world, warps, early=chain.early_release(m)))(ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm),
                                              ptr(up_rows), ptr(out), Int32(rank), Float32(eps),
                                              current_stream())

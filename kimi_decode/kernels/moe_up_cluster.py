@@ -275,17 +275,8 @@ def moe_up_cluster(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch
                    latent_norm: torch.Tensor, up_rows: torch.Tensor, eps: float,
                    out: torch.Tensor | None = None, *, warps: int = k_up.WARPS) -> torch.Tensor:
     """moe_up (same arguments and result, kernels/moe_up.py) for 1 ≤ M ≤ 8; no scratch."""
-    world, m, L = r_slots.shape
-    n = up_rows.shape[0]
-    dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
-    if (tuple(sh_slots.shape) != (world, m, n) or tuple(sh_full.shape) != (m, world * n)
-            or tuple(latent_norm.shape) != (L,) or tuple(up_rows.shape) != (n, L)
-            or not 0 <= rank < world or not can_implement(m, L, n, world, dtypes, warps)):
-        raise ValueError(f"moe_up_cluster kernel cannot run M={m} L={L} n={n} world={world} rank={rank}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
-        raise ValueError("out must be [M, n] bf16")
+    m, L, n, world, out = k_up.checked_args("moe_up_cluster", can_implement, r_slots, sh_slots, sh_full, rank,
+                                            latent_norm, up_rows, out, warps)
     compile_for(k_up.MoeUpConfig(m, L, n, world, warps))(
         ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm), ptr(up_rows), ptr(out),
         Int32(rank), Float32(eps), current_stream())
@@ -298,8 +289,7 @@ def emulate(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor
     CTA share (CL shares of per vectors, each as halves of 32 vectors, added in order), the
     shares in rank order; xn = bf16(r · rstd · norm); y = bf16(fp32 dot); shared = bf16(fp32
     sum); out = bf16(y + shared)."""
-    world, m, L = r_slots.shape
-    n = up_rows.shape[0]
+    m, L = r_slots.shape[1], r_slots.shape[2]
     nv = L // VEC
     per, _, _ = shares(nv, warps * 32)
     r = r_slots.float().sum(0).bfloat16().float()                          # [M, L]
@@ -311,13 +301,7 @@ def emulate(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor
     ss = share[:, 0]
     for d in range(1, CL):
         ss = ss + share[:, d]
-    rstd = torch.rsqrt(ss / L + eps)
-    xn = (r * rstd[:, None] * latent_norm.float()).bfloat16().float()
-    y = (xn @ up_rows.float().t()).bfloat16().float()
-    sl = sh_slots.float().clone()
-    sl[rank] = sh_full[:, rank * n:(rank + 1) * n].float()      # slot `rank` is never read
-    sh = sl.sum(0)
-    return (y + sh.bfloat16().float()).bfloat16()
+    return k_up.emulate_tail(r, ss, sh_slots, sh_full, rank, latent_norm, up_rows, eps)
 
 
 def check(timing: bool = True) -> list[dict]:

@@ -382,20 +382,11 @@ def moe_up_grid(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Te
                 out: torch.Tensor | None = None, *, warps: int = k_up.WARPS) -> torch.Tensor:
     """moe_up (same arguments and result, kernels/moe_up.py) for 2 ≤ M ≤ 8, with `scratch`
     from make_scratch(M, L) (one per call site: two launches in flight must not share it)."""
-    world, m, L = r_slots.shape
-    n = up_rows.shape[0]
-    dtypes = (r_slots.dtype, sh_slots.dtype, sh_full.dtype, latent_norm.dtype, up_rows.dtype)
-    if (tuple(sh_slots.shape) != (world, m, n) or tuple(sh_full.shape) != (m, world * n)
-            or tuple(latent_norm.shape) != (L,) or tuple(up_rows.shape) != (n, L)
-            or not 0 <= rank < world or not can_implement(m, L, n, world, dtypes, warps)):
-        raise ValueError(f"moe_up_grid kernel cannot run M={m} L={L} n={n} world={world} rank={rank}")
+    m, L, n, world, out = k_up.checked_args("moe_up_grid", can_implement, r_slots, sh_slots, sh_full, rank,
+                                            latent_norm, up_rows, out, warps)
     if (tuple(scratch.rbuf.shape) != (m, L) or scratch.wss.numel() != m * L // (VEC * 32)
             or scratch.sync.numel() != 2 or scratch.sync.dtype != torch.int32):
         raise ValueError(f"moe_up_grid scratch is not make_scratch({m}, {L})")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=r_slots.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16:
-        raise ValueError("out must be [M, n] bf16")
     compile_for(k_up.MoeUpConfig(m, L, n, world, warps))(
         ptr(r_slots), ptr(sh_slots), ptr(sh_full), ptr(latent_norm), ptr(up_rows), ptr(out),
         ptr(scratch.rbuf), ptr(scratch.wss), ptr(scratch.sync), Int32(rank), Float32(eps), current_stream())
@@ -407,17 +398,10 @@ def emulate(r_slots: torch.Tensor, sh_slots: torch.Tensor, sh_full: torch.Tensor
     """The kernel's rounding points in torch (CPU tests): r = bf16(fp32 slot sum), Σ r² per warp
     of 32 vectors then in warp order, xn = bf16(r · rstd · norm), y = bf16(fp32 dot), shared =
     bf16(fp32 sum), out = bf16(y + shared)."""
-    world, m, L = r_slots.shape
-    n = up_rows.shape[0]
+    m = r_slots.shape[1]
     r = r_slots.float().sum(0).bfloat16().float()                          # [M, L]
     ss = (r * r).reshape(m, -1, VEC * 32).sum(-1).sum(-1)                  # warp partials, in order
-    rstd = torch.rsqrt(ss / L + eps)
-    xn = (r * rstd[:, None] * latent_norm.float()).bfloat16().float()
-    y = (xn @ up_rows.float().t()).bfloat16().float()
-    sl = sh_slots.float().clone()
-    sl[rank] = sh_full[:, rank * n:(rank + 1) * n].float()      # slot `rank` is never read
-    sh = sl.sum(0)
-    return (y + sh.bfloat16().float()).bfloat16()
+    return k_up.emulate_tail(r, ss, sh_slots, sh_full, rank, latent_norm, up_rows, eps)
 
 
 def check(timing: bool = True) -> list[dict]:
