@@ -51,7 +51,7 @@ from __future__ import annotations
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import cuda.bindings.driver as cuda
 import torch
@@ -365,6 +365,75 @@ def check_slots(m: int, L: int, D: int, world: int, rank: int, case: str, gen: t
     return r_loc, sh_loc, r_slots, sh_slots
 
 
+@dataclass
+class CheckCase:
+    """One row's inputs of the MoE-tail checks (moe_up, moe_up_grid, moe_up_cluster): K3 TP16
+    shapes at M rows, TP rank `rank`, slot case `case` (check_slots), and the stock run's op
+    set; `args` are the kernels' (and stock()'s) positional arguments."""
+
+    m: int
+    rank: int
+    case: str
+    world: int
+    n: int
+    eps: float
+    ops: object
+    norm: torch.Tensor
+    up_rows: torch.Tensor
+    r_loc: torch.Tensor
+    sh_loc: torch.Tensor
+    r_slots: torch.Tensor
+    sh_slots: torch.Tensor
+    args: tuple
+
+    def stock_call(self, comm: object) -> None:
+        """What a tail kernel replaces in the stock run: the two collectives, then OpSet.up."""
+        r_c = comm.all_reduce(self.r_loc)
+        sh_c = comm.reduce_scatter_cols(self.sh_loc)
+        self.ops.up(r_c, self.norm, self.up_rows, sh_c, self.eps)
+
+
+def check_cases(ms: tuple[int, ...], seed0: int, dev: torch.device) -> Iterator[CheckCase]:
+    """The checks' inputs in their fixed order: per M (generator seeded seed0 + M: the norm,
+    the up-projection), rank ∈ {0, 5}, case ∈ {simcomm, all_slots}. The ops are the stock
+    run's (compile_ops on: OpSet.up is the Triton skinny GEMM with the RMSNorm prologue and
+    the + shared epilogue) on the GPU, eager torch on the CPU (harness tests)."""
+    from kimi_decode import stock_ops
+    from kimi_decode.config import k3_tp16
+    for m in ms:
+        cfg = k3_tp16(batch=m)
+        assert cfg.rows == m
+        world, L, D, eps = cfg.tp, cfg.latent_dim, cfg.hidden, cfg.rms_eps
+        n = D // world
+        ops = stock_ops.OpSet(k3_tp16(batch=m, compile_ops=dev.type == "cuda"))
+        gen = torch.Generator(device=dev).manual_seed(seed0 + m)
+        norm = (1.0 + 0.1 * torch.randn(L, generator=gen, device=dev)).bfloat16()
+        up = (torch.randn(D, L, generator=gen, device=dev) * L ** -0.5).bfloat16()
+        for rank in (0, 5):
+            up_rows = up[rank * n:(rank + 1) * n]
+            for case in ("simcomm", "all_slots"):
+                r_loc, sh_loc, r_slots, sh_slots = check_slots(m, L, D, world, rank, case, gen)
+                yield CheckCase(m, rank, case, world, n, eps, ops, norm, up_rows, r_loc, sh_loc, r_slots,
+                                sh_slots, (r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps))
+
+
+def graph_replays_equal(launch: Callable[[torch.Tensor], object], y: torch.Tensor) -> bool:
+    """A tail kernel captured in a CUDA graph (launch(out) writes out) replays 3 times to `y`
+    (barriers and counters that must survive replays: moe_up_grid's, moe_up_cluster's)."""
+    from kimi_decode.kernels.checks import _sync
+    g = torch.cuda.CUDAGraph()
+    gout = torch.empty_like(y)
+    with torch.cuda.graph(g):
+        launch(gout)
+    ok = True
+    for _ in range(3):
+        gout.zero_()
+        g.replay()
+        _sync()
+        ok &= torch.equal(gout, y)
+    return bool(ok)
+
+
 def check(timing: bool = True) -> list[dict]:
     """Kernel vs the stock ops it replaces at K3 TP16 shapes, M ∈ {1, 8}, rank ∈ {0, 5}:
     - "simcomm": other slots zero, stock = SimComm(dev, 16, rank).all_reduce(r) +
@@ -375,75 +444,61 @@ def check(timing: bool = True) -> list[dict]:
     stock collectives + OpSet.up (what the kernel replaces) vs one kernel launch."""
     from kimi_decode import stock_ops
     from kimi_decode.comm import SimComm
-    from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
     dev = torch.device(DEVICE)
     out = []
-    for m in (1, 8):
-        cfg = k3_tp16(batch=m)
-        assert cfg.rows == m
-        world, L, D, eps = cfg.tp, cfg.latent_dim, cfg.hidden, cfg.rms_eps
-        n = D // world
-        # the stock run's op set (compile_ops on: OpSet.up is the Triton skinny GEMM with the
-        # RMSNorm prologue and the + shared epilogue); eager torch on the CPU (harness test)
-        ops = stock_ops.OpSet(k3_tp16(batch=m, compile_ops=DEVICE == "cuda"))
-        gen = torch.Generator(device=dev).manual_seed(1000 + m)
-        norm = (1.0 + 0.1 * torch.randn(L, generator=gen, device=dev)).bfloat16()
-        up = (torch.randn(D, L, generator=gen, device=dev) * L ** -0.5).bfloat16()
-        for rank in (0, 5):
-            up_rows = up[rank * n:(rank + 1) * n]
-            for case in ("simcomm", "all_slots"):
-                r_loc, sh_loc, r_slots, sh_slots = check_slots(m, L, D, world, rank, case, gen)
-                with torch.no_grad():
-                    if case == "simcomm":
-                        comm = SimComm(dev, world, rank)
-                        r_s = comm.all_reduce(r_loc)
-                        sh_s = comm.reduce_scatter_cols(sh_loc)
-                        y_s = stock_ops.latent_up(r_s, norm, up_rows, sh_s, eps)
-                        y_op = ops.up(r_s, norm, up_rows, sh_s, eps)
-                    else:
-                        y_s = stock(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
-                        y_op = stock(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, ops.up)
-                    y_k = moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
-                    dst = torch.full((world, m, n), 7.0, dtype=torch.bfloat16, device=dev)
-                    moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, out=dst[rank])
-                    y_alt = {w: moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, warps=w)
-                             for w in ALT_WARPS}
-                _sync()
-                ref = reference(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
-                e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
-                others = torch.cat([dst[:rank], dst[rank + 1:]])
-                out_ok = torch.equal(dst[rank], y_k) and bool((others == 7.0).all())
-                row = {"kernel": "moe_up", "M": m, "rank": rank, "case": case, "rel_vs_stock": e_ks,
-                       "rel_vs_stock_op": e_kop, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
-                       "out_slot_ok": out_ok}
-                alt_ok = True
-                for w, y_w in y_alt.items():   # other CTA sizes: same math, other block_sum order
-                    row[f"w{w}_rel_vs_stock"] = rel(y_w, y_s)
-                    alt_ok &= rel(y_w, y_s) <= 1e-2 and rel(y_w, ref) <= 1.5 * e_s + 1e-3
-                row["ok"] = (e_ks <= 1e-2 and e_kop <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and out_ok
-                             and alt_ok)
-                if timing and case == "simcomm" and rank == 0:
-                    comm = SimComm(dev, world, rank)
+    for c in check_cases((1, 8), 1000, dev):
+        m, rank, case, world, n, eps, ops = c.m, c.rank, c.case, c.world, c.n, c.eps, c.ops
+        norm, up_rows, r_loc, sh_loc, r_slots, sh_slots = c.norm, c.up_rows, c.r_loc, c.sh_loc, c.r_slots, c.sh_slots
+        L = r_loc.shape[-1]
+        with torch.no_grad():
+            if case == "simcomm":
+                comm = SimComm(dev, world, rank)
+                r_s = comm.all_reduce(r_loc)
+                sh_s = comm.reduce_scatter_cols(sh_loc)
+                y_s = stock_ops.latent_up(r_s, norm, up_rows, sh_s, eps)
+                y_op = ops.up(r_s, norm, up_rows, sh_s, eps)
+            else:
+                y_s = stock(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
+                y_op = stock(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, ops.up)
+            y_k = moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
+            dst = torch.full((world, m, n), 7.0, dtype=torch.bfloat16, device=dev)
+            moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, out=dst[rank])
+            y_alt = {w: moe_up(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps, warps=w)
+                     for w in ALT_WARPS}
+        _sync()
+        ref = reference(r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
+        e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
+        others = torch.cat([dst[:rank], dst[rank + 1:]])
+        out_ok = torch.equal(dst[rank], y_k) and bool((others == 7.0).all())
+        row = {"kernel": "moe_up", "M": m, "rank": rank, "case": case, "rel_vs_stock": e_ks,
+               "rel_vs_stock_op": e_kop, "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+               "out_slot_ok": out_ok}
+        alt_ok = True
+        for w, y_w in y_alt.items():   # other CTA sizes: same math, other block_sum order
+            row[f"w{w}_rel_vs_stock"] = rel(y_w, y_s)
+            alt_ok &= rel(y_w, y_s) <= 1e-2 and rel(y_w, ref) <= 1.5 * e_s + 1e-3
+        row["ok"] = (e_ks <= 1e-2 and e_kop <= 1e-2 and e_k <= 1.5 * e_s + 1e-3 and out_ok
+                     and alt_ok)
+        if timing and case == "simcomm" and rank == 0:
+            comm = SimComm(dev, world, rank)
 
-                    def stock_call() -> None:
-                        r_c = comm.all_reduce(r_loc)
-                        sh_c = comm.reduce_scatter_cols(sh_loc)
-                        ops.up(r_c, norm, up_rows, sh_c, eps)
+            def stock_call() -> None:
+                c.stock_call(comm)
 
-                    def stock_up() -> None:
-                        ops.up(r_s, norm, up_rows, sh_s, eps)
+            def stock_up() -> None:
+                ops.up(r_s, norm, up_rows, sh_s, eps)
 
-                    with torch.no_grad():
-                        row["stock_us"] = time_us(stock_call)
-                        row["stock_up_only_us"] = time_us(stock_up)
-                        row["kernel_us"] = time_us(lambda: moe_up(r_slots, sh_slots, sh_loc, rank, norm,
-                                                                  up_rows, eps, out=dst[rank]))
-                        for w in ALT_WARPS:
-                            row[f"kernel_us_w{w}"] = time_us(lambda: moe_up(r_slots, sh_slots, sh_loc, rank, norm,
-                                                                            up_rows, eps, out=dst[rank], warps=w))
-                    row["kernel_tbs"] = (n * L * 2) / (row["kernel_us"] * 1e-6) / 1e12
-                out.append(row)
+            with torch.no_grad():
+                row["stock_us"] = time_us(stock_call)
+                row["stock_up_only_us"] = time_us(stock_up)
+                row["kernel_us"] = time_us(lambda: moe_up(r_slots, sh_slots, sh_loc, rank, norm,
+                                                          up_rows, eps, out=dst[rank]))
+                for w in ALT_WARPS:
+                    row[f"kernel_us_w{w}"] = time_us(lambda: moe_up(r_slots, sh_slots, sh_loc, rank, norm,
+                                                                    up_rows, eps, out=dst[rank], warps=w))
+            row["kernel_tbs"] = (n * L * 2) / (row["kernel_us"] * 1e-6) / 1e12
+        out.append(row)
     return out
 
 

@@ -311,79 +311,52 @@ def check(timing: bool = True) -> list[dict]:
     all-gather slot leaves the other slots untouched; 3 repeated calls and 3 CUDA-graph replays
     give the same output. Timing (simcomm, rank 0): stock collectives + OpSet.up, the kernel it
     would replace, and this kernel."""
-    from kimi_decode import stock_ops
     from kimi_decode.comm import SimComm
-    from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
     dev = torch.device(DEVICE)
     out = []
-    for m in (1, 2, 4, 8):
-        cfg = k3_tp16(batch=m)
-        world, L, D, eps = cfg.tp, cfg.latent_dim, cfg.hidden, cfg.rms_eps
-        n = D // world
-        ops = stock_ops.OpSet(k3_tp16(batch=m, compile_ops=DEVICE == "cuda"))
-        gen = torch.Generator(device=dev).manual_seed(3000 + m)
-        norm = (1.0 + 0.1 * torch.randn(L, generator=gen, device=dev)).bfloat16()
-        up = (torch.randn(D, L, generator=gen, device=dev) * L ** -0.5).bfloat16()
-        grid_scratch = k_upg.make_scratch(m, L, dev) if m >= k_upg.MIN_ROWS else None
-        for rank in (0, 5):
-            up_rows = up[rank * n:(rank + 1) * n]
-            for case in ("simcomm", "all_slots"):
-                r_loc, sh_loc, r_slots, sh_slots = k_up.check_slots(m, L, D, world, rank, case, gen)
-                args = (r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
+    grid_scratch: dict[int, k_upg.MoeUpGridScratch] = {}
+    for c in k_up.check_cases((1, 2, 4, 8), 3000, dev):
+        m, rank, case, args = c.m, c.rank, c.case, c.args
+        if m >= k_upg.MIN_ROWS and m not in grid_scratch:
+            grid_scratch[m] = k_upg.make_scratch(m, c.r_slots.shape[-1], dev)
 
-                def replaced(dst: torch.Tensor | None = None) -> torch.Tensor:
-                    if grid_scratch is None:
-                        return k_up.moe_up(*args, out=dst)
-                    return k_upg.moe_up_grid(*args, grid_scratch, out=dst)
+        def replaced(dst: torch.Tensor | None = None) -> torch.Tensor:
+            if m < k_upg.MIN_ROWS:
+                return k_up.moe_up(*args, out=dst)
+            return k_upg.moe_up_grid(*args, grid_scratch[m], out=dst)
 
-                with torch.no_grad():
-                    y_s = k_up.stock(*args)
-                    y_op = k_up.stock(*args, ops.up)
-                    y_one = k_up.moe_up(*args)
-                    y_rep = replaced()
-                    y_k = moe_up_cluster(*args)
-                    reps = [moe_up_cluster(*args) for _ in range(3)]
-                    dst = torch.full((world, m, n), 7.0, dtype=torch.bfloat16, device=dev)
-                    moe_up_cluster(*args, out=dst[rank])
-                _sync()
-                ref = k_up.reference(*args)
-                e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
-                others = torch.cat([dst[:rank], dst[rank + 1:]])
-                row = {"kernel": "moe_up_cluster", "M": m, "rank": rank, "case": case,
-                       "rel_vs_stock": e_ks, "rel_vs_stock_op": e_kop, "rel_vs_moe_up": rel(y_k, y_one),
-                       "rel_vs_replaced": rel(y_k, y_rep), "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
-                       "repeat_equal": all(torch.equal(y, y_k) for y in reps),
-                       "out_slot_ok": torch.equal(dst[rank], y_k) and bool((others == 7.0).all())}
-                if DEVICE == "cuda" and case == "all_slots" and rank == 5:
-                    g = torch.cuda.CUDAGraph()
-                    gout = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                    with torch.cuda.graph(g):
-                        moe_up_cluster(*args, out=gout)
-                    ok_g = True
-                    for _ in range(3):
-                        gout.zero_()
-                        g.replay()
-                        _sync()
-                        ok_g &= torch.equal(gout, y_k)
-                    row["graph_replays_equal"] = bool(ok_g)
-                row["ok"] = bool(e_ks <= 1e-2 and e_kop <= 1e-2 and row["rel_vs_moe_up"] <= 1e-2
-                                 and row["rel_vs_replaced"] <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
-                                 and row["repeat_equal"] and row["out_slot_ok"]
-                                 and row.get("graph_replays_equal", True))
-                if timing and case == "simcomm" and rank == 0 and DEVICE == "cuda":
-                    comm = SimComm(dev, world, rank)
-
-                    def stock_call() -> None:
-                        r_c = comm.all_reduce(r_loc)
-                        sh_c = comm.reduce_scatter_cols(sh_loc)
-                        ops.up(r_c, norm, up_rows, sh_c, eps)
-
-                    with torch.no_grad():
-                        row["stock_us"] = time_us(stock_call)
-                        row["replaced_us"] = time_us(lambda: replaced(dst[rank]))
-                        row["kernel_us"] = time_us(lambda: moe_up_cluster(*args, out=dst[rank]))
-                out.append(row)
+        with torch.no_grad():
+            y_s = k_up.stock(*args)
+            y_op = k_up.stock(*args, c.ops.up)
+            y_one = k_up.moe_up(*args)
+            y_rep = replaced()
+            y_k = moe_up_cluster(*args)
+            reps = [moe_up_cluster(*args) for _ in range(3)]
+            dst = torch.full((c.world, m, c.n), 7.0, dtype=torch.bfloat16, device=dev)
+            moe_up_cluster(*args, out=dst[rank])
+        _sync()
+        ref = k_up.reference(*args)
+        e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
+        others = torch.cat([dst[:rank], dst[rank + 1:]])
+        row = {"kernel": "moe_up_cluster", "M": m, "rank": rank, "case": case,
+               "rel_vs_stock": e_ks, "rel_vs_stock_op": e_kop, "rel_vs_moe_up": rel(y_k, y_one),
+               "rel_vs_replaced": rel(y_k, y_rep), "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+               "repeat_equal": all(torch.equal(y, y_k) for y in reps),
+               "out_slot_ok": torch.equal(dst[rank], y_k) and bool((others == 7.0).all())}
+        if DEVICE == "cuda" and case == "all_slots" and rank == 5:
+            row["graph_replays_equal"] = k_up.graph_replays_equal(lambda o: moe_up_cluster(*args, out=o), y_k)
+        row["ok"] = bool(e_ks <= 1e-2 and e_kop <= 1e-2 and row["rel_vs_moe_up"] <= 1e-2
+                         and row["rel_vs_replaced"] <= 1e-2 and e_k <= 1.5 * e_s + 1e-3
+                         and row["repeat_equal"] and row["out_slot_ok"]
+                         and row.get("graph_replays_equal", True))
+        if timing and case == "simcomm" and rank == 0 and DEVICE == "cuda":
+            comm = SimComm(dev, c.world, rank)
+            with torch.no_grad():
+                row["stock_us"] = time_us(lambda: c.stock_call(comm))
+                row["replaced_us"] = time_us(lambda: replaced(dst[rank]))
+                row["kernel_us"] = time_us(lambda: moe_up_cluster(*args, out=dst[rank]))
+        out.append(row)
     return out
 
 

@@ -411,81 +411,56 @@ def check(timing: bool = True) -> list[dict]:
     calls and 3 CUDA-graph replays give the same output and leave the barrier's counter zero
     (its epoch advanced once per call). Timing (simcomm, rank 0): stock collectives + OpSet.up,
     moe_up, and this kernel."""
-    from kimi_decode import stock_ops
     from kimi_decode.comm import SimComm
-    from kimi_decode.config import k3_tp16
     from kimi_decode.kernels.checks import DEVICE, _sync, rel, time_us
     dev = torch.device(DEVICE)
     out = []
-    for m in (2, 4, 8):
-        cfg = k3_tp16(batch=m)
-        world, L, D, eps = cfg.tp, cfg.latent_dim, cfg.hidden, cfg.rms_eps
-        n = D // world
-        ops = stock_ops.OpSet(k3_tp16(batch=m, compile_ops=DEVICE == "cuda"))
-        gen = torch.Generator(device=dev).manual_seed(2000 + m)
-        norm = (1.0 + 0.1 * torch.randn(L, generator=gen, device=dev)).bfloat16()
-        up = (torch.randn(D, L, generator=gen, device=dev) * L ** -0.5).bfloat16()
-        scratch = make_scratch(m, L, dev)
-        for rank in (0, 5):
-            up_rows = up[rank * n:(rank + 1) * n]
-            for case in ("simcomm", "all_slots"):
-                r_loc, sh_loc, r_slots, sh_slots = k_up.check_slots(m, L, D, world, rank, case, gen)
-                args = (r_slots, sh_slots, sh_loc, rank, norm, up_rows, eps)
-                with torch.no_grad():
-                    y_s = k_up.stock(*args)
-                    y_op = k_up.stock(*args, ops.up)
-                    y_one = k_up.moe_up(*args)
-                    epoch0 = int(scratch.sync[1])
-                    y_k = moe_up_grid(*args, scratch)
-                    reps = [moe_up_grid(*args, scratch) for _ in range(3)]
-                    dst = torch.full((world, m, n), 7.0, dtype=torch.bfloat16, device=dev)
-                    moe_up_grid(*args, scratch, out=dst[rank])
-                _sync()
-                calls = 5
-                ref = k_up.reference(*args)
-                e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
-                others = torch.cat([dst[:rank], dst[rank + 1:]])
-                row = {"kernel": "moe_up_grid", "M": m, "rank": rank, "case": case,
-                       "rel_vs_stock": e_ks, "rel_vs_stock_op": e_kop, "rel_vs_moe_up": rel(y_k, y_one),
-                       "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
-                       "repeat_equal": all(torch.equal(y, y_k) for y in reps),
-                       "out_slot_ok": torch.equal(dst[rank], y_k) and bool((others == 7.0).all()),
-                       "counter_zero": int(scratch.sync[0]) == 0,
-                       "epoch_advanced": int(scratch.sync[1]) - epoch0 == calls}
-                if DEVICE == "cuda" and case == "all_slots" and rank == 5:
-                    g = torch.cuda.CUDAGraph()
-                    gout = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-                    with torch.cuda.graph(g):
-                        moe_up_grid(*args, scratch, out=gout)
-                    ok_g = True
-                    for _ in range(3):
-                        gout.zero_()
-                        g.replay()
-                        _sync()
-                        ok_g &= torch.equal(gout, y_k)
-                    row["graph_replays_equal"] = bool(ok_g)
-                    row["counter_zero"] = row["counter_zero"] and int(scratch.sync[0]) == 0
-                row["ok"] = bool(e_ks <= 1e-2 and e_kop <= 1e-2 and rel(y_k, y_one) <= 1e-2
-                                 and e_k <= 1.5 * e_s + 1e-3 and row["repeat_equal"] and row["out_slot_ok"]
-                                 and row["counter_zero"] and row["epoch_advanced"]
-                                 and row.get("graph_replays_equal", True))
-                if timing and case == "simcomm" and rank == 0 and DEVICE == "cuda":
-                    comm = SimComm(dev, world, rank)
-                    r_s, sh_s = comm.all_reduce(r_loc), comm.reduce_scatter_cols(sh_loc)
-
-                    def stock_call() -> None:
-                        r_c = comm.all_reduce(r_loc)
-                        sh_c = comm.reduce_scatter_cols(sh_loc)
-                        ops.up(r_c, norm, up_rows, sh_c, eps)
-
-                    with torch.no_grad():
-                        row["stock_us"] = time_us(stock_call)
-                        row["stock_up_only_us"] = time_us(lambda: ops.up(r_s, norm, up_rows, sh_s, eps))
-                        row["moe_up_us"] = time_us(lambda: k_up.moe_up(*args, out=dst[rank]))
-                        row["kernel_us"] = time_us(lambda: moe_up_grid(*args, scratch, out=dst[rank]))
-                    row["counter_zero_after_timing"] = int(scratch.sync[0]) == 0
-                    row["ok"] = row["ok"] and row["counter_zero_after_timing"]
-                out.append(row)
+    scratches: dict[int, MoeUpGridScratch] = {}
+    for c in k_up.check_cases((2, 4, 8), 2000, dev):
+        m, rank, case, args = c.m, c.rank, c.case, c.args
+        if m not in scratches:   # one per M, reused by every row (its barrier must survive calls)
+            scratches[m] = make_scratch(m, c.r_slots.shape[-1], dev)
+        scratch = scratches[m]
+        with torch.no_grad():
+            y_s = k_up.stock(*args)
+            y_op = k_up.stock(*args, c.ops.up)
+            y_one = k_up.moe_up(*args)
+            epoch0 = int(scratch.sync[1])
+            y_k = moe_up_grid(*args, scratch)
+            reps = [moe_up_grid(*args, scratch) for _ in range(3)]
+            dst = torch.full((c.world, m, c.n), 7.0, dtype=torch.bfloat16, device=dev)
+            moe_up_grid(*args, scratch, out=dst[rank])
+        _sync()
+        calls = 5
+        ref = k_up.reference(*args)
+        e_ks, e_kop, e_k, e_s = rel(y_k, y_s), rel(y_k, y_op), rel(y_k, ref), rel(y_s, ref)
+        others = torch.cat([dst[:rank], dst[rank + 1:]])
+        row = {"kernel": "moe_up_grid", "M": m, "rank": rank, "case": case,
+               "rel_vs_stock": e_ks, "rel_vs_stock_op": e_kop, "rel_vs_moe_up": rel(y_k, y_one),
+               "rel_vs_f64": e_k, "stock_rel_vs_f64": e_s,
+               "repeat_equal": all(torch.equal(y, y_k) for y in reps),
+               "out_slot_ok": torch.equal(dst[rank], y_k) and bool((others == 7.0).all()),
+               "counter_zero": int(scratch.sync[0]) == 0,
+               "epoch_advanced": int(scratch.sync[1]) - epoch0 == calls}
+        if DEVICE == "cuda" and case == "all_slots" and rank == 5:
+            row["graph_replays_equal"] = k_up.graph_replays_equal(
+                lambda o: moe_up_grid(*args, scratch, out=o), y_k)
+            row["counter_zero"] = row["counter_zero"] and int(scratch.sync[0]) == 0
+        row["ok"] = bool(e_ks <= 1e-2 and e_kop <= 1e-2 and rel(y_k, y_one) <= 1e-2
+                         and e_k <= 1.5 * e_s + 1e-3 and row["repeat_equal"] and row["out_slot_ok"]
+                         and row["counter_zero"] and row["epoch_advanced"]
+                         and row.get("graph_replays_equal", True))
+        if timing and case == "simcomm" and rank == 0 and DEVICE == "cuda":
+            comm = SimComm(dev, c.world, rank)
+            r_s, sh_s = comm.all_reduce(c.r_loc), comm.reduce_scatter_cols(c.sh_loc)
+            with torch.no_grad():
+                row["stock_us"] = time_us(lambda: c.stock_call(comm))
+                row["stock_up_only_us"] = time_us(lambda: c.ops.up(r_s, c.norm, c.up_rows, sh_s, c.eps))
+                row["moe_up_us"] = time_us(lambda: k_up.moe_up(*args, out=dst[rank]))
+                row["kernel_us"] = time_us(lambda: moe_up_grid(*args, scratch, out=dst[rank]))
+            row["counter_zero_after_timing"] = int(scratch.sync[0]) == 0
+            row["ok"] = row["ok"] and row["counter_zero_after_timing"]
+        out.append(row)
     return out
 
 
