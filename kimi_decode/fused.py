@@ -86,7 +86,8 @@ and the kernel is in `VERIFIED`):
   collectives in kernels too (5 launches fewer per layer than stock's tail).
   `moe_up_cluster` (kernels/moe_up_cluster.py, opt-in: OPT_IN) does it at every M ≤ 8 with
   the slot sums shared inside clusters of 8 CTAs through distributed shared memory (no grid
-  barrier, no scratch, 1/8 of moe_up's slot reads per CTA).
+  barrier, no scratch, 1/8 of moe_up's slot reads per CTA): faster alone from M = 2, slower
+  in the step (1.4-2.7 us per layer on an H100, session 37).
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
@@ -192,7 +193,11 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     # fifteenth round: front_mma checked on an H100 at fc0e2b9 (8
                                     # warps) and 9067543 (16 warps, 2026-12-06 04:10-04:12 UTC), step
                                     # parity in both calls (bench/fused_correctness.md, fused_runs.md)
-                                    "front_mma"})
+                                    "front_mma",
+                                    # session 37: moe_up_cluster checked on an H100 at b3397af
+                                    # (2026-12-07 22:18 UTC, 16 rows, step parity at B = 1 and 8;
+                                    # opt-in: slower in the step, the note before OPT_IN)
+                                    "moe_up_cluster"})
 # gemv_mma_pair (qkv_a + g_proj in one gemv_mma grid at 2 ≤ M ≤ 8, one kernel fewer per MLA
 # layer) left OPT_IN in session 23 (2026-12-06): on the H200 in session 11 it lost 1-4 us per
 # MLA layer (g_proj on the side stream beside qkv_a had only uv_gate waiting for it; the pair
@@ -219,9 +224,12 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 #   (bench/fused_runs.md); why is not known.
 # moe_up_cluster (kernels/moe_up_cluster.py, session 36): the MoE tail at every M ≤ 8 with its
 # slot sums shared over clusters of 8 CTAs instead of moe_up's per-CTA sums (M ≤ 2) and
-# moe_up_grid's grid barrier (M ≥ 3). Written on the CPU; opt-in (and not in VERIFIED) until
-# its device check and a step A/B: `fused_device --check moe_up_cluster --kernels-ok <the
-# default set>` (the step parity then runs it), `fused_ab` with `--opt-in moe_up_cluster`.
+# moe_up_grid's grid barrier (M ≥ 3). Correct (session 37, H100, b3397af) and faster alone
+# above M = 1 (CUDA-graph replays: 5.2 / 5.3 / 6.4 / 7.9 us at M = 1 / 2 / 4 / 8 against
+# today's tail's 4.3 / 6.8 / 7.3 / 8.3), but slower in the step: +1.4 to +2.7 us per layer at
+# B = 1 k = 0, B = 1 k = 7 and B = 8 in two ABAB pairs (bench/fused_runs.md, session 37); with
+# ALL_PASSES_LOADS_FIRST 0.4-1.3 us faster at M = 8 in one unpaired run and still +1.1 to
+# +2.0 at M = 1 (UP_CLUSTER_MIN_ROWS below). So opt-in.
 OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "moe_up_cluster"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
@@ -426,6 +434,11 @@ MLA_MMA_MAX_ROWS_ONE_SEQ = 48
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
+# moe_up_cluster (opt-in) from this M on, up to its limit of 8; below it moe_up. An A/B knob:
+# in session 37 the kernel lost 1.1-2.0 us per layer at M = 1 even with ALL_PASSES_LOADS_FIRST,
+# which at M = 8 ran 0.4-1.3 us below the two default runs in one unpaired run
+# (bench/fused_runs.md); 2 pairs it with that switch at M ≥ 2 only.
+UP_CLUSTER_MIN_ROWS = 1
 ATTN_RES_MC_WIDE_ROWS = 64     # attn_res_mc above MAX_ROWS["attn_res_mc"], up to this M ...
 ATTN_RES_MC_WIDE_MAX_NB = 4    # ... while the mix reads at most this many blocks (the note above)
 
@@ -1150,9 +1163,9 @@ class LatentMoE(stock.LatentMoE):
                                           inter=cfg.expert_local_inter))
 
     def _up_cluster_applies(self, y: torch.Tensor) -> bool:
-        """moe_up_cluster in place of moe_up / moe_up_grid: the kernel on and the shape one it
-        takes (1 ≤ M ≤ 8, whole clusters)."""
-        if not self.use_up_cluster:
+        """moe_up_cluster in place of moe_up / moe_up_grid: the kernel on, M ≥
+        UP_CLUSTER_MIN_ROWS and the shape one it takes (1 ≤ M ≤ 8, whole clusters)."""
+        if not self.use_up_cluster or y.shape[0] < UP_CLUSTER_MIN_ROWS:
             return False
         from kimi_decode.kernels.moe_up_cluster import can_implement
         return can_implement(y.shape[0], self.cfg.latent_dim, self.cfg.row_shard, self.rt.comm.world,

@@ -40,10 +40,15 @@ thread 8 elements, a butterfly over 32 vectors, the two halves of a CTA's share,
 rank order), and y's as moe_up_grid's tensor-core dots: within the checks' 1e-2 of moe_up,
 moe_up_grid and the stock ops, not bit-equal. emulate() states the order.
 
-Expected (arithmetic, not measured yet): moe_up_grid's barrier wait (~2 µs at M = 8) and its
-r read-back round trip (~0.7 µs) replaced by one cluster barrier (~0.3 µs, attn_res_mc's
-three took ~1 µs together); at M = 1, moe_up's 114 KB of slot reads per CTA become 14 KB.
-Off by default (fused.OPT_IN) until its device check and an A/B in the step say otherwise.
+Expected from arithmetic: moe_up_grid's barrier wait (~2 µs at M = 8) and its r read-back
+round trip (~0.7 µs) replaced by one cluster barrier (~0.3 µs); at M = 1, moe_up's 114 KB of
+slot reads per CTA become 14 KB. Measured (session 37, an H100, b3397af; bench/fused_runs.md):
+correct, and alone faster from M = 2 (5.3 / 6.4 / 7.9 µs at M = 2 / 4 / 8 against 6.8 / 7.3 /
+8.3 for moe_up / moe_up_grid) but slower at M = 1 (5.2 against moe_up's 4.3); in the step
+every layer is 1.4-2.7 µs slower with it (B = 1 k = 0, B = 1 k = 7, B = 8). Not measured: why
+the M = 8 gain alone turns into a loss in the chain; a cluster needs 8 free SMs of one GPC at
+once, so its CTAs may start later than moe_up_grid's under PDL while FC2 still holds the SMs.
+Off by default (fused.OPT_IN).
 
 Check on the GPU (against moe_up, moe_up_grid, the stock ops and the float64 reference; repeated
 calls and CUDA-graph replays give equal outputs; times all):

@@ -219,3 +219,16 @@ def test_fused_tail_takes_the_cluster_kernel_only_when_on() -> None:
     assert not fused.LatentMoE._up_applies(moe(False), x(8))        # no grid scratch: stock tail
     assert not fused.LatentMoE._up_cluster_applies(moe(True), x(16))
     assert "moe_up_cluster" in fused.OPT_IN and "moe_up_cluster" not in fused.DEFAULT_KERNELS
+
+
+def test_fused_tail_keeps_moe_up_below_the_min_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UP_CLUSTER_MIN_ROWS = 2 (the A/B knob of bench/fused_runs.md session 37): M = 1 keeps
+    moe_up, every 2 ≤ M ≤ 8 takes the cluster kernel."""
+    import types
+
+    import kimi_decode.fused as fused
+    monkeypatch.setattr(fused, "UP_CLUSTER_MIN_ROWS", 2)
+    m = types.SimpleNamespace(use_up_cluster=True, cfg=K3, up=torch.zeros(1, dtype=bf),
+                              rt=types.SimpleNamespace(comm=types.SimpleNamespace(world=K3.tp)))
+    took = [fused.LatentMoE._up_cluster_applies(m, torch.zeros(r, K3.hidden, dtype=bf)) for r in range(1, 9)]
+    assert took == [False] + [True] * 7
