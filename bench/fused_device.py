@@ -30,6 +30,7 @@ import argparse
 import ast
 import gzip
 import importlib
+import importlib.util
 import json
 import time
 import traceback
@@ -277,6 +278,23 @@ def timed_set(passed: frozenset[str], opt_in: Iterable[str] = ()) -> frozenset[s
     return frozenset(passed) - (OPT_IN - frozenset(opt_in))
 
 
+def needs_cute_dsl(skip: Iterable[str], bench_variants: Iterable[str]) -> bool:
+    """Whether this run builds fused kernels: everything but a stock-only bench with the kernel
+    checks, step parity, reference and captures skipped."""
+    return not ({"kernels", "step", "ref", "capture"} <= set(skip) and "fused" not in set(bench_variants))
+
+
+def missing_cute_dsl() -> str | None:
+    """The one-line reason CUTLASS DSL cannot be imported here, or None. Without it every
+    fused kernel fails on its own, each check and step row with its own traceback, so a
+    device call made without the wheels (its install call got no machine) would spend its
+    time printing them; the job stops at once instead."""
+    if importlib.util.find_spec("cutlass") is None:
+        return ("CUTLASS DSL is not installed on this machine (no module 'cutlass'): install "
+                "nvidia-cutlass-dsl first (on the GPU machine: ../shared/device/stage-wheels.sh's calls)")
+    return None
+
+
 def apply_patch(spec: str) -> str:
     """One A/B setting of a module constant, applied before anything is built:
     'package.module:NAME=LITERAL' sets an attribute, 'package.module:NAME[KEY]=LITERAL' an item
@@ -468,6 +486,9 @@ def main() -> None:
         patches = [apply_patch(p) for p in args.patch]
     except (ValueError, ImportError) as e:
         raise SystemExit(f"fused_device: {e}") from None
+    why = missing_cute_dsl() if needs_cute_dsl(args.skip, args.bench_variants) else None
+    if why is not None:
+        raise SystemExit(f"fused_device: {why}")
     if args.isolated:
         run_isolated(args.isolated)
         return

@@ -213,3 +213,24 @@ def test_bench_layers_reach_the_bench(tmp_path, monkeypatch, layers: str | None)
     assert len(seen) == 1
     argv = seen[0]
     assert argv[argv.index("--layers") + 1] == (layers or "4-7")
+
+
+def test_missing_cute_dsl_stops_the_job_in_one_line(tmp_path, monkeypatch) -> None:
+    """Without CUTLASS DSL (a device call whose install call got no machine, session 37) the job
+    exits at once with one line and writes nothing, instead of a traceback per check and step."""
+    real = fd.importlib.util.find_spec
+    monkeypatch.setattr(fd.importlib.util, "find_spec", lambda name, *a: None if name == "cutlass" else real(name, *a))
+    out = tmp_path / "o"
+    monkeypatch.setattr("sys.argv", ["fused_device", "--out", str(out), "--skip", "ref", "bench", "capture"])
+    with pytest.raises(SystemExit) as e:
+        fd.main()
+    msg = str(e.value)
+    assert msg.startswith("fused_device: CUTLASS DSL is not installed") and "\n" not in msg
+    assert not out.exists()
+
+
+def test_stock_only_bench_runs_without_cute_dsl() -> None:
+    assert not fd.needs_cute_dsl(["kernels", "step", "ref", "capture"], ["stock"])
+    assert fd.needs_cute_dsl(["kernels", "step", "ref", "capture"], ["stock", "fused"])
+    assert fd.needs_cute_dsl(["kernels", "step", "ref"], ["stock"])      # the captures run fused
+    assert fd.needs_cute_dsl([], ["stock"])
