@@ -482,13 +482,14 @@ def main() -> None:
                     help="opt-in kernels (fused.OPT_IN) the bench and captures run too when they pass "
                          "(an A/B of a kernel kept out of the headline set)")
     args = ap.parse_args()
+    # before the patches: a patch naming a kernel module would fail on its import first
+    why = missing_cute_dsl() if needs_cute_dsl(args.skip, args.bench_variants) else None
+    if why is not None:
+        raise SystemExit(f"fused_device: {why}")
     try:
         patches = [apply_patch(p) for p in args.patch]
     except (ValueError, ImportError) as e:
         raise SystemExit(f"fused_device: {e}") from None
-    why = missing_cute_dsl() if needs_cute_dsl(args.skip, args.bench_variants) else None
-    if why is not None:
-        raise SystemExit(f"fused_device: {why}")
     if args.isolated:
         run_isolated(args.isolated)
         return

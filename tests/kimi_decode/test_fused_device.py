@@ -218,10 +218,13 @@ def test_bench_layers_reach_the_bench(tmp_path, monkeypatch, layers: str | None)
 def test_missing_cute_dsl_stops_the_job_in_one_line(tmp_path, monkeypatch) -> None:
     """Without CUTLASS DSL (a device call whose install call got no machine, session 37) the job
     exits at once with one line and writes nothing, instead of a traceback per check and step."""
+    import kimi_decode.kernels.moe_up_cluster as kc
+    monkeypatch.setattr(kc, "ALL_PASSES_LOADS_FIRST", False)   # restored even if the patch below ran
     real = fd.importlib.util.find_spec
     monkeypatch.setattr(fd.importlib.util, "find_spec", lambda name, *a: None if name == "cutlass" else real(name, *a))
     out = tmp_path / "o"
-    monkeypatch.setattr("sys.argv", ["fused_device", "--out", str(out), "--skip", "ref", "bench", "capture"])
+    monkeypatch.setattr("sys.argv", ["fused_device", "--out", str(out), "--skip", "ref", "bench", "capture",
+                                     "--patch", "kimi_decode.kernels.moe_up_cluster:ALL_PASSES_LOADS_FIRST=True"])
     with pytest.raises(SystemExit) as e:
         fd.main()
     msg = str(e.value)
