@@ -84,10 +84,11 @@ and the kernel is in `VERIFIED`):
   the stock op's six. At 2 ≤ M ≤ 8 `moe_up_grid` (kernels/moe_up_grid.py) does the same with
   the slot sums shared by the whole grid (a grid barrier), so the M = 8 step keeps the
   collectives in kernels too (5 launches fewer per layer than stock's tail).
-  `moe_up_cluster` (kernels/moe_up_cluster.py, opt-in: OPT_IN) does it at every M ≤ 8 with
-  the slot sums shared inside clusters of 8 CTAs through distributed shared memory (no grid
-  barrier, no scratch, 1/8 of moe_up's slot reads per CTA): faster alone from M = 2, slower
-  in the step (1.4-2.7 us per layer on an H100, session 37).
+  `moe_up_cluster` (kernels/moe_up_cluster.py) does it at 2 ≤ M ≤ 8 (UP_CLUSTER_MIN_ROWS) in
+  place of moe_up_grid, with the slot sums shared inside clusters of 8 CTAs through
+  distributed shared memory (no grid barrier, no scratch, 1/8 of moe_up's slot reads per
+  CTA): the H100 step graph 2.3-4.2 us faster per step at M = 8 (session 38); M = 1 keeps
+  moe_up, which the cluster kernel lost to in the step.
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
@@ -229,8 +230,13 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 # today's tail's 4.3 / 6.8 / 7.3 / 8.3), but slower in the step: +1.4 to +2.7 us per layer at
 # B = 1 k = 0, B = 1 k = 7 and B = 8 in two ABAB pairs (bench/fused_runs.md, session 37); with
 # ALL_PASSES_LOADS_FIRST 0.4-1.3 us faster at M = 8 in one unpaired run and still +1.1 to
-# +2.0 at M = 1 (UP_CLUSTER_MIN_ROWS below). So opt-in.
-OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async", "moe_up_cluster"})
+# +2.0 at M = 1 (UP_CLUSTER_MIN_ROWS below). Session 38 (H100, b895496, `fused_ab --batch 8
+# --spec 0 7`, base / cf2 / base2 / cf2b, bench/fused_runs.md): at M ≥ 2 only and with its loads
+# first, the one-layer graphs tie (-0.4..+0.3 us) and the step is faster: the 4-layer step
+# graph 1010.0 / 1011.3 against 1013.9 / 1013.6 us at B = 1, k = 7 and 1031.0 / 1031.0 against
+# 1033.8 / 1035.2 at B = 8; the in-step layers 0.5-1.5 us each. So in the default set since
+# session 38, at 2 ≤ M ≤ 8.
+OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2
 # The shared expert (M > 1, no one-launch MoE front) issued on the side stream after the
@@ -434,11 +440,10 @@ MLA_MMA_MAX_ROWS_ONE_SEQ = 48
 MAX_ROWS = {"router_fast": 1, "router_kernel": 1, "kda": 1, "moe_up": 2, "mla_attend_rows": 6,
             "gemv_multi": 1, "experts_pdl": 8, "attn_res_mc": 8, "mla_norm_fold": 1, "experts_one": 1,
             "kda_multi": 8, "gemv_mma_pair": 8, "mla_norm_fold_mma": 8, "front_mma": 8}
-# moe_up_cluster (opt-in) from this M on, up to its limit of 8; below it moe_up. An A/B knob:
-# in session 37 the kernel lost 1.1-2.0 us per layer at M = 1 even with ALL_PASSES_LOADS_FIRST,
-# which at M = 8 ran 0.4-1.3 us below the two default runs in one unpaired run
-# (bench/fused_runs.md); 2 pairs it with that switch at M ≥ 2 only.
-UP_CLUSTER_MIN_ROWS = 1
+# moe_up_cluster from this M on, up to its limit of 8; below it moe_up. In session 37 the kernel
+# lost 1.1-2.0 us per layer at M = 1 even with ALL_PASSES_LOADS_FIRST (bench/fused_runs.md), so
+# M = 1 keeps moe_up; at M ≥ 2 with that switch the step gained (the note before OPT_IN).
+UP_CLUSTER_MIN_ROWS = 2
 ATTN_RES_MC_WIDE_ROWS = 64     # attn_res_mc above MAX_ROWS["attn_res_mc"], up to this M ...
 ATTN_RES_MC_WIDE_MAX_NB = 4    # ... while the mix reads at most this many blocks (the note above)
 
@@ -894,7 +899,7 @@ class LatentMoE(stock.LatentMoE):
     use_experts_one = False      # FC1 + FC2 v2 in one persistent launch (kernels/moe_experts_one.py)
     use_up_kernel = False        # kernels/moe_up.py, collectives finished in kernels (tp_sim)
     up_grid_scratch = None       # kernels/moe_up_grid.py at 2 ≤ M ≤ 8 (made by enable())
-    use_up_cluster = False       # kernels/moe_up_cluster.py at 1 ≤ M ≤ 8 in place of both (opt-in)
+    use_up_cluster = False       # kernels/moe_up_cluster.py in place of both (UP_CLUSTER_MIN_ROWS ≤ M ≤ 8)
     # the routing sync buffer (kernels/router_fast.py SYNC_WORDS) where FC1 takes the ids from
     # the M = 1 front's flag (moe_experts.FC1_EARLY_IDS; made by enable(), else None)
     routing_sync: torch.Tensor | None = None
