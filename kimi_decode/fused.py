@@ -197,7 +197,7 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
                                     "front_mma",
                                     # session 37: moe_up_cluster checked on an H100 at b3397af
                                     # (2026-12-07 22:18 UTC, 16 rows, step parity at B = 1 and 8;
-                                    # opt-in: slower in the step, the note before OPT_IN)
+                                    # the pass-by-pass build; default at M ≥ 2 since session 38)
                                     "moe_up_cluster"})
 # gemv_mma_pair (qkv_a + g_proj in one gemv_mma grid at 2 ≤ M ≤ 8, one kernel fewer per MLA
 # layer) left OPT_IN in session 23 (2026-12-06): on the H200 in session 11 it lost 1-4 us per
