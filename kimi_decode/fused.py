@@ -329,7 +329,8 @@ POS_UPDATE_IN_PLACE = True
 #   (kernels/moe_up_grid.py, the sums once per grid; same check: M = 4 8.7 us vs moe_up's
 #   12.2, M = 8 12.4 vs 25.9, stock 24.8 / 25.1; with every row in one pass after its grid
 #   barrier, 9e42f27: M = 2 6.8, M = 4 8.0, M = 8 10.5 us); LatentMoE._up_applies makes the
-#   choice.
+#   choice. Since session 38 moe_up_cluster takes 2 ≤ M ≤ 8 (UP_CLUSTER_MIN_ROWS, the note
+#   before OPT_IN); moe_up_grid runs there only with that kernel off.
 # - mla_attend: query rows B·T·H ≤ 6, i.e. B = 1, k = 0, where it runs the grid merge
 #   (9f04320, bench/fused_correctness.md: 11.6 us cold vs 13.7 for stock's compiled op, 16.8
 #   with the two-level merge it had before); at 48 rows (B = 8 or k = 7) 43-330 us vs 15-30 us
