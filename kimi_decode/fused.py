@@ -87,8 +87,9 @@ and the kernel is in `VERIFIED`):
   `moe_up_cluster` (kernels/moe_up_cluster.py) does it at 2 ≤ M ≤ 8 (UP_CLUSTER_MIN_ROWS) in
   place of moe_up_grid, with the slot sums shared inside clusters of 8 CTAs through
   distributed shared memory (no grid barrier, no scratch, 1/8 of moe_up's slot reads per
-  CTA): the H100 step graph 2.3-4.2 us faster per step at M = 8 (session 38); M = 1 keeps
-  moe_up, which the cluster kernel lost to in the step.
+  CTA): in same-machine H100 pairs the step graph 2.3-4.2 us faster per step at M = 8
+  (session 38; ~0.3 %, not visible across machines); M = 1 keeps moe_up, which the cluster
+  kernel lost to in the step.
 - Projections at M = 1 (the per-M table, kernels/gemv.py GEMV_MAX_ROWS): a CuTe DSL GEMV
   streaming each weight once (in_proj 10.1 us = 4.6 TB/s vs 14.0 us for torch's GEMM on the
   H200) for in_proj, o_proj, g_proj, qkv_a, q_b, latent_down, shared gate_up; from M = 2 the
@@ -235,7 +236,9 @@ VERIFIED: frozenset[str] = frozenset({"attn_res", "kda", "router", "gemv", "pref
 # first, the one-layer graphs tie (-0.4..+0.3 us) and the step is faster: the 4-layer step
 # graph 1010.0 / 1011.3 against 1013.9 / 1013.6 us at B = 1, k = 7 and 1031.0 / 1031.0 against
 # 1033.8 / 1035.2 at B = 8; the in-step layers 0.5-1.5 us each. So in the default set since
-# session 38, at 2 ≤ M ≤ 8.
+# session 38, at 2 ≤ M ≤ 8 (correct: the loads-first build's check and step parity passed at
+# cd6f996). Small: the bench at cd6f996 on another H100 (bench/decode_h100.md) sits between
+# those base and cf2 rows and within the cross-machine spread of session 36's run.
 OPT_IN: frozenset[str] = frozenset({"prefetch", "experts_one", "experts_v2_async"})
 DEFAULT_KERNELS: frozenset[str] = VERIFIED - OPT_IN
 PREFETCH_BYTES = 24 << 20   # about half of the H200's usable L2

@@ -50,8 +50,9 @@ the M = 8 gain alone turns into a loss in the chain; a cluster needs 8 free SMs 
 once, so its CTAs may start later than moe_up_grid's under PDL while FC2 still holds the SMs.
 Session 38 (H100, b895496, two ABAB pairs): at M ≥ 2 only (fused.UP_CLUSTER_MIN_ROWS) and with
 ALL_PASSES_LOADS_FIRST, the 4-layer step graph 2.3-4.2 µs faster at B = 1, k = 7 and B = 8, the
-in-step layers 0.5-1.5 µs, the one-layer graphs a tie; so the default tail at 2 ≤ M ≤ 8
-(moe_up stays at M = 1).
+in-step layers 0.5-1.5 µs, the one-layer graphs a tie (~0.3 % of a step, within the spread
+between two H100 machines); so the default tail at 2 ≤ M ≤ 8 (moe_up stays at M = 1), checked
+with step parity at cd6f996.
 
 Check on the GPU (against moe_up, moe_up_grid, the stock ops and the float64 reference; repeated
 calls and CUDA-graph replays give equal outputs; times all):
@@ -84,7 +85,7 @@ MAX_CTAS = 132        # one CTA per SM at most (clusters of CL must be placed wh
 # so no CTA becomes resident beside a CTA of FC2 still running) or pass by pass (two round
 # trips). On since session 38: with it (and the kernel at M ≥ 2 only, fused.UP_CLUSTER_MIN_ROWS)
 # the H100 step graph ran 2.3-4.2 us faster per 4-layer step at B = 1, k = 7 and B = 8 in two
-# ABAB pairs, the in-step layers 0.5-1.5 us, the one-layer graphs a tie (bench/fused_runs.md,
+# same-machine ABAB pairs, the in-step layers 0.5-1.5 us, the one-layer graphs a tie (bench/fused_runs.md,
 # session 38); without it the kernel was slower in the step at every M (session 37).
 ALL_PASSES_LOADS_FIRST = True
 
