@@ -1437,8 +1437,14 @@ class FusedDecoder(StockDecoder):
                 # left it out (run_layers gathers after the last layer)
                 layer.mlp.gather_out = ag_slots
                 if ({"router", "router_fast", "gemv_multi", "router_mma", "front_mma"} & on) and not hasattr(layer.mlp, "router_counter"):
-                    # grid-completion counter of the one-kernel router; the kernel re-zeroes it
-                    layer.mlp.register_buffer("router_counter", torch.zeros(1, dtype=torch.int32, device=dev))
+                    # grid-completion counter of the one-kernel router; the kernel re-zeroes it.
+                    # With front_mma's TAIL_SPLIT (an A/B) it also holds the split tiles' counters
+                    # and halves (front_mma.split_counter_words)
+                    words = 1
+                    if "front_mma" in on:
+                        from kimi_decode.kernels import front_mma as k_fm
+                        words = k_fm.split_counter_words(k_fm.MAX_TAIL) if k_fm.TAIL_SPLIT else 1
+                    layer.mlp.register_buffer("router_counter", torch.zeros(words, dtype=torch.int32, device=dev))
                 nxt = self.layers[i + 1].attn if i + 1 < len(self.layers) else None
                 target = None
                 if "prefetch" in on and nxt is not None:

@@ -21,7 +21,9 @@ re-zeroes the counter. The projection tiles store bf16 as gemv_mma does. Every C
 first round of weights before the PDL chain's wait; none releases the next kernel (FC1) before
 its own loop has ended: with RELEASE_AT_END each CTA releases once its mma loop is done (FC1's
 CTAs become resident only as this grid's last wave drains), without it FC1 launches when the
-grid has completed. FC1 waits (griddepcontrol.wait) for the whole grid either way.
+grid has completed. FC1 waits (griddepcontrol.wait) for the whole grid either way. With TAIL_SPLIT (an A/B, off)
+the grid's last `tail` projection tiles, the ones past its last full wave, run as pairs of
+half-K CTAs whose second arrival adds the halves (TAIL_SPLIT's note, split_aware, half_tile).
 
 Math: each tile is gemv_mma's at `warps` warps (its loads, mma order, warp-order sum), so at
 16 warps (the default) the router's logits are router_mma's own (the same tile, S = 1, 16 warps:
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
+import dataclasses
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -57,7 +60,8 @@ from kimi_decode.kernels import chain
 from kimi_decode.kernels import gemv_mma as gm
 from kimi_decode.kernels import router_fast as rf
 from kimi_decode.kernels import router_mma as rm
-from kimi_decode.kernels._common import arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import (arrive_count, compile_options, compiled, current_stream, dummy_ptr, ptr,
+                                          sm_count)
 
 # Warps per CTA of the whole grid (8 or 16). 16 is router_mma's and the shared gate/up's own
 # choice; 8 is latent_down's (bit-equal to gemv_mma there) but measured slower: on an H100
@@ -77,6 +81,33 @@ RELEASE_AT_END = True
 # (gemv_mma). At 16 warps 1 (128 registers, no spills); 2 would cap it at 64 and spill ~80
 # bytes. Read when called (part of the compile key), so `--patch` can A/B it.
 MIN_CTAS = {8: 3, 16: 1}
+# The grid's last partial wave as K halves (opt-in A/B, not yet run on a device). At 16 warps one
+# CTA per SM runs 328 tiles of 229 KB on 132 SMs: 2.48 waves, and both bundled traces' fronts
+# (H200, 21.8 us for 75.2 MB; H100 alone, 30.0 us) take three full-wave times, as if the last 64
+# tiles ran no faster with half the SMs idle (bench/fused_runs.md, session 38). With this on,
+# route_and_project runs the last `tail` projection tiles (tail = the grid's CTAs modulo its
+# resident slots, where 2·tail fits in one wave) as two CTAs each over half of K: each writes
+# its fp32 tile sums to a scratch behind the counter, arrives on the tile's own counter, and
+# the second to arrive adds the two halves (a + b: the same bits whichever half comes first)
+# and stores bf16, then re-zeroes that counter. The sum order is no longer gemv_mma's (the two
+# halves' warp sums, then their sum), so the split tiles are equal to it within fp32 rounding,
+# not bit-equal. Needs a counter of split_counter_words(tail) int32 (fused.enable makes it
+# when this is on). Read when called, so `--patch` A/Bs it.
+TAIL_SPLIT = False
+MAX_TAIL = 256     # the most split tiles a counter made by split_counter_words(MAX_TAIL) serves
+
+
+def split_counter_words(tail: int) -> int:
+    """int32 words of the counter buffer with `tail` split tiles: the router's counter, one per
+    split tile, then their fp32 halves [2, tail, 128] (int32-sized)."""
+    return 1 + tail + 2 * tail * gm.TILE * 8 if tail else 1
+
+
+def tail_tiles(ctas: int, projection_tiles: int, slots: int) -> int:
+    """How many of the grid's last projection tiles to split: the CTAs past the last full wave
+    of `slots` resident CTAs, where their halves still fit in one wave; else 0."""
+    rem = ctas % slots
+    return rem if 0 < rem <= projection_tiles and 2 * rem <= slots else 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +126,7 @@ class FrontMmaConfig:
     warps: int = WARPS
     release_end: bool = RELEASE_AT_END
     min_ctas: int = 1          # .minnctapersm (MIN_CTAS[warps] as route_and_project reads it)
+    tail: int = 0              # the last projection tiles run as two K halves (TAIL_SPLIT)
 
 
 def can_implement(m: int, hidden: int, experts: int, top_k: int, ns: tuple[int, ...],
@@ -118,7 +150,12 @@ class FrontMma:
         self.shared = gm.GemvMma(gm.GemvMmaConfig(cfg.n2, D, cfg.rows, W)) if cfg.n2 else None
         self.t_r = self.rt.tiles
         self.t_d = self.down.ctas
-        self.ctas = self.t_r + self.t_d + (self.shared.ctas if self.shared else 0)
+        self.t_p = self.t_d + (self.shared.ctas if self.shared else 0)     # projection tiles
+        assert 0 <= cfg.tail <= self.t_p and D % 64 == 0, (cfg.tail, self.t_p, D)
+        self.ctas = self.t_r + self.t_p + cfg.tail                         # a split tile is 2 CTAs
+        # the half-K tiles (TAIL_SPLIT): gemv_mma's tile over K / 2, on views offset by K / 2
+        self.down_h = gm.GemvMma(gm.GemvMmaConfig(cfg.n1, D // 2, cfg.rows, W)) if cfg.tail else None
+        self.shared_h = gm.GemvMma(gm.GemvMmaConfig(cfg.n2, D // 2, cfg.rows, W)) if cfg.tail and cfg.n2 else None
 
     @cute.jit
     def __call__(self, y: cute.Pointer, w_gate: cute.Pointer, bias: cute.Pointer, logits: cute.Pointer,
@@ -185,18 +222,89 @@ class FrontMma:
                     self.rt.sel.topk_row(sL, sB, mI, mO, cK, cI, selI, selS, row, warp, lane)
                 if tidx == 0:
                     mC[0] = Int32(0)
-        elif bidx < self.t_r + self.t_d:                # a latent_down tile
-            self.down.tile_partials(mX, mW1, red, bidx - self.t_r, tidx, warp, lane, release=False)
+        else:
+            if cutlass.const_expr(self.cfg.tail > 0):   # TAIL_SPLIT: whole tiles, then the halves
+                self.split_aware(mX, mC, flag, red, mW1, mO1, mW2, mO2, bidx - self.t_r, tidx, warp, lane)
+            else:
+                self.whole_tiles(mX, red, mW1, mO1, mW2, mO2, bidx - self.t_r, tidx, warp, lane)
+
+    @cute.jit
+    def whole_tiles(self, mX: cute.Tensor, red: cute.Tensor, mW1: cute.Tensor, mO1: cute.Tensor,
+                    mW2: cute.Tensor, mO2: cute.Tensor, q: Int32, tidx: Int32, warp: Int32, lane: Int32):
+        """Projection tile q (0-based after the router tiles): latent_down's, then the shared
+        gate/up's, each gemv_mma's tile over the whole K."""
+        if q < self.t_d:                                # a latent_down tile
+            self.down.tile_partials(mX, mW1, red, q, tidx, warp, lane, release=False)
             if cutlass.const_expr(self.cfg.release_end):
                 chain.release()
-            self.store_tile(red, mO1, bidx - self.t_r, self.cfg.n1, tidx)
+            self.store_tile(red, mO1, q, self.cfg.n1, tidx)
         else:
             if cutlass.const_expr(self.shared is not None):    # a shared gate/up tile
-                self.shared.tile_partials(mX, mW2, red, bidx - self.t_r - self.t_d, tidx, warp, lane,
-                                          release=False)
+                self.shared.tile_partials(mX, mW2, red, q - self.t_d, tidx, warp, lane, release=False)
                 if cutlass.const_expr(self.cfg.release_end):
                     chain.release()
-                self.store_tile(red, mO2, bidx - self.t_r - self.t_d, self.cfg.n2, tidx)
+                self.store_tile(red, mO2, q - self.t_d, self.cfg.n2, tidx)
+
+    @cute.jit
+    def split_aware(self, mX: cute.Tensor, mC: cute.Tensor, flag: cute.Tensor, red: cute.Tensor,
+                    mW1: cute.Tensor, mO1: cute.Tensor, mW2: cute.Tensor, mO2: cute.Tensor, q: Int32,
+                    tidx: Int32, warp: Int32, lane: Int32):
+        """Projection CTA q (0-based after the router tiles) of a TAIL_SPLIT grid: the first
+        t_p - tail are whole tiles as without the split (latent_down, then the shared gate/up);
+        the rest are pairs of half-K CTAs, CTA 2j + h of the pairs running half h of split tile j."""
+        full = self.t_p - self.cfg.tail
+        if q < full:
+            self.whole_tiles(mX, red, mW1, mO1, mW2, mO2, q, tidx, warp, lane)
+        else:
+            u = q - full
+            j = u // 2
+            h = u - j * 2
+            p = full + j
+            if p < self.t_d:
+                self.half_tile(mX, mC, flag, red, mW1, mO1, False, p, j, h, self.cfg.n1, tidx, warp, lane)
+            else:
+                if cutlass.const_expr(self.shared_h is not None):
+                    self.half_tile(mX, mC, flag, red, mW2, mO2, True, p - self.t_d, j, h, self.cfg.n2,
+                                   tidx, warp, lane)
+
+    @cute.jit
+    def half_tile(self, mX: cute.Tensor, mC: cute.Tensor, flag: cute.Tensor, red: cute.Tensor,
+                  mW: cute.Tensor, mO: cute.Tensor, shared: cutlass.Constexpr[bool], tile: Int32, j: Int32, h: Int32,
+                  n: cutlass.Constexpr[int], tidx: Int32, warp: Int32, lane: Int32):
+        """Half h of split tile j (output tile `tile` of mO): gemv_mma's tile over K / 2 on the
+        views offset by h·K / 2, its 16 × 8 fp32 sums to the scratch, the tile's arrival; the
+        second CTA to arrive adds both halves, stores bf16 and re-zeroes the tile's counter."""
+        D, S, T = self.cfg.hidden, self.cfg.tail, gm.TILE * 8
+        off = h * (D // 4)                              # int32 words: K / 2 bf16 of a row
+        lay_x = cute.make_layout((self.cfg.rows, D // 16, 4), stride=(D // 2, 4, 1))
+        lay_w = cute.make_layout((n, D // 16, 4), stride=(D // 2, 4, 1))
+        mXh = cute.make_tensor(mX.iterator + off, lay_x)
+        mWh = cute.make_tensor(mW.iterator + off, lay_w)
+        if cutlass.const_expr(shared):                  # gemv_mma's tile over K / 2
+            self.shared_h.tile_partials(mXh, mWh, red, tile, tidx, warp, lane, release=False)
+        else:
+            self.down_h.tile_partials(mXh, mWh, red, tile, tidx, warp, lane, release=False)
+        if cutlass.const_expr(self.cfg.release_end):
+            chain.release()
+        mCnt = cute.make_tensor(mC.iterator + 1 + j, cute.make_layout(1))
+        mS = cute.make_tensor(cute.recast_ptr(mC.iterator + 1 + S, dtype=Float32),
+                              cute.make_layout((2, S, T), stride=(S * T, T, 1)))
+        if tidx < T:
+            _, _, tot = self.down.tile_sum(red, tidx)     # (the warp count's sum, any tile kind)
+            mS[h, j, tidx] = tot
+            cute.arch.fence_acq_rel_gpu()       # this thread's half before the CTA's arrival
+        arrive_count(mCnt, flag, tidx)
+        if flag[0] == 1:                        # CTA-uniform: the second half to arrive
+            cute.arch.fence_acq_rel_gpu()
+            if tidx < T:
+                c, r, tot = self.down.tile_sum(red, tidx)
+                total = tot + mS[1 - h, j, tidx]        # a + b = b + a: the same bits either way
+                col = tile * gm.TILE + c
+                if r < self.cfg.rows:
+                    if col < n:
+                        mO[r, col] = total.to(mO.element_type)
+            if tidx == 0:
+                mCnt[0] = Int32(0)
 
 
 def compile_for(cfg: FrontMmaConfig) -> object:
@@ -228,6 +336,13 @@ def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor,
         raise ValueError(f"front_mma cannot run M={m} D={d} E={e} k={top_k} projections {ns} (warps {warps})")
     cfg = FrontMmaConfig(d, e, top_k, m, float(scaling), ns[0], ns[1] if len(ns) > 1 else 0, warps, RELEASE_AT_END,
                          MIN_CTAS[warps])
+    if TAIL_SPLIT and y.is_cuda:
+        kern = FrontMma(cfg)
+        tail = tail_tiles(kern.ctas, kern.t_p, sm_count(y.device) * MIN_CTAS[warps])
+        if counter.numel() < split_counter_words(tail):
+            raise ValueError(f"front_mma: TAIL_SPLIT needs a counter of {split_counter_words(tail)} int32 words "
+                             f"(split_counter_words), got {counter.numel()}")
+        cfg = dataclasses.replace(cfg, tail=tail)
     dev = y.device
     outs = [torch.empty(m, n, dtype=torch.bfloat16, device=dev) for n in ns]
     logits = torch.empty(m, e, dtype=torch.float32, device=dev)
@@ -263,7 +378,9 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
     dev = torch.device(checks.DEVICE)
     ops = stock_ops.OpSet(cfg)
     w_gate, bias = checks.router_weights(cfg, dev, "check.front_mma")
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    # with TAIL_SPLIT (an A/B) the counter also holds the split tiles' counters and halves
+    counter = torch.zeros(split_counter_words(MAX_TAIL) if TAIL_SPLIT else 1, dtype=torch.int32, device=dev)
+    counters = counter[:1 + MAX_TAIL] if TAIL_SPLIT else counter      # the words left zeroed
     counter_rm = torch.zeros(1, dtype=torch.int32, device=dev)
     K, sc, E, D = cfg.top_k, cfg.routed_scaling, cfg.num_experts, cfg.hidden
     n1, n2 = cfg.latent_dim, 2 * cfg.shared_local_inter
@@ -300,10 +417,12 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
                  "rel_vs_f64": max(checks.rel(a, b) for a, b in zip(o_k, f)),
                  "stock_rel_vs_f64": max(checks.rel(a, b) for a, b in zip(s, f)),
                  "repeat_outputs_equal": all(torch.equal(a, b) for a, b in zip(o_k, o_k2)),
-                 "counter_zero": int(counter.item()) == 0}
+                 "counter_zero": not bool(counters.any()), "tail_split": TAIL_SPLIT}
             floor = 1.0 - r["near_ties_f64"] / m - 1e-9       # every row but a near-tie agrees
             equal_ok = ((r["down_equal_gemv_mma"] or gm.warps_for(n1, D) != WARPS)
                         and (not shared or r["shared_equal_gemv_mma"] or gm.warps_for(n2, D) != WARPS))
+            if TAIL_SPLIT:      # the split tiles sum their halves in another order: fp32 rounding only
+                equal_ok = r["rel_vs_gemv_mma"] <= 1e-4
             r["ok"] = bool(agree_r >= floor and werr_r <= 1e-3 and agree >= floor and werr <= 1e-3
                            and r["repeat_equal"] and r["dropin_types"] and r["descending"] and r["counter_zero"]
                            and equal_ok and r["rel_vs_gemv_mma"] <= 1e-2
@@ -343,7 +462,7 @@ def check(timing: bool = True, rows: tuple[int, ...] = (2, 4, 8)) -> list[dict]:
             cyc = itertools.cycle(sets)
             row[f"kernel_w{other}_us"] = checks.time_us(lambda: kernel(True, other))
             row["kernel_tbs"] = per / (row["kernel_us"] * 1e-6) / 1e12
-            row["counter_zero_after_replays"] = int(counter.item()) == 0
+            row["counter_zero_after_replays"] = not bool(counters.any())
             row["ok"] = row["ok"] and row["counter_zero_after_replays"]
             del sets
     return out

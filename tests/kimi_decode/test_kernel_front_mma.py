@@ -18,6 +18,7 @@ Oracles:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -270,4 +271,104 @@ def test_check_runs_on_cpu_and_can_fail(monkeypatch: pytest.MonkeyPatch) -> None
         ids, w, outs = _contract(*a, **k)
         return ids, w, [(outs[0].float() * 1.05).bfloat16(), *outs[1:]]
     monkeypatch.setattr(fm, "route_and_project", off)
+    assert not any(r["ok"] for r in fm.check(timing=False, rows=(8,)))
+
+
+def test_tail_split_arithmetic() -> None:
+    """TAIL_SPLIT's choice: the CTAs past the last full wave, when their halves fit in one wave
+    and they are projection tiles; the counter words behind it."""
+    assert fm.TAIL_SPLIT is False                           # an A/B, off by default
+    assert fm.tail_tiles(56 + 224 + 48, 272, 132) == 64     # K3 M = 8, 16 warps, with the shared gate/up
+    assert fm.tail_tiles(56 + 224, 224, 132) == 16          # without it
+    assert fm.tail_tiles(264, 208, 132) == 0                # whole waves: nothing to split
+    assert fm.tail_tiles(132 + 100, 176, 132) == 0          # 2 x 100 halves would need two waves
+    assert fm.tail_tiles(132 + 40, 30, 132) == 0            # the tail would reach the router tiles
+    assert fm.split_counter_words(0) == 1
+    assert fm.split_counter_words(64) == 1 + 64 + 2 * 64 * 128
+    kern = fm.FrontMma(dataclasses.replace(k3_cfg(8, True, 16), tail=64))
+    assert (kern.t_p, kern.ctas) == (272, 56 + 272 + 64)    # each split tile two CTAs
+
+
+def test_tail_split_build(tmp_path: Path) -> None:
+    """The split build at K3 M = 8, 16 warps: the three whole-tile bodies plus the half-K ones
+    (LLVM may merge the latent and shared halves, which differ only in pointers and n, so only
+    "more than the three" is asserted), one arrival atomic per arriving kind (router, split
+    latent_down, split shared gate/up), ptxas within one CTA per SM and no spills; the default
+    build keeps one atomic (test above)."""
+    cfg = dataclasses.replace(k3_cfg(8, True, 16), tail=64)
+    ptx = k3_ptx(tmp_path / "f", cfg)
+    common_checks(ptx)
+    assert ptx.count(MMA) > 3 * gemv_mma_count(tmp_path / "g", 16)
+    assert ptx.count("atom.") == 3 and ptx.count("atom.global.acq_rel.add") == 3
+    assert ptx.count("fence.acq_rel.gpu") >= 3 * 2
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path / "f", ptx)
+        assert regs <= 128 and spills == 0, (regs, spills)
+
+
+def test_tail_split_halves_are_the_k_halves() -> None:
+    """The split's arithmetic in float64: the half-K views (offset K / 4 int32 words, i.e. K / 2
+    bf16 of each row) give gemv_mma's tile over columns [0, K/2) and [K/2, K); their sum is the
+    product (to fp64 rounding), and a + b = b + a makes the stored value independent of which
+    half arrives second."""
+    torch.manual_seed(3)
+    k = 1024
+    x, w = torch.randn(8, k).to(bf), torch.randn(40, k).to(bf)
+    words = x.view(torch.int32)                                   # [8, k / 2] int32
+    assert torch.equal(words[:, k // 4:].contiguous().view(bf), x[:, k // 2:])
+    h0 = gm.emulate(x[:, : k // 2], w[:, : k // 2], 16)
+    h1 = gm.emulate(x[:, k // 2:], w[:, k // 2:], 16)
+    ref = x.double() @ w.double().t()
+    assert torch.allclose(h0 + h1, ref, rtol=1e-12, atol=1e-9)
+    a, b = h0.float(), h1.float()
+    assert torch.equal(a + b, b + a)
+
+
+def test_enable_sizes_the_counter_for_the_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused.enable: with front_mma on, the router counter holds split_counter_words(MAX_TAIL)
+    words when TAIL_SPLIT is on (the split tiles' counters and halves), one word otherwise."""
+    import kimi_decode.fused as fused_mod
+    import kimi_decode.kernels as kernels
+    from kimi_decode.config import tiny
+    from kimi_decode.fused import FusedDecoder
+    from kimi_decode.stock import StockDecoder
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kernels, "applicable", lambda name, cfg: True)
+    for split, words in ((False, 1), (True, fm.split_counter_words(fm.MAX_TAIL))):
+        monkeypatch.setattr(fm, "TAIL_SPLIT", split)
+        model = FusedDecoder.from_stock(StockDecoder(tiny(layers=(3, 4), batch=2, spec_tokens=3)), kernels=frozenset())
+        model.enable(frozenset({"front_mma"}))
+        counters = [layer.mlp.router_counter for layer in model.layers if hasattr(layer.mlp, "router_counter")]
+        assert counters and all(c.numel() == words and not c.any() for c in counters)
+
+
+def test_check_with_the_tail_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check() under TAIL_SPLIT: the counter it passes holds the split words; outputs within fp32
+    rounding of gemv_mma pass where bit-equality was asked; a split counter left non-zero (the
+    second half never re-zeroing it) fails the row."""
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(checks, "_sync", lambda: None)
+    monkeypatch.setattr(fm, "TAIL_SPLIT", True)
+    monkeypatch.setattr(rm, "route", lambda y, w, b, k, s, c: _contract(y, w, b, k, s, c, [])[:2])
+    monkeypatch.setattr(gm, "gemv_mma", lambda x, w, out=None, out_dtype=bf: (x.double() @ w.double().t()).to(out_dtype))
+    sizes: list[int] = []
+
+    def split(y, w_gate, bias, top_k, scaling, counter, ws, **kw):
+        sizes.append(counter.numel())
+        ids, w, outs = _contract(y, w_gate, bias, top_k, scaling, counter, ws)
+        outs = [o.clone() for o in outs]
+        o = outs[-1]            # the shared gate/up where present: the projection asked to be bit-equal
+        o[0, -1] = (o[0, -1].float() + o[0, -1].float().abs() * 2 ** -8).to(bf)    # one value one ulp off
+        return ids, w, outs
+    monkeypatch.setattr(fm, "route_and_project", split)
+    rows = fm.check(timing=False, rows=(8,))
+    assert set(sizes) == {fm.split_counter_words(fm.MAX_TAIL)}
+    assert [r["shared"] for r in rows] == [True, False] and not rows[0]["shared_equal_gemv_mma"]
+    assert all(r["ok"] and r["tail_split"] for r in rows), rows
+
+    def stuck(y, w_gate, bias, top_k, scaling, counter, ws, **kw):
+        counter[3] = 1
+        return _contract(y, w_gate, bias, top_k, scaling, counter, ws)
+    monkeypatch.setattr(fm, "route_and_project", stuck)
     assert not any(r["ok"] for r in fm.check(timing=False, rows=(8,)))
