@@ -145,6 +145,8 @@ def layer_bytes(layer: torch.nn.Module, cfg: Any) -> dict[str, int]:
         w += size
     state = 0
     for name, b in layer.named_buffers():
+        if not b.is_floating_point():
+            continue    # int scratch (the fused routers' grid counters), not decode state
         size = b.numel() * b.element_size()
         state += size if name.endswith("cache") else 2 * size  # cache read; KDA state read + write
     return {"weight_bytes": w, "state_bytes": state}

@@ -98,9 +98,10 @@ MAX_TAIL = 256     # the most split tiles a counter made by split_counter_words(
 
 
 def split_counter_words(tail: int) -> int:
-    """int32 words of the counter buffer with `tail` split tiles: the router's counter, one per
-    split tile, then their fp32 halves [2, tail, 128] (int32-sized)."""
-    return 1 + tail + 2 * tail * gm.TILE * 8 if tail else 1
+    """int32 words of the counter buffer with `tail` split tiles: the router's counter, MAX_TAIL
+    split-tile counters (a fixed place, so the words that must stay zero are always the first
+    1 + MAX_TAIL), then the fp32 halves [2, tail, 128] (int32-sized)."""
+    return 1 + MAX_TAIL + 2 * tail * gm.TILE * 8 if tail else 1
 
 
 def tail_tiles(ctas: int, projection_tiles: int, slots: int) -> int:
@@ -151,7 +152,7 @@ class FrontMma:
         self.t_r = self.rt.tiles
         self.t_d = self.down.ctas
         self.t_p = self.t_d + (self.shared.ctas if self.shared else 0)     # projection tiles
-        assert 0 <= cfg.tail <= self.t_p and D % 64 == 0, (cfg.tail, self.t_p, D)
+        assert 0 <= cfg.tail <= min(self.t_p, MAX_TAIL) and D % 64 == 0, (cfg.tail, self.t_p, D)
         self.ctas = self.t_r + self.t_p + cfg.tail                         # a split tile is 2 CTAs
         # the half-K tiles (TAIL_SPLIT): gemv_mma's tile over K / 2, on views offset by K / 2
         self.down_h = gm.GemvMma(gm.GemvMmaConfig(cfg.n1, D // 2, cfg.rows, W)) if cfg.tail else None
@@ -287,7 +288,7 @@ class FrontMma:
         if cutlass.const_expr(self.cfg.release_end):
             chain.release()
         mCnt = cute.make_tensor(mC.iterator + 1 + j, cute.make_layout(1))
-        mS = cute.make_tensor(cute.recast_ptr(mC.iterator + 1 + S, dtype=Float32),
+        mS = cute.make_tensor(cute.recast_ptr(mC.iterator + 1 + MAX_TAIL, dtype=Float32),
                               cute.make_layout((2, S, T), stride=(S * T, T, 1)))
         if tidx < T:
             _, _, tot = self.down.tile_sum(red, tidx)     # (the warp count's sum, any tile kind)

@@ -127,3 +127,22 @@ def test_run_layers_all_of_them_is_the_step_without_its_tail() -> None:
         assert not torch.equal(twin.pos, model.pos)        # the step advanced pos, the layers did not
         part_m, _ = run_layers(copy.deepcopy(twin), inputs, 1)
         assert part_m.shape == want_m.shape and not torch.equal(part_m, got_m)
+
+
+def test_layer_bytes_leaves_int_scratch_out() -> None:
+    """bench/decode.py layer_bytes: the state is the floating buffers (KDA state read + written,
+    the MLA cache read); an int32 counter buffer (the fused routers' grid counter, with
+    front_mma.TAIL_SPLIT 263 KB) adds nothing to the floor."""
+    import torch
+
+    from bench.decode import layer_bytes
+    from kimi_decode.config import tiny
+    from kimi_decode.stock import StockDecoder
+    cfg = tiny(layers=(3, 4), batch=1)
+    layer = StockDecoder(cfg).layers[0]
+    layer.mlp.last_idx = torch.zeros(1, cfg.top_k, dtype=torch.int64)
+    before = layer_bytes(layer, cfg)
+    want = sum((1 if n.endswith("cache") else 2) * b.numel() * b.element_size() for n, b in layer.named_buffers())
+    assert before["state_bytes"] == want > 0
+    layer.mlp.register_buffer("router_counter", torch.zeros(65793, dtype=torch.int32))
+    assert layer_bytes(layer, cfg) == before

@@ -284,7 +284,7 @@ def test_tail_split_arithmetic() -> None:
     assert fm.tail_tiles(132 + 100, 176, 132) == 0          # 2 x 100 halves would need two waves
     assert fm.tail_tiles(132 + 40, 30, 132) == 0            # the tail would reach the router tiles
     assert fm.split_counter_words(0) == 1
-    assert fm.split_counter_words(64) == 1 + 64 + 2 * 64 * 128
+    assert fm.split_counter_words(64) == 1 + fm.MAX_TAIL + 2 * 64 * 128      # counters at a fixed place
     kern = fm.FrontMma(dataclasses.replace(k3_cfg(8, True, 16), tail=64))
     assert (kern.t_p, kern.ctas) == (272, 56 + 272 + 64)    # each split tile two CTAs
 
