@@ -152,7 +152,9 @@ class FrontMma:
         self.t_r = self.rt.tiles
         self.t_d = self.down.ctas
         self.t_p = self.t_d + (self.shared.ctas if self.shared else 0)     # projection tiles
-        assert 0 <= cfg.tail <= min(self.t_p, MAX_TAIL) and D % 64 == 0, (cfg.tail, self.t_p, D)
+        # a split needs each half's K / 2 in whole chunks shared evenly by the warps
+        assert cfg.tail == 0 or (cfg.tail <= min(self.t_p, MAX_TAIL) and (D // 2) % (gm.CHUNK * W) == 0), \
+            (cfg.tail, self.t_p, D, W)
         self.ctas = self.t_r + self.t_p + cfg.tail                         # a split tile is 2 CTAs
         # the half-K tiles (TAIL_SPLIT): gemv_mma's tile over K / 2, on views offset by K / 2
         self.down_h = gm.GemvMma(gm.GemvMmaConfig(cfg.n1, D // 2, cfg.rows, W)) if cfg.tail else None
@@ -337,7 +339,7 @@ def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor,
         raise ValueError(f"front_mma cannot run M={m} D={d} E={e} k={top_k} projections {ns} (warps {warps})")
     cfg = FrontMmaConfig(d, e, top_k, m, float(scaling), ns[0], ns[1] if len(ns) > 1 else 0, warps, RELEASE_AT_END,
                          MIN_CTAS[warps])
-    if TAIL_SPLIT and y.is_cuda:
+    if TAIL_SPLIT and y.is_cuda and (d // 2) % (gm.CHUNK * warps) == 0:
         kern = FrontMma(cfg)
         tail = tail_tiles(kern.ctas, kern.t_p, sm_count(y.device) * MIN_CTAS[warps])
         if counter.numel() < split_counter_words(tail):
