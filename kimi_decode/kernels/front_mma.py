@@ -104,6 +104,12 @@ def split_counter_words(tail: int) -> int:
     return 1 + MAX_TAIL + 2 * tail * gm.TILE * 8 if tail else 1
 
 
+def half_k_words(k: int) -> int:
+    """Where half 1 of a row starts in gemv_mma's int32 word view ([rows, K / 8, 4]): K / 2 bf16
+    are K / 4 words (half_tile's view offset; the CPU test holds it to the columns)."""
+    return k // 4
+
+
 def tail_tiles(ctas: int, projection_tiles: int, slots: int) -> int:
     """How many of the grid's last projection tiles to split: the CTAs past the last full wave
     of `slots` resident CTAs, where their halves still fit in one wave; else 0."""
@@ -278,7 +284,7 @@ class FrontMma:
         views offset by h·K / 2, its 16 × 8 fp32 sums to the scratch, the tile's arrival; the
         second CTA to arrive adds both halves, stores bf16 and re-zeroes the tile's counter."""
         D, S, T = self.cfg.hidden, self.cfg.tail, gm.TILE * 8
-        off = h * (D // 4)                              # int32 words: K / 2 bf16 of a row
+        off = h * half_k_words(D)                       # int32 words: K / 2 bf16 of a row
         lay_x = cute.make_layout((self.cfg.rows, D // 16, 4), stride=(D // 2, 4, 1))
         lay_w = cute.make_layout((n, D // 16, 4), stride=(D // 2, 4, 1))
         mXh = cute.make_tensor(mX.iterator + off, lay_x)
