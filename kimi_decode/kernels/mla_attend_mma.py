@@ -91,6 +91,8 @@ and at R = 48 with one sequence.
 
 Check on the GPU (against stock_ops.mla_attend, eager and torch.compile'd, and the float64
 reference; both modes; times all): python -m kimi_decode.kernels.mla_attend_mma
+Where a call's time goes, phase by phase and CTA by CTA (the probe build, PROBE_PHASES):
+python -m bench.mla_mma_phases --out DIR
 """
 from __future__ import annotations
 
@@ -154,6 +156,18 @@ PRE_WAIT_TILES = True
 # The re-load above (True). False only for check_pre_wait's negative control: the build that
 # reads this step's rows before the wait alone, which a late writer must catch.
 RELOAD_NEW = True
+# Phase probe (MMAConfig.probe; bench/mla_mma_phases.py): thread 0 of every CTA stamps
+# %globaltimer at these points and writes them to probe[lin, :] at its end (lin = v·splits + s;
+# 0 = not reached). Each stamp stands right after a CTA barrier (the build's own, or one the
+# probe adds), so it marks the whole CTA's progress, not thread 0's; "waited" is thread 0's
+# return from griddepcontrol.wait. "tile1": the CTA's first tile done (its cache words' HBM
+# latency included); "scores" / "softmax" / "pv": the barriers after steps 1-2, 3 and 4 of the
+# CTA's last tile; "barrier": the (sequence, row group) barrier passed; "merged": its share of
+# the merge done; "published": its share of o_lat published (uv mode); "end": the uv tile done
+# (uv mode) or the merge. Why: at R = 48 (B = 1, k = 7) the kernel ends ~17 µs after mla_glue
+# in the step for ~1.2 µs of cache bytes, and ncu's totals do not say which phase holds it.
+PROBE_PHASES = ("entry", "waited", "q_staged", "tile1", "scores", "softmax", "pv", "partial_written",
+                "barrier", "merged", "published", "end")
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,7 @@ class MMAConfig(AttendShape):
     uv_rows: int = 0          # uv mode (mla_attend_mma_uv): M = B·T rows of o; 0 = o_lat only
     v_dim: int = 128          # uv mode: W_UV's columns per head
     groups: int = 1           # row groups G (row_groups): CTA (s, b·G + i) takes rows i·R/G .. + R/G
+    probe: bool = False       # phase probe (PROBE_PHASES): %globaltimer stamps per CTA
 
 
 def can_implement(heads: int, tokens: int, kv_rank: int, rope: int, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -357,9 +372,10 @@ class MLAAttendMMA(UVTiles):
     @cute.jit
     def __call__(self, q: cute.Pointer, cache: cute.Pointer, last: cute.Pointer, out: cute.Pointer,
                  part_o: cute.Pointer, part_ml: cute.Pointer, counters: cute.Pointer, w_uv: cute.Pointer,
-                 g: cute.Pointer, o_uv: cute.Pointer, batch: Int32, cache_len: Int32, splits: Int32,
-                 stream: cuda.CUstream):
-        """uv mode: w_uv [H, c, vd], g [M, H·vd], o_uv [M, H·vd] (bf16); otherwise unused."""
+                 g: cute.Pointer, o_uv: cute.Pointer, probe: cute.Pointer, batch: Int32, cache_len: Int32,
+                 splits: Int32, stream: cuda.CUstream):
+        """uv mode: w_uv [H, c, vd], g [M, H·vd], o_uv [M, H·vd] (bf16); otherwise unused.
+        probe mode: probe [B·G·splits, len(PROBE_PHASES)] int64; otherwise unused."""
         R, RF, D, C, G = self.R, self.RF, self.D, self.C, self.G
         mQ = cute.make_tensor(q, cute.make_layout((batch, RF, D // 8, 8), stride=(RF * D, D, 8, 1)))
         mK = cute.make_tensor(cute.recast_ptr(cache, dtype=Int32),
@@ -370,19 +386,25 @@ class MLAAttendMMA(UVTiles):
                                                         stride=(R * C, C, 4, 1)))
         mPml = cute.make_tensor(part_ml, cute.make_layout((batch * G * splits, 2, R), stride=(2 * R, R, 1)))
         mCnt = cute.make_tensor(counters, cute.make_layout(2 * batch * G + 2))
+        mT = cute.make_tensor(probe, cute.make_layout((batch * G * splits, len(PROBE_PHASES)),
+                                                      stride=(len(PROBE_PHASES), 1)))
         if cutlass.const_expr(self.cfg.uv):
             mX, mW, mG, mU = self.uv_views(out, w_uv, g, o_uv)
         else:
             mX, mW, mG, mU = mO, mO, mO, mO
-        self.kernel(mQ, mK, mL, mO, mPo, mPml, mCnt, mX, mW, mG, mU, batch, cache_len, splits).launch(
+        self.kernel(mQ, mK, mL, mO, mPo, mPml, mCnt, mX, mW, mG, mU, mT, batch, cache_len, splits).launch(
             grid=[splits, batch * G, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mL: cute.Tensor, mO: cute.Tensor, mPo: cute.Tensor,
                mPml: cute.Tensor, mCnt: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mG: cute.Tensor,
-               mU: cute.Tensor, batch: Int32, cache_len: Int32, splits: Int32):
+               mU: cute.Tensor, mT: cute.Tensor, batch: Int32, cache_len: Int32, splits: Int32):
         R, C, RP, MT, KC, JW, DS = self.R, self.C, self.RP, self.MT, self.KC, self.JW, self.DS
         tid, _, _ = cute.arch.thread_idx()
+        stamps = cute.make_rmem_tensor(cute.make_layout(len(PROBE_PHASES)), cutlass.Int64)
+        if cutlass.const_expr(self.cfg.probe):
+            stamps.fill(0)
+            stamps[0] = cute.arch.globaltimer()
         s, v, _ = cute.arch.block_idx()      # v = b·G + i: sequence b, row group i (rows roff ..)
         b = v // self.G
         roff = (v - b * self.G) * R
@@ -419,6 +441,7 @@ class MLAAttendMMA(UVTiles):
         pre = PRE_WAIT_TILES and chain.chain_on()
         if cutlass.const_expr(not pre):
             chain.enter()
+            self.stamp(stamps, 1, tid, False)
 
         # Positions this CTA reads: [t0, end), end ≤ max_t last[t] + 1 and ≤ C.
         lastv = cute.make_rmem_tensor(cute.make_layout(self.T), Int32)
@@ -458,6 +481,7 @@ class MLAAttendMMA(UVTiles):
                 self.load_k(mK, kB, row0, t0 + TILE, end, nq, kh, g, t)
         if cutlass.const_expr(pre):            # the wait, then this step's rows again
             chain.enter()
+            self.stamp(stamps, 1, tid, False)
         if cutlass.const_expr(pre and RELOAD_NEW):
             if ntile > 0:
                 self.reload_new(mK, kA, row0, t0, end, nq, kh, g, t, minlast)
@@ -473,18 +497,19 @@ class MLAAttendMMA(UVTiles):
         acc = cute.make_rmem_tensor(cute.make_layout((MT, 4 * JW, 4), stride=(16 * JW, 4, 1)), Float32)
         acc.fill(0.0)
         cute.arch.sync_threads()
+        self.stamp(stamps, 2, tid, False)
 
         if cutlass.const_expr(self.NBUF == 1):
             for it in range(ntile):
                 self.tile(mK, kA, sQw, sV, sS, sP, sPw, sA, acc, mreg, lreg, lastv, row0, t0, end, ntile, it,
-                          roff, tid, warp, g, t, nq, kh)
+                          roff, tid, warp, g, t, nq, kh, stamps)
         else:                                  # two tiles in flight: buffers alternate
             for it2 in range(0, ntile, 2):
                 self.tile(mK, kA, sQw, sV, sS, sP, sPw, sA, acc, mreg, lreg, lastv, row0, t0, end, ntile, it2,
-                          roff, tid, warp, g, t, nq, kh)
+                          roff, tid, warp, g, t, nq, kh, stamps)
                 if it2 + 1 < ntile:
                     self.tile(mK, kB, sQw, sV, sS, sP, sPw, sA, acc, mreg, lreg, lastv, row0, t0, end, ntile,
-                              it2 + 1, roff, tid, warp, g, t, nq, kh)
+                              it2 + 1, roff, tid, warp, g, t, nq, kh, stamps)
 
         # This split's partial (written even when it saw no valid position: m = NEG, l = 0, o = 0).
         srow = v * splits + s
@@ -519,16 +544,37 @@ class MLAAttendMMA(UVTiles):
         # fence.acq_rel.gpu and arrival (grid_arrive_and_wait), CUTLASS's semaphore pattern; no
         # per-thread fence (ncu: a membar stall of every thread behind its 96 KB of stores).
         cute.arch.sync_threads()
+        self.stamp(stamps, 7, tid, False)
         if tid == 0:                           # every split of pair v has written its partial
             grid_arrive_and_wait(mCnt, v, nv + v, splits)
         cute.arch.sync_threads()
+        self.stamp(stamps, 8, tid, False)
         cute.arch.fence_acq_rel_gpu()
         self.merge(mPo, mPml, mO, sRed, sW, sBlk, v, b, roff, s, splits, tid, warp, lane)
+        self.stamp(stamps, 9, tid, True)
         if cutlass.const_expr(self.cfg.uv):     # mla_attend.py's uv mode: publish, then the tiles
             self.publish(mCnt, 2 * nv, tid)
+            self.stamp(stamps, 10, tid, True)
             if lin < self.NW:                   # CTA-uniform
                 self.uv_tile(mCnt, mX, mW, mU, s_x, red, wbuf, 2 * nv, nv * splits, wh, wct, gate, tid,
                              warp, lane)
+        if cutlass.const_expr(self.cfg.probe):
+            self.stamp(stamps, 11, tid, True)
+            if tid == 0:
+                for i in cutlass.range_constexpr(len(PROBE_PHASES)):
+                    mT[lin, i] = stamps[i]
+
+    @cute.jit
+    def stamp(self, stamps: cute.Tensor, i: cutlass.Constexpr[int], tid: Int32,
+              barrier: cutlass.Constexpr[bool]):
+        """Probe mode: thread 0 records %globaltimer as phase i (after a CTA barrier when
+        `barrier`; the other call sites stand right after one of the build's own). Nothing
+        otherwise (the default build's instructions are unchanged)."""
+        if cutlass.const_expr(self.cfg.probe):
+            if cutlass.const_expr(barrier):
+                cute.arch.sync_threads()
+            if tid == 0:
+                stamps[i] = cute.arch.globaltimer()
 
     @cute.jit
     def stage_q(self, mQ: cute.Tensor, sQ: cute.Tensor, b: Int32, roff: Int32, tid: Int32):
@@ -555,9 +601,10 @@ class MLAAttendMMA(UVTiles):
     def tile(self, mK: cute.Tensor, kreg: cute.Tensor, sQw: cute.Tensor, sV: cute.Tensor, sS: cute.Tensor,
              sP: cute.Tensor, sPw: cute.Tensor, sA: cute.Tensor, acc: cute.Tensor, mreg: cute.Tensor,
              lreg: cute.Tensor, lastv: cute.Tensor, row0: Int32, t0: Int32, end: Int32, ntile: Int32, it: Int32,
-             roff: Int32, tid: Int32, warp: Int32, g: Int32, t: Int32, nq: Int32, kh: Int32):
+             roff: Int32, tid: Int32, warp: Int32, g: Int32, t: Int32, nq: Int32, kh: Int32,
+             stamps: cute.Tensor):
         """One tile (module docstring, steps 1-4); `kreg` holds its cache words and is reloaded
-        with tile it + NBUF's once consumed."""
+        with tile it + NBUF's once consumed. `stamps`: the probe's (PROBE_PHASES 3-6)."""
         MT, KC, JW, NCH, TPR, PPT = self.MT, self.KC, self.JW, self.NCH, self.TPR, self.PPT
         tstart = t0 + it * TILE
         # 1-2. value columns into sV (transposed to position pairs), scores over this k-half
@@ -583,6 +630,7 @@ class MLAAttendMMA(UVTiles):
         if it + self.NBUF < ntile:             # the words of tile it + NBUF fly from here on
             self.load_k(mK, kreg, row0, tstart + self.NBUF * TILE, end, nq, kh, g, t)
         cute.arch.sync_threads()
+        self.stamp(stamps, 4, tid, False)
 
         # 3. online softmax: TPR threads per row, PPT positions each.
         if tid < self.ACT:                     # warp-uniform (ACT is a multiple of 32)
@@ -626,6 +674,7 @@ class MLAAttendMMA(UVTiles):
             if j0 == 0:
                 sA[r] = alpha
         cute.arch.sync_threads()
+        self.stamp(stamps, 5, tid, False)
 
         # 4. P·V: columns 64·warp .. + 63 of every row.
         pa = cute.make_rmem_tensor(cute.make_layout((MT, 4), stride=(4, 1)), Int32)
@@ -653,6 +702,10 @@ class MLAAttendMMA(UVTiles):
                         mma_at(acc, mt, 4 * jw + jj, pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3],
                                bv[0, jj], bv[1, jj])
         cute.arch.sync_threads()               # sV, sS, sP, sA free for the next tile
+        self.stamp(stamps, 6, tid, False)
+        if cutlass.const_expr(self.cfg.probe):
+            if it == 0:
+                self.stamp(stamps, 3, tid, False)
 
     @cute.jit
     def load_k(self, mK: cute.Tensor, kreg: cute.Tensor, row0: Int32, tstart: Int32, end: Int32, nq: Int32,
@@ -792,17 +845,20 @@ def compile_for(cfg: MMAConfig) -> object:
     def build() -> object:
         bf, f32 = dummy_ptr(torch.bfloat16), dummy_ptr(torch.float32)
         return cute.compile(MLAAttendMMA(cfg), bf, bf, dummy_ptr(torch.int64), bf, f32, f32,
-                            dummy_ptr(torch.int32), bf, bf, bf, Int32(1), Int32(1), Int32(1), current_stream(),
+                            dummy_ptr(torch.int32), bf, bf, bf, dummy_ptr(torch.int64), Int32(1), Int32(1),
+                            Int32(1), current_stream(),
                             options=compile_options())
     return compiled(("mla_attend_mma", cfg, PRE_WAIT_TILES, RELOAD_NEW), build)
 
 
 def mla_attend_mma(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
-                   scale: float, scratch: MMAScratch | None = None) -> torch.Tensor:
+                   scale: float, scratch: MMAScratch | None = None,
+                   probe: torch.Tensor | None = None) -> torch.Tensor:
     """Launch on the current stream. q_full [B, T·H, c + rope] bf16, cache [B, C, c + rope]
     bf16, last [T] int64 (on the GPU; read by the kernel), scratch from make_scratch (kept by
     the caller across calls; its counters are zero between calls). Returns o_lat [B, T·H, c]
-    bf16."""
+    bf16. `probe` (int64 [B·G·splits, len(PROBE_PHASES)], probe_buffer): run the probe build,
+    which stamps each CTA's phases there (bench/mla_mma_phases.py)."""
     B, R, D, C, T = attend_shapes("mla_attend_mma", q_full, cache, last, heads, kv_rank, can_implement)
     if scratch is None:
         scratch = make_scratch(B, R, C, kv_rank, q_full.device)
@@ -812,12 +868,32 @@ def mla_attend_mma(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor
     if sc.units * sc.splits > sm_count(q_full.device) or sc.splits > THREADS or sc.nl > MAX_NL:
         raise ValueError(f"mla_attend_mma: B={B} x {sc.groups} row groups x {sc.splits} splits cannot all be "
                          f"resident (or {sc.nl} partials per merge thread > {MAX_NL})")
-    cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl, groups=sc.groups)
+    cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl, groups=sc.groups,
+                    probe=probe is not None)
     out = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     o = ptr(out)           # w_uv, g, o_uv: unused without the uv mode
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), o, ptr(sc.part_o), ptr(sc.part_ml),
-                     ptr(sc.counters), o, o, o, Int32(B), Int32(C), Int32(sc.splits), current_stream())
+                     ptr(sc.counters), o, o, o, _probe_ptr(probe, sc), Int32(B), Int32(C), Int32(sc.splits),
+                     current_stream())
     return out
+
+
+def probe_buffer(scratch: MMAScratch) -> torch.Tensor:
+    """A zeroed stamp buffer for the probe build of `scratch`'s launch: one row per CTA
+    (B·G·splits), one int64 nanosecond stamp per PROBE_PHASES entry."""
+    return torch.zeros(scratch.units * scratch.splits, len(PROBE_PHASES), dtype=torch.int64,
+                       device=scratch.counters.device)
+
+
+def _probe_ptr(probe: torch.Tensor | None, scratch: MMAScratch) -> object:
+    """The probe buffer's pointer (shape-checked against the launch), or a placeholder."""
+    if probe is None:
+        return dummy_ptr(torch.int64)
+    want = (scratch.units * scratch.splits, len(PROBE_PHASES))
+    if tuple(probe.shape) != want or probe.dtype != torch.int64 or not probe.is_contiguous():
+        raise ValueError(f"mla_attend_mma: probe must be contiguous int64 {want} (probe_buffer), "
+                         f"not {probe.dtype} {tuple(probe.shape)}")
+    return ptr(probe)
 
 
 def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: int, v_dim: int,
@@ -829,13 +905,13 @@ def can_implement_uv(batch: int, heads: int, tokens: int, kv_rank: int, rope: in
 
 
 def mla_attend_mma_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Tensor, heads: int, kv_rank: int,
-                      scale: float, w_uv: torch.Tensor, g: torch.Tensor,
-                      scratch: MMAScratch) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, w_uv: torch.Tensor, g: torch.Tensor, scratch: MMAScratch,
+                      probe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_attend_mma, then mla_glue.uv_gate on its o_lat, in one launch (uv mode: the W_UV
     tiles run by the first CTAs once every CTA has published its share of o_lat, as
     mla_attend.mla_attend_uv). w_uv [H, c, vd], g [M, H·vd] bf16 (M = B·T). Returns
     (o [M, H·vd], o_lat [B, T·H, c]) bf16; o equals mla_glue.uv_gate(o_lat, w_uv, g) bit for
-    bit by design (mla_glue's own tile code and rounding points)."""
+    bit by design (mla_glue's own tile code and rounding points). `probe`: as mla_attend_mma's."""
     B, R, D = q_full.shape
     C = cache.shape[1]
     T = last.shape[0]
@@ -849,12 +925,12 @@ def mla_attend_mma_uv(q_full: torch.Tensor, cache: torch.Tensor, last: torch.Ten
                                     sc.groups)):
         raise ValueError(f"mla_attend_mma_uv cannot run q {tuple(q_full.shape)} g {tuple(g.shape)}")
     cfg = MMAConfig(heads, T, kv_rank, D - kv_rank, float(scale), sc.kq, sc.nl, uv_rows=M, v_dim=vd,
-                    groups=sc.groups)
+                    groups=sc.groups, probe=probe is not None)
     o_lat = torch.empty(B, R, kv_rank, dtype=torch.bfloat16, device=q_full.device)
     o = torch.empty(M, H * vd, dtype=torch.bfloat16, device=q_full.device)
     compile_for(cfg)(ptr(q_full), ptr(cache), ptr(last), ptr(o_lat), ptr(sc.part_o), ptr(sc.part_ml),
-                     ptr(sc.counters), ptr(w_uv), ptr(g), ptr(o), Int32(B), Int32(C), Int32(sc.splits),
-                     current_stream())
+                     ptr(sc.counters), ptr(w_uv), ptr(g), ptr(o), _probe_ptr(probe, sc), Int32(B), Int32(C),
+                     Int32(sc.splits), current_stream())
     return o, o_lat
 
 

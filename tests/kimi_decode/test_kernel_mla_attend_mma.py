@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,8 @@ def ptx_of(tmp_path: Path, cfg: km.MMAConfig) -> str:
     tmp_path.mkdir(parents=True, exist_ok=True)
     opts = f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}"
     cute.compile(km.MLAAttendMMA(cfg), P(bf), P(bf), P(torch.int64), P(bf), P(f32), P(f32), P(torch.int32),
-                 P(bf), P(bf), P(bf), Int32(1), Int32(1), Int32(1), _common.current_stream(), options=opts)
+                 P(bf), P(bf), P(bf), P(torch.int64), Int32(1), Int32(1), Int32(1), _common.current_stream(),
+                 options=opts)
     files = list(tmp_path.glob("*.ptx"))
     assert len(files) == 1, files
     return files[0].read_text()
@@ -107,6 +109,48 @@ def test_uv_mode_compiles(tmp_path: Path, batch: int, spec: int) -> None:
     if ptxas_path():
         regs, spills = ptxas_usage(tmp_path, ptx)
         assert spills == 0 and regs <= 255, (regs, spills)
+
+
+# ---- the phase probe (bench/mla_mma_phases.py) ------------------------------------------------
+
+def stored_words64(ptx: str) -> int:
+    """64-bit words the PTX stores to global memory (the probe's stamps: scalar or vectors)."""
+    return (ptx.count("st.global.b64") + ptx.count("st.global.u64") + ptx.count("st.global.s64")
+            + 2 * ptx.count("st.global.v2.b64") + 2 * ptx.count("st.global.v2.u64")
+            + 4 * ptx.count("st.global.v4.b64"))
+
+
+@pytest.mark.parametrize("batch,spec,uv", [(1, 7, True), (1, 0, True), (1, 7, False)])
+def test_probe_build_stamps_every_phase_and_keeps_the_math(tmp_path: Path, batch: int, spec: int, uv: bool) -> None:
+    """The probe build reads %globaltimer and stores one 64-bit stamp per PROBE_PHASES entry;
+    its arithmetic (mma, prmt, ex2) and the barrier's atomics are the default build's, and the
+    default build reads no timer and stores no 64-bit word (the step's kernel carries no probe
+    code); no local memory, and ptxas keeps it within one CTA of 256 threads per SM."""
+    cfg = config(batch, spec, uv=uv)
+    base = ptx_of(tmp_path / "base", cfg)
+    ptx = ptx_of(tmp_path / "probe", replace(cfg, probe=True))
+    assert "globaltimer" not in base and stored_words64(base) == 0
+    # a timer read per phase (the tile's three per unrolled tile body; "published" only in uv mode)
+    assert ptx.count("%globaltimer") >= len(km.PROBE_PHASES) - (0 if uv else 1)
+    assert stored_words64(ptx) == len(km.PROBE_PHASES)
+    for op in ("mma.sync.aligned", "prmt.b32", "ex2.approx", "atom.global", "ld.acquire.gpu"):
+        assert ptx.count(op) == base.count(op), op
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if ptxas_path():
+        regs, spills = ptxas_usage(tmp_path, ptx)
+        assert spills == 0 and regs <= 255, (regs, spills)   # 204-208 at commit time
+
+
+def test_probe_buffer_matches_the_launch() -> None:
+    """One row per CTA (B·G·splits; G = 3 at R = 48), one stamp per phase; the wrappers refuse a
+    buffer of another shape or type before launching anything."""
+    sc = km.make_scratch(1, 48, 4608, 512, "cpu", sms=132)
+    pr = km.probe_buffer(sc)
+    assert sc.groups == 3 and pr.shape == (3 * sc.splits, len(km.PROBE_PHASES)) and pr.dtype == torch.int64
+    assert int(pr.abs().sum()) == 0
+    for bad in (pr[:-1], pr.int(), pr.t()):
+        with pytest.raises(ValueError, match="probe must be contiguous int64"):
+            km._probe_ptr(bad, sc)
 
 
 # ---- the index maps, replayed in float64 ------------------------------------------------------
