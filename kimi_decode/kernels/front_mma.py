@@ -47,6 +47,7 @@ from __future__ import annotations
 import kimi_decode.kernels  # noqa: F401  (sm_90a target)
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -316,6 +317,15 @@ class FrontMma:
                 mCnt[0] = Int32(0)
 
 
+@functools.lru_cache(maxsize=None)
+def split_tail(cfg: FrontMmaConfig, slots: int) -> int:
+    """tail_tiles of `cfg`'s grid at `slots` resident CTAs. Cached per shape: the grid's sizes
+    come from building the kernel object (host arithmetic only), which an eager step would
+    otherwise repeat on every call of route_and_project."""
+    kern = FrontMma(cfg)
+    return tail_tiles(kern.ctas, kern.t_p, slots)
+
+
 def compile_for(cfg: FrontMmaConfig) -> object:
     """The compiled kernel for `cfg` (cached)."""
     def build() -> object:
@@ -346,8 +356,7 @@ def route_and_project(y: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor,
     cfg = FrontMmaConfig(d, e, top_k, m, float(scaling), ns[0], ns[1] if len(ns) > 1 else 0, warps, RELEASE_AT_END,
                          MIN_CTAS[warps])
     if TAIL_SPLIT and y.is_cuda and (d // 2) % (gm.CHUNK * warps) == 0:
-        kern = FrontMma(cfg)
-        tail = tail_tiles(kern.ctas, kern.t_p, sm_count(y.device) * MIN_CTAS[warps])
+        tail = split_tail(cfg, sm_count(y.device) * MIN_CTAS[warps])
         if counter.numel() < split_counter_words(tail):
             raise ValueError(f"front_mma: TAIL_SPLIT needs a counter of {split_counter_words(tail)} int32 words "
                              f"(split_counter_words), got {counter.numel()}")

@@ -287,6 +287,10 @@ def test_tail_split_arithmetic() -> None:
     assert fm.split_counter_words(64) == 1 + fm.MAX_TAIL + 2 * 64 * 128      # counters at a fixed place
     kern = fm.FrontMma(dataclasses.replace(k3_cfg(8, True, 16), tail=64))
     assert (kern.t_p, kern.ctas) == (272, 56 + 272 + 64)    # each split tile two CTAs
+    fm.split_tail.cache_clear()                            # the wrapper's choice from the unsplit grid
+    assert fm.split_tail(k3_cfg(8, True, 16), 132) == 64 and fm.split_tail(k3_cfg(8, False, 16), 132) == 16
+    assert fm.split_tail(k3_cfg(8, True, 16), 132) == 64
+    assert fm.split_tail.cache_info().hits == 1 and fm.split_tail.cache_info().misses == 2
 
 
 def test_tail_split_build(tmp_path: Path) -> None:
