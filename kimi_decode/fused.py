@@ -748,6 +748,7 @@ class MLAAttention(stock.MLAAttention):
     use_glue = False                               # kernels/mla_glue.py: uk_insert, uv_gate
     use_fold = False                               # "mla_norm_fold": no qkv_norm launch (M = 1)
     use_fold_mma = False                           # "mla_norm_fold_mma": the same at 2 ≤ M ≤ 8
+    pair_counter: torch.Tensor | None = None       # gemv_mma_pair.SIGNAL (an A/B): q_b on qkv_a's signal
     attend_scratch: object | None = None           # kernels/mla_attend.py's buffers when it is on
     attend_uv = False                              # mla_attend_uv: mla_attend also does uv_gate
     mma_scratch: object | None = None              # kernels/mla_attend_mma.py's buffers when it is on
@@ -762,6 +763,7 @@ class MLAAttention(stock.MLAAttention):
         nope, rope, c, ql = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank
         multi = self._multi_applies(x)
         g_on_side = not (multi or self._pair_applies(x))
+        signal = False
         if g_on_side:
             with _on_side(self.rt, x), op_range("g_proj"):
                 g = _linear(x, self.g_proj, lin, k)                                    # [M, H*vd]
@@ -773,13 +775,23 @@ class MLAAttention(stock.MLAAttention):
                 a, g = gemv_multi(x, [self.qkv_a, self.g_proj])
         else:                                   # the same on the tensor cores (2 ≤ M ≤ 8)
             from kimi_decode.kernels.gemv_mma_pair import gemv_mma_pair
+            signal = self._signal_applies(x)    # q_b entered on qkv_a's CTAs (gemv_mma_pair.SIGNAL)
             with op_range("qkv_a_g"):
-                a, g = gemv_mma_pair(x, self.qkv_a, self.g_proj)
+                a, g = gemv_mma_pair(x, self.qkv_a, self.g_proj, counter=self.pair_counter if signal else None)
         fold = self._fold_mode(a)
+        if signal and fold != "mma":            # only q_b-after re-zeroes the pair's counter
+            raise RuntimeError(f"MLA layer: the signalled pair ran but q_b's fold mode is {fold!r}")
         if fold == "gemv":                      # the norms move into q_b's GEMV and uk_insert
             from kimi_decode.kernels.gemv import gemv_rmsnorm
             with op_range("q_b_proj"):
                 q = gemv_rmsnorm(a, self.q_a_norm, self.q_b, ql, cfg.rms_eps).reshape(-1, H, nope + rope)
+        elif fold == "mma" and signal:          # the same, entered on qkv_a's signal
+            from kimi_decode.kernels import gemv_mma_pair as k_pair
+            with op_range("q_b_proj"):
+                q = k_pair.gemv_mma_rmsnorm_after(
+                    a, self.q_a_norm, self.q_b, ql, cfg.rms_eps, self.pair_counter,
+                    k_pair.producers(x.shape[0], self.qkv_a.shape[0], self.g_proj.shape[0], x.shape[1])
+                ).reshape(-1, H, nope + rope)
         elif fold == "mma":                     # the same with q_b on the tensor cores (2 ≤ M ≤ 8)
             from kimi_decode.kernels.gemv_mma import gemv_mma_rmsnorm
             with op_range("q_b_proj"):
@@ -843,6 +855,14 @@ class MLAAttention(stock.MLAAttention):
             with op_range("gate_mul"):
                 o = fx["gate"](o.reshape(B * T, -1), g)
         return _project_and_reduce(self, o)
+
+    def _signal_applies(self, x: torch.Tensor) -> bool:
+        """gemv_mma_pair.SIGNAL's pair and q_b: its counter allocated (fused.enable) and q_b
+        folded on the tensor cores after this pair (the only consumer that re-zeroes it)."""
+        if self.pair_counter is None:
+            return False
+        a_like = torch.empty(x.shape[0], self.qkv_a.shape[0], dtype=x.dtype, device="meta")
+        return self._fold_mode(a_like) == "mma"
 
     def _fold_mode(self, a: torch.Tensor) -> str | None:
         """qkv_norm folded into q_b's projection (RMSNorm prologue) and uk_insert: "gemv" (kernel
@@ -1392,6 +1412,12 @@ class FusedDecoder(StockDecoder):
                 layer.attn.use_pair = "gemv_mma_pair" in on
                 layer.attn.use_fold = {"mla_norm_fold", "mla_glue", "gemv"} <= on
                 layer.attn.use_fold_mma = {"mla_norm_fold_mma", "mla_glue"} <= on
+                # gemv_mma_pair.SIGNAL (an A/B, off): the pair and q_b share two counter words
+                layer.attn.pair_counter = None
+                if layer.attn.use_pair and layer.attn.use_fold_mma:
+                    from kimi_decode.kernels import gemv_mma_pair as k_pair
+                    if k_pair.SIGNAL:
+                        layer.attn.pair_counter = k_pair.pair_counter(dev)
             if isinstance(layer.attn, (KDAAttention, MLAAttention)):
                 layer.attn.use_gemv = "gemv" in on
                 layer.attn.ar_slots = ar_slots

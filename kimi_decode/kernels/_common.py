@@ -145,6 +145,33 @@ def grid_arrive_and_wait(mCnt: cute.Tensor, cnt: Int32, ep: Int32, arrivals: Int
 
 
 @cute.jit
+def signal_count(mC: cute.Tensor, tidx: Int32):
+    """A producer CTA's "my results are written" to CTAs of another grid (the CUTLASS
+    semaphore pattern, as grid_arrive_and_wait's arrival): a CTA barrier (every thread's stores
+    issued), then thread 0 fences (fence.acq_rel.gpu) and bumps mC[0] (atom.add release, gpu
+    scope). Consumers: wait_count."""
+    cute.arch.sync_threads()
+    if tidx == 0:
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.atomic_add(mC.iterator, Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def wait_count(mC: cute.Tensor, target: cutlass.Constexpr[int], tidx: Int32):
+    """A consumer CTA waits until `target` producers have signalled (signal_count): thread 0
+    polls mC[0] (ld.acquire.gpu) until it reaches `target`, a CTA barrier, then every thread
+    fences (fence.acq_rel.gpu), as after grid_arrive_and_wait. The producers must be resident or
+    sure to become so without this CTA's resources (no deadlock otherwise); the counter is
+    re-zeroed by whoever knows every consumer has passed."""
+    if tidx == 0:
+        seen = cute.arch.load(mC.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = cute.arch.load(mC.iterator.llvm_ptr, Int32, sem="acquire", scope="gpu")
+    cute.arch.sync_threads()
+    cute.arch.fence_acq_rel_gpu()
+
+
+@cute.jit
 def sigmoid(x: Float32) -> Float32:
     """1 / (1 + exp(-x))."""
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
@@ -156,5 +183,5 @@ def cuda_available() -> bool:
 
 
 __all__ = ["ptr", "dummy_ptr", "compile_options", "current_stream", "compiled", "block_sum", "arrive_count",
-           "grid_arrive_and_wait",
+           "grid_arrive_and_wait", "signal_count", "wait_count",
            "sigmoid", "Int32", "Float32"]

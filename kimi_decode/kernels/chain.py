@@ -29,8 +29,12 @@ weights one kernel earlier, e.g. the MoE front's W_gate during o_proj and mlp_re
 during mlp_res alone. Still safe: the successor's own wait returns only once this kernel has
 completed, which is after this kernel's wait. Not for a kernel whose successor reads a
 result of two kernels back before its wait (FC1: FC2 reads the router's ids there).
+Signalled entry (gemv_mma_pair.SIGNAL, an A/B, off): q_b after the MLA pair releases at its
+start and enters on a counter the pair's qkv_a CTAs bump, not on the pair's completion; its
+own griddepcontrol.wait comes after its stores, so its completion still implies the pair's
+and its successor (mla_glue: W_UK before its wait) sees the chain as before.
 A kernel launched with PDL must call the wait before reading anything an earlier kernel of
-the step wrote; a kernel not in the chain is launched as before and starts after its
+the step wrote (or, as above, acquire a counter its writer released); a kernel not in the chain is launched as before and starts after its
 predecessor completes (it never triggers early, so its successor, chained or not, waits for
 its end). Results are bit-identical with and without the chain (only scheduling changes). Not chained:
 the shared expert's down GEMV (gemv_situ) on the side stream: off the critical path, and a

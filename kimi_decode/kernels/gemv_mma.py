@@ -71,7 +71,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 from kimi_decode.kernels import chain
-from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr
+from kimi_decode.kernels._common import compile_options, compiled, current_stream, dummy_ptr, ptr, wait_count
 from kimi_decode.kernels.gemv import situ_act
 
 MIN_ROWS = 2      # M = 1 keeps the CUDA-core GEMV (kernels/gemv.py), which beats stock there
@@ -106,6 +106,8 @@ class GemvMmaConfig:
     # [0, K) of rows of width x_stride (qkv_a's output), normalised with this eps
     eps: float = 0.0
     x_stride: int = 0
+    # gemv_mma_pair.GemvMmaNormAfter: the producer CTAs' signals to wait for (0: not that kernel)
+    after: int = 0
 
 
 def warps_for(n: int, k: int) -> int:
@@ -258,14 +260,19 @@ class GemvMma:
     @cute.jit
     def tile_partials(self, mX: cute.Tensor, mW: cute.Tensor, red: cute.Tensor, tile: Int32,
                       tidx: Int32, warp: Int32, lane: Int32, release: cutlass.Constexpr[bool] = True,
-                      mNw: cute.Tensor | None = None):
+                      mNw: cute.Tensor | None = None, after: cute.Tensor | None = None,
+                      after_target: cutlass.Constexpr[int] = 0, wait_now: cutlass.Constexpr[bool] = True):
         """The CTA's 16 × M partial products over its K range: round 0's weights before the
         chain's wait, then (SiTU prologue: staged after the wait) every round's loads and mma;
         each warp's accumulators land in red[warp, lane, :] and the CTA meets at a barrier.
         mX: x as [M, K / 8, 4] words, or h [M, 2K / 8, 8] bf16 with the SiTU prologue.
         `release=False`: the chain's wait only; the caller releases the next kernel later.
         `mNw` (GemvMmaNorm): the RMSNorm weight; mX is then a [M, K / 8, 8] bf16 view of a's
-        rows, normalised into shared memory after the wait (stage_norm)."""
+        rows, normalised into shared memory after the wait (stage_norm).
+        `after` (gemv_mma_pair.SIGNAL): after the chain's step, wait until `after_target`
+        producer CTAs of the previous grid have signalled on counter after[0] (wait_count);
+        `wait_now=False`: the chain's step is the release alone, and the caller waits for the
+        previous grid at its end (the pair's consumer, gemv_mma_pair.GemvMmaNormAfter)."""
         n, m, U = self.cfg.n, self.cfg.rows, self.u
         g = lane // 4
         t = lane - g * 4
@@ -278,10 +285,14 @@ class GemvMma:
         xv = cute.make_rmem_tensor(cute.make_layout((U, 4), stride=(4, 1)), Int32)
         # round 0: its weights before the chain's wait (weights are never written by the step)
         self.load_round(mX, mW, wv, xv, Int32(0), U, warp, t, row_lo, row_hi, xrow, False)
-        if cutlass.const_expr(release):
+        if cutlass.const_expr(not wait_now):
+            chain.release()
+        elif cutlass.const_expr(release):
             chain.enter()
         else:
             chain.wait()
+        if cutlass.const_expr(after is not None):
+            wait_count(after, after_target, tidx)
         if cutlass.const_expr(self.cfg.situ):
             k = self.cfg.k
             smem = cutlass.memory.SmemAllocator()
@@ -516,6 +527,16 @@ def can_implement_norm(m: int, n: int, k: int, a_cols: int, dtypes: tuple[torch.
             and a_cols % 8 == 0)
 
 
+def norm_config(a: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, k: int, eps: float) -> GemvMmaConfig:
+    """gemv_mma_rmsnorm's launch configuration, after checking its arguments (ValueError)."""
+    m, A = a.shape
+    n = w.shape[0]
+    if (w.dim() != 2 or w.shape[1] != k or tuple(w_norm.shape) != (k,) or not a.is_contiguous()
+            or not w.is_contiguous() or not can_implement_norm(m, n, k, A, (a.dtype, w_norm.dtype, w.dtype))):
+        raise ValueError(f"gemv_mma_rmsnorm cannot run a {tuple(a.shape)} w {tuple(w.shape)} k={k}")
+    return GemvMmaConfig(n, k, m, warps=warps_for(n, k), eps=float(eps), x_stride=A)
+
+
 def gemv_mma_rmsnorm(a: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, k: int, eps: float) -> torch.Tensor:
     """bf16(RMSNorm(a[:, :k]; w_norm, eps)) @ w[N, k]ᵀ for 2 ≤ M ≤ 8 in one launch (MLA:
     qkv_norm's q half + q_b_proj; kernels/gemv.py's gemv_rmsnorm at M = 1); a [M, A ≥ k]
@@ -523,13 +544,8 @@ def gemv_mma_rmsnorm(a: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, k: 
     Equal to gemv_mma(xn, w) for xn = the prologue's normalised rows, which equal stock's
     mla_norms q half except where rstd's last fp32 bits move a product across a bf16 rounding
     boundary (kernels/mla_norm_fold.py's check)."""
-    m, A = a.shape
-    n = w.shape[0]
-    if (w.dim() != 2 or w.shape[1] != k or tuple(w_norm.shape) != (k,) or not a.is_contiguous()
-            or not w.is_contiguous() or not can_implement_norm(m, n, k, A, (a.dtype, w_norm.dtype, w.dtype))):
-        raise ValueError(f"gemv_mma_rmsnorm cannot run a {tuple(a.shape)} w {tuple(w.shape)} k={k}")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    cfg = GemvMmaConfig(n, k, m, warps=warps_for(n, k), eps=float(eps), x_stride=A)
+    cfg = norm_config(a, w_norm, w, k, eps)
+    out = torch.empty(a.shape[0], cfg.n, dtype=torch.bfloat16, device=a.device)
     compile_norm(cfg)(ptr(a), ptr(w_norm), ptr(w), ptr(out), current_stream())
     return out
 

@@ -7,6 +7,7 @@ kernel replaced by its contract (passing) and by a wrong one (failing).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def test_fused_dispatch_and_step_on_cpu(monkeypatch) -> None:
     from kimi_decode.stock import StockDecoder
     calls: list[tuple[int, int]] = []
 
-    def pair(x, w1, w2):
+    def pair(x, w1, w2, counter=None):
         calls.append((w1.data_ptr(), w2.data_ptr()))
         return x @ w1.t(), x @ w2.t()
     monkeypatch.setattr(gp, "gemv_mma_pair", pair)
@@ -172,7 +173,7 @@ def test_check_harness_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(checks, "DEVICE", "cpu")
     monkeypatch.setattr(checks, "_sync", lambda: None)
 
-    def exact(x, w1, w2, unroll=gm.UNROLL):
+    def exact(x, w1, w2, unroll=gm.UNROLL, counter=None):
         return (x.float() @ w1.float().t()).bfloat16(), (x.float() @ w2.float().t()).bfloat16()
     monkeypatch.setattr(gp, "gemv_mma_pair", exact)
     monkeypatch.setattr(gm, "gemv_mma", lambda x, w, *a, **k: (x.float() @ w.float().t()).bfloat16())
@@ -185,3 +186,217 @@ def test_check_harness_on_cpu(monkeypatch) -> None:
         return a, (b.float() * 1.05).bfloat16()
     monkeypatch.setattr(gp, "gemv_mma_pair", wrong)
     assert not any(r["ok"] for r in gp.check(timing=False))
+
+
+# ---- SIGNAL: q_b entered on qkv_a's CTAs (an A/B, off) ---------------------------------------
+
+def signal_ptx(tmp_path: Path, m: int, g_after: bool) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    P = _common.dummy_ptr(bf)
+    cfg = dataclasses.replace(gp.config_for(m, N1, N2, D), signal=True, g_after=g_after)
+    cute.compile(gp.GemvMmaPairSignal(cfg), P, P, P, P, P, _common.dummy_ptr(torch.int32), _common.current_stream(),
+                 options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    (f,) = list(tmp_path.glob("*.ptx"))
+    return f.read_text()
+
+
+def norm_ptx(tmp_path: Path, after: int) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    P = _common.dummy_ptr(bf)
+    cfg = gm.GemvMmaConfig(QB_N, QL, 8, warps=gm.warps_for(QB_N, QL), eps=1e-5, x_stride=N1, after=after)
+    kern, extra = (gp.GemvMmaNormAfter(cfg), [_common.dummy_ptr(torch.int32)]) if after else (gm.GemvMmaNorm(cfg), [])
+    cute.compile(kern, P, P, P, P, *extra, _common.current_stream(),
+                 options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path}")
+    (f,) = list(tmp_path.glob("*.ptx"))
+    return f.read_text()
+
+
+QL, QB_N = K3.q_lora_rank, K3.mla_local_heads * K3.qk_head_dim      # q_b: [1152, 1536]
+
+
+def ops(ptx: str) -> list[str]:
+    """The PTX instruction lines, in order (comments and blank lines dropped)."""
+    return [s.strip() for s in ptx.splitlines() if s.strip() and not s.strip().startswith("//")]
+
+
+def first(lines: list[str], op: str, start: int = 0) -> int:
+    return next(i for i in range(start, len(lines)) if lines[i].startswith(op))
+
+
+def test_signal_default_off_and_counter_shape() -> None:
+    assert gp.SIGNAL is False and gp.G_AFTER_QKV is True and gp.COUNTER_WORDS == 2
+    assert gp.producers(8, N1, N2, D) == 132                # qkv_a's CTAs at K3
+    c = gp.pair_counter("cpu")
+    assert c.dtype == torch.int32 and c.tolist() == [0, 0]
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="signal counter must be 2 contiguous int32 words"):
+            gp._check_counter(bad)
+
+
+@pytest.mark.parametrize("g_after", [True, False])
+def test_signalled_pair_build(tmp_path: Path, g_after: bool) -> None:
+    """The qkv_a half signals after its stores: its output store, a CTA barrier, fence.acq_rel.gpu,
+    then one atom.add.release (gpu scope); the g_proj half (g_after) polls with ld.acquire.gpu
+    only after its chain step (wait, launch_dependents), so q_b launches while it waits. The
+    arithmetic is the plain pair's (same mma and 128-bit loads); ptxas keeps 64 registers' worth
+    (≤ 255), no spills."""
+    from kimi_decode.kernels import chain
+    chain.set_chain(True, 0)
+    try:
+        ptx = signal_ptx(tmp_path / "s", 8, g_after)
+        plain = pair_ptx(tmp_path / "p", 8)
+    finally:
+        chain.set_chain(False, chain.DEFAULT_BUDGET)
+    lines = ops(ptx)
+    assert ptx.count(MMA) == plain.count(MMA) and ptx.count("ld.global.v4") == plain.count("ld.global.v4")
+    assert ptx.count("atom.") == 1 and ptx.count("atom.global.release.add") == 1
+    atom = first(lines, "atom.global.release.add")
+    assert lines[atom - 1] == "fence.acq_rel.gpu;"
+    assert any(x.startswith("bar.sync") for x in lines[atom - 4:atom - 1])
+    assert any(x.startswith("st.global.b16") for x in lines[:atom])            # the tile's output first
+    polls = [i for i, x in enumerate(lines) if x.startswith("ld.acquire.gpu")]
+    if g_after:
+        assert polls and all(i > max(j for j, x in enumerate(lines) if x.startswith("griddepcontrol.launch"))
+                             for i in polls)
+    else:
+        assert polls == []
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path / "s", ptx)
+        assert regs <= 255 and spills == 0, (regs, spills)
+
+
+def test_q_b_after_build(tmp_path: Path) -> None:
+    """GemvMmaNormAfter: its first weights loaded, then launch_dependents, then the poll on word
+    0 (ld.acquire.gpu), then the normalised row's loads and the mma; griddepcontrol.wait only
+    after the output stores, followed by the arrival (atom.add acq_rel) and the re-zeroing
+    store. The plain GemvMmaNorm waits (wait, launch) before its first mma and has no atomics.
+    Same mma count; ptxas within one CTA per SM (≤ 128 registers at 16 warps), no spills."""
+    from kimi_decode.kernels import chain
+    chain.set_chain(True, 0)
+    try:
+        after = ops(norm_ptx(tmp_path / "a", 132))
+        plain = ops(norm_ptx(tmp_path / "n", 0))
+    finally:
+        chain.set_chain(False, chain.DEFAULT_BUDGET)
+    count = lambda lines, op: sum(x.startswith(op) for x in lines)  # noqa: E731
+    assert count(after, "mma.sync") == count(plain, "mma.sync") > 0
+    launch, poll = first(after, "griddepcontrol.launch_dependents"), first(after, "ld.acquire.gpu")
+    mma, wait = first(after, "mma.sync"), first(after, "griddepcontrol.wait")
+    stores = [i for i, x in enumerate(after) if x.startswith("st.global.b16")]
+    assert first(after, "ld.global.v4") < launch < poll < mma < stores[0]
+    assert max(stores) < wait < first(after, "atom.global.acq_rel.add") < first(after, "st.global.v2.b32")
+    assert count(after, "griddepcontrol.wait") == 1 and count(after, "atom.") == 1
+    assert first(plain, "griddepcontrol.wait") < first(plain, "griddepcontrol.launch") < first(plain, "mma.sync")
+    assert count(plain, "atom.") == 0 and count(plain, "ld.acquire") == 0
+    if ptxas_path() is not None:
+        regs, spills = ptxas_usage(tmp_path / "a", "\n".join(after))
+        assert regs <= 128 and spills == 0, (regs, spills)
+
+
+def _emulate_signal(monkeypatch, calls: list) -> None:
+    """The signalled pair and q_b by their contracts, the counter protocol included: the pair
+    adds its T1 signals; q_b requires them all, then re-zeroes the counter."""
+    import torch.nn.functional as F
+
+    def pair(x, w1, w2, counter=None):
+        calls.append("pair+signal" if counter is not None else "pair")
+        if counter is not None:
+            counter[0] += (w1.shape[0] + 15) // 16
+        return x @ w1.t(), x @ w2.t()
+
+    def after(a, w_norm, w, k, eps, counter, producers):
+        calls.append("q_b_after")
+        assert int(counter[0]) == producers, "q_b entered before every qkv_a CTA signalled"
+        counter.zero_()
+        return F.rms_norm(a[:, :k], (k,), w_norm, eps) @ w.t()
+    monkeypatch.setattr(gp, "gemv_mma_pair", pair)
+    monkeypatch.setattr(gp, "can_implement", lambda *a, **k: True)
+    monkeypatch.setattr(gp, "gemv_mma_rmsnorm_after", after)
+    monkeypatch.setattr(gp, "producers", lambda m, n1, n2, k: (n1 + 15) // 16)
+
+
+@pytest.mark.parametrize("signal", [True, False])
+def test_fused_signal_call_sites_on_cpu(monkeypatch, signal: bool) -> None:
+    """At M = 8 with the pair and the folded q_b on: with a counter (SIGNAL) each MLA layer runs
+    the signalled pair then q_b entered on it, and the counter is zero after the step; without,
+    the plain pair and gemv_mma_rmsnorm. The step equals stock either way (float32 rounding)."""
+    from tests.kimi_decode.test_fused import _emulate_fold_kernels, run_close
+    from kimi_decode.fused import FusedDecoder
+    from kimi_decode.stock import StockDecoder
+    cfg = tiny(layers=(3, 4, 5, 6, 7, 8), batch=2, spec_tokens=3)        # M = 8
+    calls: list[str] = []
+    _emulate_fold_kernels(monkeypatch, cfg, calls)
+    _emulate_signal(monkeypatch, calls)
+    stock = StockDecoder(cfg)
+    fused = FusedDecoder.from_stock(stock)
+    mla = [layer.attn for layer in fused.layers if layer.kind == "mla"]
+    assert len(mla) == 2
+    for attn in mla:
+        attn.use_gemv = attn.use_glue = attn.use_pair = attn.use_fold_mma = True
+        attn.pair_counter = gp.pair_counter("cpu") if signal else None
+    run_close(stock, fused, seed=81, steps=2)
+    per_layer = (["pair+signal", "q_b_after", "uk_insert_norm"] if signal
+                 else ["pair", "gemv_mma_rmsnorm", "uk_insert_norm"])
+    assert calls == per_layer * (2 * 2)                                  # 2 MLA layers, 2 steps
+    assert all(a.pair_counter is None or not a.pair_counter.any() for a in mla)
+
+
+@pytest.mark.parametrize("switch,kernels,allocated", [
+    (True, {"gemv_mma_pair", "mla_norm_fold_mma", "mla_glue"}, True),
+    (False, {"gemv_mma_pair", "mla_norm_fold_mma", "mla_glue"}, False),
+    (True, {"gemv_mma_pair", "mla_glue"}, False),                        # no folded q_b to re-zero it
+    (True, {"mla_norm_fold_mma", "mla_glue"}, False)])
+def test_enable_allocates_the_counter_only_for_the_signal(monkeypatch, switch: bool, kernels: set,
+                                                          allocated: bool) -> None:
+    import kimi_decode.fused as fused_mod
+    from kimi_decode import kernels as kmod
+    from kimi_decode.fused import FusedDecoder
+    from kimi_decode.stock import StockDecoder
+    monkeypatch.setattr(fused_mod, "_kernels_usable", lambda dev: True)
+    monkeypatch.setattr(kmod, "applicable", lambda name, cfg: True)
+    monkeypatch.setattr(gp, "SIGNAL", switch)
+    fused = FusedDecoder.from_stock(StockDecoder(tiny(layers=(3, 4), batch=2, spec_tokens=3)))
+    fused.enable(frozenset(kernels))
+    mla = [layer.attn for layer in fused.layers if layer.kind == "mla"]
+    assert mla and all((a.pair_counter is not None) == allocated for a in mla)
+    if allocated:
+        assert all(a.pair_counter.tolist() == [0, 0] for a in mla)
+
+
+def test_check_harness_runs_the_signal(monkeypatch) -> None:
+    """check() with SIGNAL on the CPU (kernels by their contracts, the counter protocol
+    emulated): every row passes and reports the signalled pair + q_b equal and the counter zero;
+    a q_b that forgets to re-zero the counter fails every row."""
+    import torch.nn.functional as F
+
+    from kimi_decode.kernels import checks
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    monkeypatch.setattr(checks, "_sync", lambda: None)
+    monkeypatch.setattr(gp, "SIGNAL", True)
+
+    def exact(x, w1, w2, unroll=gm.UNROLL, counter=None):
+        if counter is not None:
+            counter[0] += gp.producers(x.shape[0], w1.shape[0], w2.shape[0], x.shape[1])
+        return (x.float() @ w1.float().t()).bfloat16(), (x.float() @ w2.float().t()).bfloat16()
+
+    def norm(a, w_norm, w, k, eps):
+        return (F.rms_norm(a[:, :k].float(), (k,), w_norm.float(), eps).bfloat16().float() @ w.float().t()).bfloat16()
+
+    def after(a, w_norm, w, k, eps, counter, producers):
+        ok = int(counter[0]) == producers
+        counter.zero_()
+        return norm(a, w_norm, w, k, eps) if ok else norm(a, w_norm, w, k, eps) * 2
+    monkeypatch.setattr(gp, "gemv_mma_pair", exact)
+    monkeypatch.setattr(gp, "gemv_mma_rmsnorm_after", after)
+    monkeypatch.setattr(gm, "gemv_mma", lambda x, w, *a, **k: (x.float() @ w.float().t()).bfloat16())
+    monkeypatch.setattr(gm, "gemv_mma_rmsnorm", norm)
+    rows = gp.check(timing=False)
+    assert all(r["ok"] and r["signal_equal"] and r["signal_counter_zero"] for r in rows), rows
+    assert [r["signal_producers"] for r in rows] == [132] * 3
+
+    def leaky(a, w_norm, w, k, eps, counter, producers):
+        counter[1] += 1                                   # arrives, never re-zeroes
+        return norm(a, w_norm, w, k, eps)
+    monkeypatch.setattr(gp, "gemv_mma_rmsnorm_after", leaky)
+    rows = gp.check(timing=False)
+    assert not any(r["ok"] for r in rows) and not any(r["signal_counter_zero"] for r in rows)
