@@ -26,15 +26,9 @@ the build without the uv tiles and the ungrouped one (G = 1, the A/B of row_grou
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import os
-import subprocess
-import time
-from pathlib import Path
 
-from bench.mla_phases import summarise   # per phase (first, median, last CTA) and the critical CTA
+from bench.mla_phases import cli, summarise   # the command line; per phase (first, median, last CTA)
 
 COPIES = 12          # 12 × (4.8 MB cache + W_UV) cycled: beyond the L2 between reuses
 
@@ -161,23 +155,7 @@ def render(data: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="device: write mla_mma_phases.json here")
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--render", type=Path, help="here: print the markdown of a device JSON")
-    a = ap.parse_args()
-    if a.render:
-        print(render(json.loads(a.render.read_text())))
-        return
-    if a.out is None:
-        ap.error("give --out DIR (on the device) or --render FILE (here)")
-    data = measure(a.runs)
-    data["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    data["commit"] = os.environ.get("DECODESCOPE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "mla_mma_phases.json").write_text(json.dumps(data))
-    print(render(data))
+    cli(__doc__, "mla_mma_phases.json", measure, render)
 
 
 if __name__ == "__main__":

@@ -145,22 +145,31 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="device: write mla_phases.json here")
+def cli(doc: str, json_name: str, measure_fn, render_fn, argv: list[str] | None = None) -> None:
+    """The probe benches' command line (this one and bench/mla_mma_phases.py): `--out DIR` on
+    the device (measure, stamp date and commit, write DIR/json_name, print the markdown),
+    `--render FILE` here."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, help=f"device: write {json_name} here")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--render", type=Path, help="here: print the markdown of a device JSON")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.render:
-        print(render(json.loads(a.render.read_text())))
+        print(render_fn(json.loads(a.render.read_text())))
         return
-    data = measure(a.runs)
+    if a.out is None:
+        ap.error("give --out DIR (on the device) or --render FILE (here)")
+    data = measure_fn(a.runs)
     data["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     data["commit"] = os.environ.get("DECODESCOPE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "mla_phases.json").write_text(json.dumps(data))
-    print(render(data))
+    (a.out / json_name).write_text(json.dumps(data))
+    print(render_fn(data))
+
+
+def main() -> None:
+    cli(__doc__, "mla_phases.json", measure, render)
 
 
 if __name__ == "__main__":

@@ -366,30 +366,41 @@ class GemvMmaNorm(GemvMma):
         assert cfg.k % NORM_K_MULTIPLE == 0 and cfg.x_stride >= cfg.k and cfg.x_stride % 8 == 0, cfg
 
     @cute.jit
-    def __call__(self, a: cute.Pointer, w_norm: cute.Pointer, w: cute.Pointer, out: cute.Pointer,
-                 stream: cuda.CUstream):
+    def norm_views(self, a: cute.Pointer, w_norm: cute.Pointer, w: cute.Pointer, out: cute.Pointer):
+        """a's rows as [M, K / 8, 8] bf16 (stride x_stride), w_norm [K / 8, 8], W as int32 words,
+        the output [M, N]."""
         n, k, m, xs = self.cfg.n, self.cfg.k, self.cfg.rows, self.cfg.x_stride
         mA = cute.make_tensor(a, cute.make_layout((m, k // 8, 8), stride=(xs, 8, 1)))
         mNw = cute.make_tensor(w_norm, cute.make_layout((k // 8, 8), stride=(8, 1)))
         mW = cute.make_tensor(cute.recast_ptr(w, dtype=Int32), cute.make_layout((n, k // 8, 4), stride=(k // 2, 4, 1)))
         mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+        return mA, mNw, mW, mO
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, w_norm: cute.Pointer, w: cute.Pointer, out: cute.Pointer,
+                 stream: cuda.CUstream):
+        mA, mNw, mW, mO = self.norm_views(a, w_norm, w, out)
         self.kernel_norm(mA, mNw, mW, mO).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
                                                  stream=stream, use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel_norm(self, mA: cute.Tensor, mNw: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor):
-        n, m = self.cfg.n, self.cfg.rows
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
         lane = cute.arch.lane_idx()
         red = self.smem_red()
         self.tile_partials(mA, mW, red, bidx, tidx, warp, lane, True, mNw)
+        self.store_out(red, mO, bidx, tidx)
+
+    @cute.jit
+    def store_out(self, red: cute.Tensor, mO: cute.Tensor, bidx: Int32, tidx: Int32):
+        """The tile's finish: thread tidx < 128 writes output (row, 16·bidx + column)."""
         if tidx < TILE * 8:
             c, r, tot = self.tile_sum(red, tidx)
             col = bidx * TILE + c
-            if r < m:
-                if col < n:
+            if r < self.cfg.rows:
+                if col < self.cfg.n:
                     mO[r, col] = tot.to(mO.element_type)
 
 

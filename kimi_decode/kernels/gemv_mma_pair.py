@@ -122,8 +122,8 @@ class GemvMmaPair:
         self.ctas = self.first.ctas + self.second.ctas
 
     @cute.jit
-    def __call__(self, x: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer, o1: cute.Pointer,
-                 o2: cute.Pointer, stream: cuda.CUstream):
+    def views(self, x: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer, o1: cute.Pointer, o2: cute.Pointer):
+        """x and the weights as int32 words [rows, K / 8, 4], the outputs [M, N]."""
         n1, n2, k, m = self.cfg.n1, self.cfg.n2, self.cfg.k, self.cfg.rows
         words = cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1))
         mX = cute.make_tensor(cute.recast_ptr(x, dtype=Int32), words)
@@ -133,6 +133,12 @@ class GemvMmaPair:
                                cute.make_layout((n2, k // 8, 4), stride=(k // 2, 4, 1)))
         mO1 = cute.make_tensor(o1, cute.make_layout((m, n1), stride=(n1, 1)))
         mO2 = cute.make_tensor(o2, cute.make_layout((m, n2), stride=(n2, 1)))
+        return mX, mW1, mW2, mO1, mO2
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer, o1: cute.Pointer,
+                 o2: cute.Pointer, stream: cuda.CUstream):
+        mX, mW1, mW2, mO1, mO2 = self.views(x, w1, w2, o1, o2)
         self.kernel(mX, mW1, mW2, mO1, mO2).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
                                                    stream=stream, use_pdl=chain.chain_on())
 
@@ -150,6 +156,13 @@ class GemvMmaPair:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor, mO1: cute.Tensor,
                mO2: cute.Tensor):
+        self.body(mX, mW1, mW2, mO1, mO2, None)
+
+    @cute.jit
+    def body(self, mX: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor, mO1: cute.Tensor, mO2: cute.Tensor,
+             mC: cute.Tensor | None):
+        """The grid: tile b < T1 of W1, else tile b − T1 of W2. With the SIGNAL counter `mC`: a
+        W1 tile signals once written, and (g_after) a W2 tile streams only once all T1 have."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
@@ -158,8 +171,14 @@ class GemvMmaPair:
         if bidx < self.t1:                              # CTA-uniform
             self.first.tile_partials(mX, mW1, red, bidx, tidx, warp, lane)
             self.store_tile(red, mO1, bidx, self.cfg.n1, tidx)
+            if cutlass.const_expr(mC is not None):
+                signal_count(mC, tidx)                  # qkv_a tile written
         else:
-            self.second.tile_partials(mX, mW2, red, bidx - self.t1, tidx, warp, lane)
+            if cutlass.const_expr(mC is not None and self.cfg.g_after):
+                self.second.tile_partials(mX, mW2, red, bidx - self.t1, tidx, warp, lane, after=mC,
+                                          after_target=self.t1)
+            else:
+                self.second.tile_partials(mX, mW2, red, bidx - self.t1, tidx, warp, lane)
             self.store_tile(red, mO2, bidx - self.t1, self.cfg.n2, tidx)
 
 
@@ -170,15 +189,7 @@ class GemvMmaPairSignal(GemvMmaPair):
     @cute.jit
     def __call__(self, x: cute.Pointer, w1: cute.Pointer, w2: cute.Pointer, o1: cute.Pointer,
                  o2: cute.Pointer, counter: cute.Pointer, stream: cuda.CUstream):
-        n1, n2, k, m = self.cfg.n1, self.cfg.n2, self.cfg.k, self.cfg.rows
-        words = cute.make_layout((m, k // 8, 4), stride=(k // 2, 4, 1))
-        mX = cute.make_tensor(cute.recast_ptr(x, dtype=Int32), words)
-        mW1 = cute.make_tensor(cute.recast_ptr(w1, dtype=Int32),
-                               cute.make_layout((n1, k // 8, 4), stride=(k // 2, 4, 1)))
-        mW2 = cute.make_tensor(cute.recast_ptr(w2, dtype=Int32),
-                               cute.make_layout((n2, k // 8, 4), stride=(k // 2, 4, 1)))
-        mO1 = cute.make_tensor(o1, cute.make_layout((m, n1), stride=(n1, 1)))
-        mO2 = cute.make_tensor(o2, cute.make_layout((m, n2), stride=(n2, 1)))
+        mX, mW1, mW2, mO1, mO2 = self.views(x, w1, w2, o1, o2)
         mC = cute.make_tensor(counter, cute.make_layout(COUNTER_WORDS))
         self.kernel_signal(mX, mW1, mW2, mO1, mO2, mC).launch(
             grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1], stream=stream, use_pdl=chain.chain_on())
@@ -186,22 +197,7 @@ class GemvMmaPairSignal(GemvMmaPair):
     @cute.kernel
     def kernel_signal(self, mX: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor, mO1: cute.Tensor,
                       mO2: cute.Tensor, mC: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
-        lane = cute.arch.lane_idx()
-        red = self.first.smem_red()
-        if bidx < self.t1:                              # CTA-uniform
-            self.first.tile_partials(mX, mW1, red, bidx, tidx, warp, lane)
-            self.store_tile(red, mO1, bidx, self.cfg.n1, tidx)
-            signal_count(mC, tidx)                      # qkv_a tile written
-        else:
-            if cutlass.const_expr(self.cfg.g_after):
-                self.second.tile_partials(mX, mW2, red, bidx - self.t1, tidx, warp, lane, after=mC,
-                                          after_target=self.t1)
-            else:
-                self.second.tile_partials(mX, mW2, red, bidx - self.t1, tidx, warp, lane)
-            self.store_tile(red, mO2, bidx - self.t1, self.cfg.n2, tidx)
+        self.body(mX, mW1, mW2, mO1, mO2, mC)
 
 
 class GemvMmaNormAfter(GemvMmaNorm):
@@ -213,18 +209,13 @@ class GemvMmaNormAfter(GemvMmaNorm):
     @cute.jit
     def __call__(self, a: cute.Pointer, w_norm: cute.Pointer, w: cute.Pointer, out: cute.Pointer,
                  counter: cute.Pointer, stream: cuda.CUstream):
-        n, k, m, xs = self.cfg.n, self.cfg.k, self.cfg.rows, self.cfg.x_stride
-        mA = cute.make_tensor(a, cute.make_layout((m, k // 8, 8), stride=(xs, 8, 1)))
-        mNw = cute.make_tensor(w_norm, cute.make_layout((k // 8, 8), stride=(8, 1)))
-        mW = cute.make_tensor(cute.recast_ptr(w, dtype=Int32), cute.make_layout((n, k // 8, 4), stride=(k // 2, 4, 1)))
-        mO = cute.make_tensor(out, cute.make_layout((m, n), stride=(n, 1)))
+        mA, mNw, mW, mO = self.norm_views(a, w_norm, w, out)
         mC = cute.make_tensor(counter, cute.make_layout(COUNTER_WORDS))
         self.kernel_after(mA, mNw, mW, mO, mC).launch(grid=[self.ctas, 1, 1], block=[self.cfg.warps * 32, 1, 1],
                                                       stream=stream, use_pdl=chain.chain_on())
 
     @cute.kernel
     def kernel_after(self, mA: cute.Tensor, mNw: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor):
-        n, m = self.cfg.n, self.cfg.rows
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.warp_idx()                     # all 32 lanes, before any branch
@@ -232,12 +223,7 @@ class GemvMmaNormAfter(GemvMmaNorm):
         red = self.smem_red()
         self.tile_partials(mA, mW, red, bidx, tidx, warp, lane, True, mNw, after=mC, after_target=self.cfg.after,
                            wait_now=False)
-        if tidx < TILE * 8:
-            c, r, tot = self.tile_sum(red, tidx)
-            col = bidx * TILE + c
-            if r < m:
-                if col < n:
-                    mO[r, col] = tot.to(mO.element_type)
+        self.store_out(red, mO, bidx, tidx)
         if tidx == 0:                                   # the pair complete (g_proj), then the re-zeroing
             chain.wait()
             old = cute.arch.atomic_add(mC.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")

@@ -114,8 +114,8 @@ from kimi_decode.kernels import chain
 from kimi_decode.kernels._common import (H200_SMS, compile_options, compiled, current_stream, dummy_ptr,
                                          grid_arrive_and_wait, ptr, sm_count)
 from kimi_decode.kernels.gemv_mma import MMA_PTX
-from kimi_decode.kernels.mla_attend import (AttendShape, UVTiles, attend_shapes, uv_launch_ok, uv_shapes_ok,
-                                            uv_workers)
+from kimi_decode.kernels.mla_attend import (AttendShape, MLAAttend, UVTiles, attend_shapes, uv_launch_ok,
+                                            uv_shapes_ok, uv_workers)
 
 TILE = 32          # cache positions per tile (one per lane in the softmax)
 THREADS = 256
@@ -564,17 +564,9 @@ class MLAAttendMMA(UVTiles):
                 for i in cutlass.range_constexpr(len(PROBE_PHASES)):
                     mT[lin, i] = stamps[i]
 
-    @cute.jit
-    def stamp(self, stamps: cute.Tensor, i: cutlass.Constexpr[int], tid: Int32,
-              barrier: cutlass.Constexpr[bool]):
-        """Probe mode: thread 0 records %globaltimer as phase i (after a CTA barrier when
-        `barrier`; the other call sites stand right after one of the build's own). Nothing
-        otherwise (the default build's instructions are unchanged)."""
-        if cutlass.const_expr(self.cfg.probe):
-            if cutlass.const_expr(barrier):
-                cute.arch.sync_threads()
-            if tid == 0:
-                stamps[i] = cute.arch.globaltimer()
+    # Probe mode's stamp (thread 0 records %globaltimer as phase i, after a CTA barrier when
+    # asked; nothing otherwise): mla_attend's method, which reads the same cfg.probe field.
+    stamp = MLAAttend.stamp
 
     @cute.jit
     def stage_q(self, mQ: cute.Tensor, sQ: cute.Tensor, b: Int32, roff: Int32, tid: Int32):
