@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,80 @@ def test_check_harness_runs_the_signal(monkeypatch) -> None:
     monkeypatch.setattr(gp, "gemv_mma_rmsnorm_after", leaky)
     rows = gp.check(timing=False)
     assert not any(r["ok"] for r in rows) and not any(r["signal_counter_zero"] for r in rows)
+
+
+# ---- SIGNAL's counter protocol, model-checked over every interleaving --------------------------
+
+def _explore(producers: int, waiters: int, consumers: int, calls: int, reset_when: Callable[[int, int], bool],
+             arrive_after_pair: bool = True) -> tuple[bool, bool, bool]:
+    """Every interleaving of the protocol's steps (the module docstring, "SIGNAL") over `calls`
+    back-to-back calls, each: `producers` qkv_a CTAs (store, then signal: word 0 += 1),
+    `waiters` g_proj CTAs (wait word 0 ≥ producers, then store), `consumers` q_b CTAs (wait word 0
+    ≥ producers, read the qkv_a outputs, wait for the pair grid's completion when
+    `arrive_after_pair`, then arrive: old = word 1, word 1 += 1, and re-zero both words when
+    reset_when(old, consumers)). A call starts once the previous one's grids have all completed
+    (stream order; the next MLA layer's pair is kernels later). Returns (every read saw all of
+    its call's stores, no interleaving deadlocks, both words zero after every call)."""
+    import functools
+
+    P, W, Q = producers, waiters, consumers
+    # per process: its program counter; producers 0..2 (store, signal, done), waiters 0..2 (wait,
+    # store, done), consumers 0..4 (wait, read, pair-wait, arrive, done)
+    @functools.lru_cache(maxsize=None)
+    def run(call: int, pcs: tuple[int, ...], stored: int, c0: int, c1: int) -> tuple[bool, bool, bool]:
+        prod, wait, cons = pcs[:P], pcs[P:P + W], pcs[P + W:]
+        if all(p == 2 for p in prod) and all(w == 2 for w in wait) and all(q == 4 for q in cons):
+            if call + 1 == calls:
+                return True, True, (c0, c1) == (0, 0)
+            ok_zero = (c0, c1) == (0, 0)
+            reads, live, zero = run(call + 1, (0,) * (P + W + Q), 0, c0, c1)
+            return reads, live, zero and ok_zero
+        pair_done = all(p == 2 for p in prod) and all(w == 2 for w in wait)
+        results = []
+        for i, pc in enumerate(prod):
+            if pc == 0:
+                results.append(run(call, pcs[:i] + (1,) + pcs[i + 1:], stored + 1, c0, c1))
+            elif pc == 1:
+                results.append(run(call, pcs[:i] + (2,) + pcs[i + 1:], stored, c0 + 1, c1))
+        for j, pc in enumerate(wait):
+            k = P + j
+            if pc == 0 and c0 >= P:
+                results.append(run(call, pcs[:k] + (1,) + pcs[k + 1:], stored, c0, c1))
+            elif pc == 1:
+                results.append(run(call, pcs[:k] + (2,) + pcs[k + 1:], stored, c0, c1))
+        for j, pc in enumerate(cons):
+            k = P + W + j
+            nxt = pcs[:k] + (pc + 1,) + pcs[k + 1:]
+            if pc == 0 and c0 >= P:
+                results.append(run(call, nxt, stored, c0, c1))
+            elif pc == 1:                                  # the read: every store of this call done?
+                r = run(call, nxt, stored, c0, c1)
+                results.append((r[0] and stored == P, r[1], r[2]))
+            elif pc == 2 and (pair_done or not arrive_after_pair):
+                results.append(run(call, nxt, stored, c0, c1))
+            elif pc == 3:
+                old = c1
+                n0, n1 = (0, 0) if reset_when(old, Q) else (c0, c1 + 1)
+                results.append(run(call, nxt, stored, n0, n1))
+        if not results:                                    # nobody can move: a deadlock
+            return True, False, False
+        return (all(r[0] for r in results), all(r[1] for r in results), all(r[2] for r in results))
+    return run(0, (0,) * (P + W + Q), 0, 0, 0)
+
+
+def test_signal_protocol_model_checked() -> None:
+    """The protocol as built (the last q_b CTA, old == CTAs − 1, re-zeroes both words after the
+    pair's completion): in every interleaving of two back-to-back calls every q_b read sees all
+    qkv_a stores, nothing deadlocks and the counter is zero after each call. Negative controls,
+    each caught: the first arriver re-zeroing (a q_b CTA still polling never sees the count: a
+    deadlock); the counter never re-zeroed (the next call's q_b enters before its qkv_a stores);
+    q_b arriving without waiting for the pair grid (the re-zeroing can come before a g_proj CTA
+    has seen the count: a deadlock, even with one q_b CTA)."""
+    last = lambda old, n: old == n - 1          # noqa: E731  (GemvMmaNormAfter's rule)
+    assert _explore(2, 1, 2, 2, last) == (True, True, True)
+    assert _explore(3, 1, 2, 2, last) == (True, True, True)
+    assert _explore(2, 2, 3, 2, last) == (True, True, True)
+    assert _explore(2, 1, 2, 2, lambda old, n: old == 0) == (True, False, False)
+    assert _explore(2, 1, 2, 2, lambda old, n: False) == (False, True, False)
+    assert _explore(2, 1, 2, 2, last, arrive_after_pair=False) == (True, False, False)
+    assert _explore(2, 1, 1, 2, last, arrive_after_pair=False) == (True, False, False)
