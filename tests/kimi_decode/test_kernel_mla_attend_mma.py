@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -133,6 +134,14 @@ def test_probe_build_stamps_every_phase_and_keeps_the_math(tmp_path: Path, batch
     # a timer read per phase (the tile's three per unrolled tile body; "published" only in uv mode)
     assert ptx.count("%globaltimer") >= len(km.PROBE_PHASES) - (0 if uv else 1)
     assert stored_words64(ptx) == len(km.PROBE_PHASES)
+    # every stored stamp, in phase order, is a register the timer wrote (a stamp lost inside the
+    # tile loop would be stored as the constant 0); only "published" is never stamped without uv
+    timers = set(re.findall(r"mov\.u64\s+(%rd\d+), %globaltimer", ptx))
+    stored = [w.strip() for line in re.findall(r"st\.global\.v2\.b64\s+\[[^]]+\],\s*\{([^}]*)\}", ptx)
+              for w in line.split(",")]
+    assert len(stored) == len(km.PROBE_PHASES)
+    unstamped = {p for p, reg in zip(km.PROBE_PHASES, stored) if reg not in timers}
+    assert unstamped == (set() if uv else {"published"}), (stored, timers)
     for op in ("mma.sync.aligned", "prmt.b32", "ex2.approx", "atom.global", "ld.acquire.gpu"):
         assert ptx.count(op) == base.count(op), op
     assert "ld.local" not in ptx and "st.local" not in ptx
