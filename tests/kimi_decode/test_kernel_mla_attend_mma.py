@@ -151,8 +151,9 @@ def test_probe_build_stamps_every_phase_and_keeps_the_math(tmp_path: Path, batch
 
 
 def test_probe_buffer_matches_the_launch() -> None:
-    """One row per CTA (B·G·splits; G = 3 at R = 48), one stamp per phase; the wrappers refuse a
-    buffer of another shape or type before launching anything."""
+    """One row per CTA (B·G·splits; G = 3 at R = 48), one stamp per phase; _probe_ptr, which
+    both wrappers call for their launch's probe argument, refuses a buffer of another shape,
+    type or layout (the kernel would write past it)."""
     sc = km.make_scratch(1, 48, 4608, 512, "cpu", sms=132)
     pr = km.probe_buffer(sc)
     assert sc.groups == 3 and pr.shape == (3 * sc.splits, len(km.PROBE_PHASES)) and pr.dtype == torch.int64
